@@ -1,0 +1,15 @@
+"""pl_fedsparse: a PyTorch Lightning trainer for personalized sparse federated learning."""
+
+from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
+from pl_fedsparse.errors import CheckpointError, ConfigError
+from pl_fedsparse.loop import FederatedLoop
+from pl_fedsparse.module import FederatedModule
+from pl_fedsparse.topology import Star, Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FederatedLoop", "FederatedModule", "FederatedCallback", "ClientUpdate", "ClientStateStore", "Message",
+    "Topology", "Star", "ConfigError", "CheckpointError", "__version__",
+]

@@ -1,0 +1,6 @@
+"""Library callbacks: one file per technique. Each is usable by ``class_path: pl_fedsparse.callbacks.<Name>``."""
+
+from pl_fedsparse.callbacks.base import POLICIES, FederatedCallback
+from pl_fedsparse.callbacks.baselines import FineTune, LocalTraining
+
+__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune"]

@@ -1,0 +1,133 @@
+"""The extension API: :class:`FederatedCallback`.
+
+A ``FederatedCallback`` is a :class:`lightning.pytorch.Callback`: every Lightning hook keeps its meaning and fires
+inside one client's local fit (``on_train_batch_end``, ``on_after_backward``, ...). On top of those it has
+federation hooks, which the :class:`~pl_fedsparse.loop.FederatedLoop` calls with itself as first argument (as
+Lightning passes the trainer):
+
+=========================================  ==========================================================================
+broadcast hooks (every callback, -> None)  ``on_federation_start``, ``on_round_start``, ``on_client_fit_start``,
+                                           ``on_client_fit_end``, ``on_before_aggregate``, ``on_after_aggregate``,
+                                           ``on_client_evaluate_start``, ``on_client_evaluate_end``,
+                                           ``on_round_end``, ``on_federation_end``
+policies (one owner, return a value)       ``select_clients``, ``client_message``, ``aggregate``, ``personal_state``
+=========================================  ==========================================================================
+
+A policy is *owned* by a callback whose class overrides it; two owners of one policy is a configuration error.
+Without an owner the loop uses its defaults: uniform seeded sampling, the dense global model as the downstream
+message, sample-weighted FedAvg, and the global model as every client's personal model.
+
+Per-client state is declared, not hand-serialised::
+
+    class CountRounds(FederatedCallback):
+        def setup_federation(self, loop):
+            self.add_client_state(loop, "rounds", lambda k: torch.zeros((), dtype=torch.long))
+
+        def on_client_fit_end(self, loop, module, update):
+            self.set_client_state(loop, update.client_idx, "rounds", self.get_client_state(loop, update.client_idx, "rounds") + 1)
+
+The loop stores it compact on CPU, checkpoints it and restores it on resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["FederatedCallback", "POLICIES"]
+
+POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state")
+
+
+class FederatedCallback(pl.Callback):
+    """Base class of every federated technique (see the module docstring for the hooks)."""
+
+    # ---- per-client state -------------------------------------------------------------------------------------
+    @property
+    def client_state_prefix(self) -> str:
+        """Namespace of this callback's client state (its :attr:`state_key`)."""
+        return self.state_key
+
+    def add_client_state(self, loop: FederatedLoop, name: str, init: StateInit) -> None:
+        """Declare a per-client entry created by ``init(client_idx)`` on first use (call from ``setup_federation``)."""
+        loop.client_store.declare(f"{self.client_state_prefix}/{name}", init)
+
+    def get_client_state(self, loop: FederatedLoop, client_idx: int, name: str) -> TensorTree:
+        """This callback's entry ``name`` for ``client_idx``."""
+        return loop.client_store.get(client_idx, f"{self.client_state_prefix}/{name}")
+
+    def set_client_state(self, loop: FederatedLoop, client_idx: int, name: str, value: TensorTree) -> None:
+        """Replace this callback's entry ``name`` for ``client_idx``."""
+        loop.client_store.set(client_idx, f"{self.client_state_prefix}/{name}", value)
+
+    def has_client_state(self, loop: FederatedLoop, client_idx: int, name: str) -> bool:
+        """Whether the entry exists (without creating it)."""
+        return loop.client_store.has(client_idx, f"{self.client_state_prefix}/{name}")
+
+    # ---- federation hooks (broadcast) -------------------------------------------------------------------------
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        """Called once before the first round (and before a checkpoint is restored): declare client state here."""
+
+    def on_federation_start(self, loop: FederatedLoop) -> None:
+        """Called once when the federation starts (after a checkpoint was restored)."""
+
+    def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
+        """Called at the start of every round."""
+
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
+        """Called after the client's starting weights are loaded into ``module`` and before its local fit."""
+
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        """Called after the local fit; may edit ``update`` (its message, masks, extras)."""
+
+    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+        """Called with all updates of the round before aggregation."""
+
+    def on_after_aggregate(self, loop: FederatedLoop) -> None:
+        """Called after aggregation (``loop.global_state`` holds the new global model, if any)."""
+
+    def on_client_evaluate_start(
+        self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str
+    ) -> None:
+        """Called after the ``kind`` ("personal" or "global") model of a client is loaded, before it is evaluated."""
+
+    def on_client_evaluate_end(
+        self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str, metrics: dict[str, float]
+    ) -> None:
+        """Called with the client's evaluation metrics (may add entries)."""
+
+    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+        """Called at the end of a round with the round's metrics row (may add entries before it is logged)."""
+
+    def on_federation_end(self, loop: FederatedLoop) -> None:
+        """Called once after the last round."""
+
+    # ---- policies (one owner each; the base versions are never called) ----------------------------------------
+    def select_clients(self, loop: FederatedLoop, round_idx: int, client_ids: Sequence[int]) -> list[int]:
+        """Return the clients that take part in ``round_idx``."""
+        raise NotImplementedError
+
+    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+        """Return what the server sends to ``client_idx`` this round (``None``: nothing; start from personal state)."""
+        raise NotImplementedError
+
+    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+        """Return the new global state from the round's updates (``None``: no global model)."""
+        raise NotImplementedError
+
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        """Return the state of ``client_idx``'s personal model (what is evaluated as "personal")."""
+        raise NotImplementedError
+
+    @classmethod
+    def owned_policies(cls) -> list[str]:
+        """The policies this class overrides."""
+        return [p for p in POLICIES if getattr(cls, p) is not getattr(FederatedCallback, p)]

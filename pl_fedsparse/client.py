@@ -1,0 +1,164 @@
+"""What travels between clients and the server, and what a client keeps between rounds.
+
+* :class:`Message` — tensors (and optional masks) sent over one link; its size is counted from its contents
+  (:func:`pl_fedsparse.functional.message_nbytes`).
+* :class:`ClientUpdate` — the result of one client's local fit: its trained state, the message it uploads,
+  sample count, metrics, and an ``extras`` dict through which callbacks pass data to each other.
+* :class:`ClientStateStore` — per-client persistent state declared by callbacks (torchmetrics' ``add_state`` idea),
+  kept compact on CPU between fits and checkpointed as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pl_fedsparse.functional.accounting import message_nbytes
+
+__all__ = ["Message", "ClientUpdate", "ClientStateStore", "to_cpu_state", "StateInit"]
+
+TensorTree = Any  # a Tensor, or a (nested) dict of Tensors
+StateInit = Callable[[int], TensorTree]
+
+
+def to_cpu_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Detached CPU copies of a state dict (never aliases the module's live parameters)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+@dataclass
+class Message:
+    """Tensors sent over one link.
+
+    Args:
+        tensors: values by name (a full or partial state dict, an update, ...).
+        masks: masks by name. A mask named like a tensor makes that tensor sparse on the wire; a mask with no
+            tensor of that name is sent as a bitmap.
+
+    Example:
+        >>> Message({"w": torch.ones(4)}).nbytes()
+        16
+    """
+
+    tensors: dict[str, Tensor]
+    masks: dict[str, Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes on the wire (see :mod:`pl_fedsparse.functional.accounting`)."""
+        return message_nbytes(self.tensors, self.masks)
+
+
+@dataclass
+class ClientUpdate:
+    """One client's result for one round.
+
+    Attributes:
+        client_idx: 0-based client index.
+        round_idx: 0-based round index.
+        n_samples: the client's number of training samples (FedAvg's weight).
+        state: the client's state after local training (CPU copies).
+        message: what the client uploads; ``None`` when it uploads nothing. Callbacks may replace it in
+            ``on_client_fit_end`` (e.g. with a sparse update). Defaults to the dense trained ``state``.
+        masks: the client's masks, if a callback uses them.
+        metrics: local training metrics (``train_loss``, ``samples_seen``, ...).
+        extras: free-form data one callback leaves for another (e.g. ``extras["next_mask"]``).
+        flops: training FLOPs spent by this fit.
+    """
+
+    client_idx: int
+    round_idx: int
+    n_samples: int
+    state: dict[str, Tensor]
+    message: Message | None = None
+    masks: dict[str, Tensor] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+    flops: float = 0.0
+
+
+def _compact(value: TensorTree) -> TensorTree:
+    """CPU, detached; 0/1 masks become bool so that many clients fit in memory."""
+    if isinstance(value, Mapping):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu")
+    return value
+
+
+class ClientStateStore:
+    """Per-client persistent state, declared by name with a lazy initialiser.
+
+    Entries are created the first time a client's entry is read, so a federation of thousands of clients costs
+    nothing for clients that never take part. Values are tensors or (nested) dicts of tensors, stored on CPU.
+
+    Example:
+        >>> store = ClientStateStore()
+        >>> store.declare("cb.counter", lambda k: torch.tensor(k))
+        >>> int(store.get(3, "cb.counter"))
+        3
+        >>> store.set(3, "cb.counter", torch.tensor(7)); int(store.get(3, "cb.counter"))
+        7
+    """
+
+    def __init__(self) -> None:
+        self._inits: dict[str, StateInit] = {}
+        self._data: dict[int, dict[str, TensorTree]] = {}
+
+    def declare(self, key: str, init: StateInit) -> None:
+        """Declare an entry ``key`` created by ``init(client_idx)`` on first use."""
+        if key in self._inits:
+            raise ValueError(f"client state {key!r} is declared twice")
+        self._inits[key] = init
+
+    @property
+    def keys(self) -> list[str]:
+        """Declared entry names."""
+        return list(self._inits)
+
+    def has(self, client_idx: int, key: str) -> bool:
+        """Whether the entry exists already (without creating it)."""
+        return key in self._data.get(client_idx, {})
+
+    def get(self, client_idx: int, key: str) -> TensorTree:
+        """The entry, created by its initialiser on first access."""
+        slot = self._data.setdefault(client_idx, {})
+        if key not in slot:
+            if key not in self._inits:
+                raise KeyError(f"client state {key!r} was never declared")
+            slot[key] = _compact(self._inits[key](client_idx))
+        return slot[key]
+
+    def set(self, client_idx: int, key: str, value: TensorTree) -> None:
+        """Replace the entry (stored compact on CPU)."""
+        if key not in self._inits:
+            raise KeyError(f"client state {key!r} was never declared")
+        self._data.setdefault(client_idx, {})[key] = _compact(value)
+
+    def clients(self) -> Iterator[int]:
+        """Clients that have at least one entry."""
+        return iter(sorted(self._data))
+
+    def state_dict(self) -> dict[int, dict[str, TensorTree]]:
+        """Everything, for a checkpoint (only tensors, dicts and ints: loadable with ``weights_only=True``)."""
+        return {k: dict(v) for k, v in self._data.items()}
+
+    def load_state_dict(self, state: Mapping[int, Mapping[str, TensorTree]]) -> None:
+        """Restore from :meth:`state_dict`; every key must have been declared."""
+        unknown = {key for slot in state.values() for key in slot if key not in self._inits}
+        if unknown:
+            raise KeyError(f"checkpoint holds client state nobody declared: {sorted(unknown)}")
+        self._data = {int(k): {kk: _compact(vv) for kk, vv in v.items()} for k, v in state.items()}
+
+    def nbytes(self) -> int:
+        """Memory held by all entries."""
+
+        def size(v: TensorTree) -> int:
+            if isinstance(v, Mapping):
+                return sum(size(x) for x in v.values())
+            return v.numel() * v.element_size() if isinstance(v, Tensor) else 0
+
+        return sum(size(v) for slot in self._data.values() for v in slot.values())

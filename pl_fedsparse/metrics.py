@@ -1,0 +1,196 @@
+"""Federation metrics and accounting.
+
+* :func:`summarize_accuracies` — unweighted mean over clients, sample-weighted mean, population std, bottom decile
+  (the ``⌊N/10⌋``-th worst client, 0-based, as pFedGate/FedEM report it).
+* :class:`CommLedger` — bytes per link, counted from the messages actually sent
+  (:mod:`pl_fedsparse.functional.accounting` has the byte rules), per round and cumulative, with the busiest node.
+* :class:`TrainFlops` — training FLOPs per sample measured once with :mod:`torch.utils.flop_counter` (forward and
+  backward of one small batch), with the FLOPs of masked layers scaled by their density.
+
+Per-client accuracies are simple correct/total counts accumulated by the loop; torchmetrics' class-based metrics
+would add a per-client object and a host sync per batch for the same number.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["summarize_accuracies", "bottom_decile", "CommLedger", "TrainFlops", "SERVER"]
+
+SERVER = -1  #: node id of the server in :class:`CommLedger`
+
+
+def bottom_decile(values: Sequence[float]) -> float:
+    """The ``⌊N/10⌋``-th smallest value (0-based), pFedGate/FedEM's "bottom decile" accuracy.
+
+    Example:
+        >>> bottom_decile([0.9, 0.1, 0.5, 0.3, 0.7, 0.2, 0.8, 0.4, 0.6, 1.0])  # N=10 -> index 1 -> 2nd worst
+        0.2
+        >>> bottom_decile([0.3, 0.2])  # N < 10 -> the worst
+        0.2
+    """
+    if len(values) == 0:
+        return float("nan")
+    return float(np.sort(np.asarray(values, dtype=np.float64))[len(values) // 10])
+
+
+def summarize_accuracies(accs: Sequence[float], n_samples: Sequence[int]) -> dict[str, float]:
+    """Federation-level accuracy statistics from per-client accuracies.
+
+    Args:
+        accs: accuracy of each client's model on its own test data.
+        n_samples: each client's number of test samples (weights of the weighted mean).
+
+    Returns:
+        ``acc_mean`` (unweighted over clients), ``acc_weighted`` (by test samples), ``acc_std`` (population std over
+        clients) and ``acc_bottom10`` (:func:`bottom_decile`).
+
+    Example:
+        >>> s = summarize_accuracies([1.0, 0.5], [1, 3])
+        >>> s["acc_mean"], s["acc_weighted"], s["acc_std"], s["acc_bottom10"]
+        (0.75, 0.625, 0.25, 0.5)
+    """
+    a = np.asarray(accs, dtype=np.float64)
+    n = np.asarray(n_samples, dtype=np.float64)
+    if a.size == 0:
+        nan = float("nan")
+        return {"acc_mean": nan, "acc_weighted": nan, "acc_std": nan, "acc_bottom10": nan}
+    return {
+        "acc_mean": float(a.mean()),
+        "acc_weighted": float((a * n).sum() / n.sum()) if n.sum() > 0 else float("nan"),
+        "acc_std": float(a.std()),
+        "acc_bottom10": bottom_decile(a.tolist()),
+    }
+
+
+class CommLedger:
+    """Bytes sent over every link, per round and cumulative.
+
+    ``up`` counts bytes sent by clients (to the server or to peers), ``down`` bytes received by clients (from the
+    server or from peers) and ``total`` every transfer once: in a star federation ``total = up + down``; between
+    peers each transfer is both a send and a receive, so ``up = down = total``. A node's traffic is what it sends
+    plus what it receives; the busiest node is the one with the most.
+
+    Example:
+        >>> led = CommLedger()
+        >>> led.record(SERVER, 0, 100); led.record(0, SERVER, 40); led.record(SERVER, 1, 100)
+        >>> r = led.end_round()
+        >>> r["comm_bytes_up"], r["comm_bytes_down"], r["comm_bytes_total"], r["comm_busiest_node_bytes"]
+        (40, 200, 240, 240)
+    """
+
+    def __init__(self) -> None:
+        self.cum = {"up": 0, "down": 0, "total": 0}
+        self.cum_node: dict[int, int] = defaultdict(int)
+        self._round = {"up": 0, "down": 0, "total": 0}
+        self._round_node: dict[int, int] = defaultdict(int)
+
+    def record(self, src: int, dst: int, nbytes: int) -> None:
+        """Record ``nbytes`` sent from node ``src`` to node ``dst`` (:data:`SERVER` for the server)."""
+        if nbytes <= 0:
+            return
+        if src != SERVER:
+            self._round["up"] += nbytes
+        if dst != SERVER:
+            self._round["down"] += nbytes
+        self._round["total"] += nbytes
+        self._round_node[src] += nbytes
+        self._round_node[dst] += nbytes
+
+    def end_round(self) -> dict[str, int]:
+        """Close the round: fold it into the totals and return the round's and the cumulative figures."""
+        for k, v in self._round.items():
+            self.cum[k] += v
+        for node, v in self._round_node.items():
+            self.cum_node[node] += v
+        busiest_round = max(self._round_node.values(), default=0)
+        clients_round = [v for n, v in self._round_node.items() if n != SERVER]
+        out = {
+            "comm_bytes_up": self._round["up"],
+            "comm_bytes_down": self._round["down"],
+            "comm_bytes_total": self._round["total"],
+            "comm_busiest_node_bytes": busiest_round,
+            "comm_busiest_client_bytes": max(clients_round, default=0),
+            "comm_cum_bytes_up": self.cum["up"],
+            "comm_cum_bytes_down": self.cum["down"],
+            "comm_cum_bytes_total": self.cum["total"],
+            "comm_cum_busiest_node_bytes": max(self.cum_node.values(), default=0),
+            "comm_cum_busiest_client_bytes": max((v for n, v in self.cum_node.items() if n != SERVER), default=0),
+        }
+        self._round = {"up": 0, "down": 0, "total": 0}
+        self._round_node = defaultdict(int)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cum": dict(self.cum), "cum_node": dict(self.cum_node)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.cum = {k: int(v) for k, v in state["cum"].items()}
+        self.cum_node = defaultdict(int, {int(k): int(v) for k, v in state["cum_node"].items()})
+
+
+class TrainFlops:
+    """Training FLOPs per sample (forward + backward) of a module, measured once with ``FlopCounterMode``.
+
+    Layers whose weight is masked are charged in proportion to the mask's density: a layer's FLOPs are multiplied
+    by ``nnz(mask) / numel(mask)`` of its ``weight`` (theoretical sparse FLOPs, as the DisPFL/FedSpa papers report;
+    real dense kernels do not get faster). Elementwise ops, norms and pooling are not counted by the flop counter,
+    matching the papers' conv/linear-only counts.
+
+    Args:
+        module: the model (its forward takes the example input).
+        example: a small input batch (on the module's device).
+        loss_fn: maps the output to a scalar to backpropagate (default: ``out.float().sum()``).
+
+    Example:
+        >>> net = nn.Linear(4, 3, bias=False)
+        >>> tf = TrainFlops(net, torch.zeros(2, 4))
+        >>> tf.per_sample()  # forward 2·4·3 + backward (grad w.r.t. weight) 2·4·3; no input grad needed
+        48.0
+        >>> tf.per_sample({"weight": 0.5})
+        24.0
+    """
+
+    def __init__(self, module: nn.Module, example: Tensor, loss_fn: Any = None) -> None:
+        batch = int(example.shape[0])
+        was_training = module.training
+        module.train()
+        saved = [(p, None if p.grad is None else p.grad.clone()) for p in module.parameters()]
+        with FlopCounterMode(display=False) as counter:
+            out = module(example)
+            loss = out.float().sum() if loss_fn is None else loss_fn(out)
+            loss.backward()
+        for p, g in saved:
+            p.grad = g
+        module.train(was_training)
+        self.total = counter.get_total_flops() / batch
+        counts = counter.get_flop_counts()
+        # FLOPs of each leaf module that owns a "weight", keyed by that weight's name in module.state_dict()
+        root = type(module).__name__
+        self.layer_flops: dict[str, float] = {}
+        for name, sub in module.named_modules():
+            if isinstance(getattr(sub, "weight", None), Tensor) and not list(sub.children()):
+                key = f"{root}.{name}" if name else root
+                if key in counts:
+                    self.layer_flops[f"{name}.weight" if name else "weight"] = sum(counts[key].values()) / batch
+
+    def per_sample(self, densities: Mapping[str, float] | None = None) -> float:
+        """FLOPs to train on one sample, with masked layers scaled by ``densities`` (weight name -> density)."""
+        if not densities:
+            return float(self.total)
+        saved = sum((1.0 - densities[k]) * f for k, f in self.layer_flops.items() if k in densities)
+        return float(self.total - saved)
+
+    @staticmethod
+    def densities(masks: Mapping[str, Tensor] | None) -> dict[str, float]:
+        """Density of every mask (name -> nnz/numel)."""
+        if not masks:
+            return {}
+        return {k: float(m.count_nonzero()) / max(m.numel(), 1) for k, m in masks.items()}
