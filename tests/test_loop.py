@@ -1,0 +1,273 @@
+"""FederatedLoop: hook order, aggregation, order independence, evaluation, files, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import tiny_datamodule, tiny_loop, tiny_module
+from pl_fedsparse import ConfigError, FederatedCallback
+from pl_fedsparse.callbacks import FineTune, LocalTraining
+from pl_fedsparse.errors import CheckpointError
+from pl_fedsparse.functional import weighted_average
+
+
+class Recorder(FederatedCallback):
+    """Records federation hooks and a few Lightning hooks, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_federation_start(self, loop):  # type: ignore[no-untyped-def]
+        self.events.append("federation_start")
+
+    def on_round_start(self, loop, round_idx):  # type: ignore[no-untyped-def]
+        self.events.append(f"round_start:{round_idx}")
+
+    def on_client_fit_start(self, loop, module, client_idx):  # type: ignore[no-untyped-def]
+        self.events.append(f"client_fit_start:{client_idx}")
+
+    def on_fit_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]  (Lightning)
+        self.events.append("fit_start")
+
+    def on_train_epoch_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.events.append("train_epoch_start")
+
+    def on_train_epoch_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.events.append("train_epoch_end")
+
+    def on_fit_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.events.append("fit_end")
+
+    def on_client_fit_end(self, loop, module, update):  # type: ignore[no-untyped-def]
+        self.events.append(f"client_fit_end:{update.client_idx}")
+
+    def on_before_aggregate(self, loop, updates):  # type: ignore[no-untyped-def]
+        self.events.append(f"before_aggregate:{[u.client_idx for u in updates]}")
+
+    def on_after_aggregate(self, loop):  # type: ignore[no-untyped-def]
+        self.events.append("after_aggregate")
+
+    def on_client_evaluate_start(self, loop, module, client_idx, kind):  # type: ignore[no-untyped-def]
+        self.events.append(f"evaluate_start:{client_idx}:{kind}")
+
+    def on_client_evaluate_end(self, loop, module, client_idx, kind, metrics):  # type: ignore[no-untyped-def]
+        self.events.append(f"evaluate_end:{client_idx}:{kind}")
+
+    def on_round_end(self, loop, round_idx, metrics):  # type: ignore[no-untyped-def]
+        self.events.append(f"round_end:{round_idx}")
+
+    def on_federation_end(self, loop):  # type: ignore[no-untyped-def]
+        self.events.append("federation_end")
+
+
+def test_hook_order_two_clients_two_rounds(tmp_path: Path) -> None:
+    rec = Recorder()
+    loop = tiny_loop(tmp_path, num_rounds=2, local_epochs=2, callbacks=[rec])
+    loop.fit(tiny_module(), tiny_datamodule(num_clients=2))
+    client = ["fit_start", "train_epoch_start", "train_epoch_end", "train_epoch_start", "train_epoch_end", "fit_end"]
+    expected = ["federation_start"]
+    for r in range(2):
+        expected.append(f"round_start:{r}")
+        for k in range(2):
+            expected += [f"client_fit_start:{k}", *client, f"client_fit_end:{k}"]
+        expected += ["before_aggregate:[0, 1]", "after_aggregate"]
+        # FedAvg: the personal model is the global model, evaluated once per client
+        for k in range(2):
+            expected += [f"evaluate_start:{k}:personal", f"evaluate_end:{k}:personal"]
+        expected.append(f"round_end:{r}")
+    expected.append("federation_end")
+    assert rec.events == expected
+
+
+def test_fedavg_aggregate_is_sample_weighted_mean(tmp_path: Path) -> None:
+    captured: dict[str, Any] = {}
+
+    class Grab(FederatedCallback):
+        def on_before_aggregate(self, loop, updates):  # type: ignore[no-untyped-def]
+            captured["updates"] = list(updates)
+
+    loop = tiny_loop(tmp_path, num_rounds=1, callbacks=[Grab()])
+    loop.fit(tiny_module(), tiny_datamodule())
+    ups = captured["updates"]
+    assert len({u.n_samples for u in ups}) >= 1
+    total = sum(u.n_samples for u in ups)
+    for key, value in loop.global_state.items():  # type: ignore[union-attr]
+        manual = sum(u.state[key].double() * (u.n_samples / total) for u in ups)
+        torch.testing.assert_close(value.double(), manual, rtol=1e-5, atol=1e-6)
+
+
+def test_single_client_fedavg_equals_its_local_fit(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=1)
+    dm = tiny_datamodule(num_clients=1)
+    loop.fit(tiny_module(), dm)
+    again = tiny_loop(tmp_path / "b", num_rounds=1)
+    again.fit(tiny_module(), tiny_datamodule(num_clients=1))
+    up = again.fit_client(0, again.initial_state, 0)
+    for k, v in up.state.items():
+        torch.testing.assert_close(v, loop.global_state[k])  # type: ignore[index]
+
+
+def test_client_order_does_not_change_results(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=1)
+    loop.fit(tiny_module(), tiny_datamodule())
+    start = dict(loop.global_state)  # type: ignore[arg-type]
+    a = {k: loop.fit_client(k, start, 3).state for k in (0, 1, 2)}
+    b = {k: loop.fit_client(k, start, 3).state for k in (2, 0, 1)}
+    for k in a:
+        for name in a[k]:
+            assert torch.equal(a[k][name], b[k][name])
+    # different clients (different data and random streams) do get different results
+    assert any(not torch.equal(a[0][name], a[1][name]) for name in a[0])
+
+
+def test_sampling_is_seeded_by_seed_and_round(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=1, clients_per_round=2, seed=5)
+    loop.fit(tiny_module(), tiny_datamodule(num_clients=4))
+    picks = [loop.select_clients(r) for r in range(6)]
+    assert all(len(p) == 2 and len(set(p)) == 2 for p in picks)
+    assert picks == [loop.select_clients(r) for r in range(6)]
+    assert len({tuple(p) for p in picks}) > 1
+    other = tiny_loop(tmp_path / "o", num_rounds=1, clients_per_round=2, seed=6)
+    other.fit(tiny_module(), tiny_datamodule(num_clients=4))
+    assert [other.select_clients(r) for r in range(6)] != picks
+
+
+def test_local_training_communicates_nothing_and_keeps_personal_models(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=2, callbacks=[LocalTraining()])
+    summary = loop.fit(tiny_module(), tiny_datamodule())
+    assert summary["comm_cum_bytes_total"] == 0
+    assert loop.global_state is None
+    w0 = loop.personal_state(0)
+    w1 = loop.personal_state(1)
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+    assert summary["final"]["global_acc"] is None
+
+
+def test_finetune_counts_download_and_changes_personal_models(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=2, callbacks=[FineTune(epochs=1)])
+    summary = loop.fit(tiny_module(), tiny_datamodule())
+    nbytes = sum(v.numel() * 4 for v in loop.global_state.values())  # type: ignore[union-attr]
+    # 2 rounds x 4 clients x (down + up) + fine-tuning download to 4 clients
+    assert summary["comm_cum_bytes_total"] == (2 * 4 * 2 + 4) * nbytes
+    p = loop.personal_state(0)
+    assert any(not torch.equal(p[k], loop.global_state[k]) for k in p)  # type: ignore[index]
+    assert summary["final"]["global_acc"] is not None
+
+
+def test_run_directory_files(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=3, eval_every=2, logger=True)
+    loop.fit(tiny_module(), tiny_datamodule())
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]  # every 2nd round and the last
+    keys = {"round", "acc_mean", "acc_weighted", "acc_std", "acc_bottom10", "global_acc", "comm_bytes_up",
+            "comm_bytes_down", "comm_bytes_total", "flops_train", "time_s"}
+    assert keys <= set(rows[0])
+    assert rows[-1]["comm_cum_bytes_total"] == 3 * rows[0]["comm_bytes_total"]
+    assert rows[0]["flops_train"] > 0
+    assert (tmp_path / "summary.json").is_file()
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_existing_run_directory_is_refused(tmp_path: Path) -> None:
+    tiny_loop(tmp_path, num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    with pytest.raises(ConfigError, match="default_root_dir"):
+        tiny_loop(tmp_path, num_rounds=1).fit(tiny_module(), tiny_datamodule())
+
+
+def _strip_times(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+
+@pytest.mark.parametrize("callbacks", [[], [LocalTraining()]], ids=["fedavg", "local"])
+def test_resume_after_round_two_of_four_is_identical(tmp_path: Path, callbacks: list[Any]) -> None:
+    full = tiny_loop(tmp_path / "full", num_rounds=4, clients_per_round=2, callbacks=callbacks)
+    full.fit(tiny_module(), tiny_datamodule())
+
+    stopped = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, callbacks=callbacks)
+    real_round = stopped.run_round
+
+    def stop_at_two(r: int) -> dict[str, Any]:
+        if r == 2:
+            raise KeyboardInterrupt
+        return real_round(r)
+
+    stopped.run_round = stop_at_two  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        stopped.fit(tiny_module(), tiny_datamodule())
+    ckpt = tmp_path / "cut" / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=True)["round"] == 2
+
+    resumed = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, callbacks=callbacks)
+    resumed.fit(tiny_module(seed=123), tiny_datamodule(), ckpt_path=str(ckpt))  # init is overwritten by the ckpt
+
+    def rows(d: str) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+
+    assert _strip_times(rows("cut")) == _strip_times(rows("full"))
+    assert len(rows("cut")) == 4
+    if full.global_state is not None:
+        for k, v in full.global_state.items():
+            assert torch.equal(v, resumed.global_state[k])  # type: ignore[index]
+    for k in range(4):
+        a, b = full.personal_state(k), resumed.personal_state(k)
+        for name in a:
+            assert torch.equal(a[name], b[name])
+
+
+def test_checkpoint_from_another_config_is_refused(tmp_path: Path) -> None:
+    tiny_loop(tmp_path / "a", num_rounds=1).fit(tiny_module(), tiny_datamodule(alpha=0.5))
+    ckpt = str(tmp_path / "a" / "checkpoints" / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"another configuration \(data\.alpha: 0\.5 in the checkpoint vs 2\.0"):
+        tiny_loop(tmp_path / "b", num_rounds=2).fit(tiny_module(), tiny_datamodule(alpha=2.0), ckpt_path=ckpt)
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+def test_corrupted_checkpoint_is_one_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="ckpt_path=.*bad.ckpt.*corrupted"):
+        tiny_loop(tmp_path / "r", num_rounds=1).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(bad))
+
+
+def test_checkpoint_does_not_unpickle_objects(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (print, ("pwned",))
+
+    path = tmp_path / "evil.ckpt"
+    torch.save({"format": "pl_fedsparse.checkpoint/1", "x": Evil()}, path)
+    with pytest.raises(CheckpointError):
+        tiny_loop(tmp_path / "r", num_rounds=1).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(path))
+
+
+def test_two_owners_of_a_policy_is_an_error(tmp_path: Path) -> None:
+    class A(FederatedCallback):
+        def aggregate(self, loop, updates):  # type: ignore[no-untyped-def]
+            return loop.global_state
+
+    class B(A):
+        pass
+
+    with pytest.raises(ConfigError, match="'aggregate' is claimed by both A and B"):
+        tiny_loop(tmp_path, num_rounds=1, callbacks=[A(), B()]).fit(tiny_module(), tiny_datamodule())
+
+
+def test_wrong_num_classes_is_one_clear_error(tmp_path: Path) -> None:
+    from pl_fedsparse import FederatedModule
+    from pl_fedsparse.models import MLP
+
+    module = FederatedModule(MLP(num_classes=7, in_channels=1, input_size=8))
+    with pytest.raises(ConfigError, match="num_classes=7 is invalid: expected 4"):
+        tiny_loop(tmp_path, num_rounds=1).fit(module, tiny_datamodule())
+
+
+def test_weighted_average_matches_manual() -> None:
+    states = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}]
+    out = weighted_average(states, [3, 1])
+    torch.testing.assert_close(out["w"], torch.tensor([1.5, 3.0]))
