@@ -14,6 +14,7 @@ line, never a traceback.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -67,6 +68,12 @@ class FedCLI(LightningCLI):
     def subcommands() -> dict[str, set[str]]:
         return {"fit": {"model", "datamodule"}, "validate": {"model", "datamodule"}, "test": {"model", "datamodule"}}
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as e:
+            raise _config_error_in(e) from None
+
     def _parse_ckpt_path(self) -> None:
         """Our checkpoints carry no Lightning hyper-parameters; the loop loads and validates them itself."""
 
@@ -90,6 +97,27 @@ class FedCLI(LightningCLI):
         data = yaml.safe_load(text)
         header = "# written by pl-fed; reproduce with: pl-fed fit --config config.yaml\n"
         return header + yaml.safe_dump(data, sort_keys=False)
+
+
+_OUR_FORMAT = re.compile(r"(\S+=.+ is invalid: expected .+)$")
+
+
+def _config_error_in(exc: BaseException) -> BaseException:
+    """The :class:`ConfigError` behind an exception jsonargparse raised while instantiating a class.
+
+    jsonargparse re-raises constructor errors of nested classes (e.g. a callback in ``trainer.callbacks``) as a
+    ``ValueError`` listing every type it tried; the user's mistake is the line in our own format.
+    """
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    for line in str(exc).splitlines():
+        m = _OUR_FORMAT.search(line.strip().lstrip("- ").strip())
+        if m:
+            return ConfigError(m.group(1))
+    return exc
 
 
 def main(argv: list[str] | None = None) -> int:

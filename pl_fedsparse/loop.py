@@ -366,6 +366,9 @@ class FederatedLoop:
         personal: list[dict[str, float]] = []
         glob: list[dict[str, float]] = []
         has_global = self.global_state is not None and self.eval_global
+        # the personal result can stand for the global one only if no callback edits the loaded model
+        edits = any(type(cb).on_client_evaluate_start is not FederatedCallback.on_client_evaluate_start
+                    for cb in self.fed_callbacks)
         for k in range(self.num_clients):
             state = self.personal_state(k)
             self.load_state(state)
@@ -374,7 +377,7 @@ class FederatedLoop:
             self.call("on_client_evaluate_end", self.model, k, "personal", m)
             personal.append(m)
             if has_global:
-                if state is self.global_state:
+                if state is self.global_state and not edits:
                     glob.append(m)
                     continue
                 self.load_state(self.global_state)  # type: ignore[arg-type]

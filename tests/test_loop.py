@@ -76,9 +76,11 @@ def test_hook_order_two_clients_two_rounds(tmp_path: Path) -> None:
         for k in range(2):
             expected += [f"client_fit_start:{k}", *client, f"client_fit_end:{k}"]
         expected += ["before_aggregate:[0, 1]", "after_aggregate"]
-        # FedAvg: the personal model is the global model, evaluated once per client
+        # FedAvg: the personal model is the global model; since this callback could edit the loaded model in
+        # on_client_evaluate_start, the global model is evaluated separately
         for k in range(2):
-            expected += [f"evaluate_start:{k}:personal", f"evaluate_end:{k}:personal"]
+            expected += [f"evaluate_start:{k}:personal", f"evaluate_end:{k}:personal",
+                         f"evaluate_start:{k}:global", f"evaluate_end:{k}:global"]
         expected.append(f"round_end:{r}")
     expected.append("federation_end")
     assert rec.events == expected

@@ -2,5 +2,6 @@
 
 from pl_fedsparse.callbacks.base import POLICIES, FederatedCallback
 from pl_fedsparse.callbacks.baselines import FineTune, LocalTraining
+from pl_fedsparse.callbacks.masking import SparseMask
 
-__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune"]
+__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask"]
