@@ -1,0 +1,57 @@
+"""Data: base datasets, client partitions, fast in-memory loaders, shifted test sets and the federated datamodule.
+
+Typical use::
+
+    dm = FederatedDataModule("synthetic", num_clients=10, partition="dirichlet", alpha=0.3)
+    dm.setup()
+    for x, y in dm.train_loader(client_idx=0, seed=0):
+        ...
+"""
+
+from pl_fedsparse.data.datamodule import FederatedDataModule
+from pl_fedsparse.data.datasets import (
+    DATASETS,
+    EMNIST_SPLITS,
+    SYNTHETIC_DEFAULTS,
+    BaseDataset,
+    clear_memo,
+    load_dataset,
+    make_synthetic,
+    read_idx,
+)
+from pl_fedsparse.data.loaders import TensorBatchLoader, normalize
+from pl_fedsparse.data.partition import (
+    SCHEMES,
+    client_test_from_global,
+    dirichlet,
+    iid,
+    noniid_ratio,
+    partition,
+    pathological,
+    shards,
+)
+from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
+
+__all__ = [
+    "BaseDataset",
+    "DATASETS",
+    "EMNIST_SPLITS",
+    "SYNTHETIC_DEFAULTS",
+    "FederatedDataModule",
+    "SCHEMES",
+    "TensorBatchLoader",
+    "clear_memo",
+    "client_test_from_global",
+    "dirichlet",
+    "iid",
+    "load_dataset",
+    "make_synthetic",
+    "noniid_ratio",
+    "normalize",
+    "partition",
+    "pathological",
+    "read_idx",
+    "shards",
+    "shifted_test_indices",
+    "shifted_test_split",
+]
