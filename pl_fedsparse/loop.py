@@ -506,11 +506,10 @@ class FederatedLoop:
         for cb in self.fed_callbacks:
             cb.setup_federation(self)
         ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
-        if stage == "fit":
-            self._prepare_run_dir(resuming=ckpt is not None)
-        if ckpt is not None:
+        if ckpt is not None:  # validated before anything is written
             self._restore(ckpt, ckpt_path)  # type: ignore[arg-type]
         if stage == "fit":
+            self._prepare_run_dir(resuming=ckpt is not None)
             if self.config_text is not None:
                 atomic_write_text(self._path("config.yaml"), self.config_text)
             self._rewrite_metrics()
@@ -661,6 +660,7 @@ class FederatedLoop:
             "final": final,
             "best_acc_mean": max((r["acc_mean"] for r in evaluated), default=None),
             "client_acc": list(self._last_client_acc),
+            "client_flops": [self.client_flops.get(k, 0.0) for k in range(self.num_clients)],
             "comm_cum_bytes_total": self.comm.cum["total"],
             "comm_cum_bytes_up": self.comm.cum["up"],
             "comm_cum_bytes_down": self.comm.cum["down"],

@@ -3,5 +3,6 @@
 from pl_fedsparse.callbacks.base import POLICIES, FederatedCallback
 from pl_fedsparse.callbacks.baselines import FineTune, LocalTraining
 from pl_fedsparse.callbacks.masking import SparseMask
+from pl_fedsparse.callbacks.optimizer_state import KeepOptimizerState
 
-__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask"]
+__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "KeepOptimizerState"]
