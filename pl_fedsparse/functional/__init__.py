@@ -2,9 +2,18 @@
 
 from pl_fedsparse.functional.aggregation import masked_weighted_average, weighted_average
 from pl_fedsparse.functional.accounting import message_nbytes, sparse_nbytes, tensor_nbytes
-from pl_fedsparse.functional.masks import apply_masks, check_density, random_mask, uniform_densities
+from pl_fedsparse.functional.masks import (
+    apply_masks, check_density, erk_densities, layer_densities, mask_density, masks_from_densities, random_mask,
+    uniform_densities,
+)
+from pl_fedsparse.functional.sparse import (
+    cosine_prune_rate, drop_and_grow, pack_mask, pack_masks, prune_regrow_count, unpack_mask, unpack_masks,
+)
 
 __all__ = [
     "masked_weighted_average", "weighted_average", "message_nbytes", "sparse_nbytes", "tensor_nbytes",
     "apply_masks", "check_density", "random_mask", "uniform_densities",
+    "erk_densities", "layer_densities", "masks_from_densities", "mask_density",
+    "cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
+    "unpack_masks",
 ]

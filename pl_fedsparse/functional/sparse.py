@@ -1,0 +1,191 @@
+"""Pure mask-update and mask-transport functions: cosine prune rate, prune-and-regrow, bit packing.
+
+The prune-and-regrow step is the "modified DST" mask search of FedSpa (Huang et al. 2022, Alg. 2) as implemented by
+DisPFL (Dai et al., ICML 2022, ``client.py:fire_mask`` / ``regrow_mask``), a federated variant of the dynamic sparse
+training of SET (Mocanu et al. 2018) and RigL (Evci et al. 2020): per tensor, drop the ``k`` active entries of
+smallest magnitude, then grow ``k`` inactive ones (largest gradient magnitude, or random scores for SET-style
+regrowth), so every tensor keeps its exact number of active entries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from pl_fedsparse.errors import check
+
+__all__ = ["cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
+           "unpack_masks"]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def cosine_prune_rate(round_idx: int, total_rounds: int, alpha0: float) -> float:
+    """The cosine-annealed prune rate ``α_t = α₀/2 · (1 + cos(π t / T))``.
+
+    DisPFL ``client.py:72`` (and ``slim_util.py:5-6``); FedSpa Alg. 2. ``t`` is the 0-based round index and ``T``
+    the total number of rounds, so ``α_0 = α₀`` and ``α_T = 0`` (no floor, unlike CosineDecay's ``eta_min``).
+
+    Args:
+        round_idx: ``t``, in ``[0, T]``.
+        total_rounds: ``T >= 1``.
+        alpha0: ``α₀`` in ``[0, 1]`` (DisPFL's ``--anneal_factor``, 0.5 in its scripts).
+
+    Example:
+        >>> cosine_prune_rate(0, 100, 0.5), cosine_prune_rate(50, 100, 0.5), cosine_prune_rate(100, 100, 0.5)
+        (0.5, 0.25, 0.0)
+    """
+    check(_is_int(total_rounds) and total_rounds >= 1, "total_rounds", total_rounds, "an integer >= 1")
+    check(_is_int(round_idx) and 0 <= round_idx <= total_rounds, "round_idx", round_idx,
+          f"an integer in [0, {total_rounds}]")
+    check(_is_real(alpha0) and 0 <= alpha0 <= 1, "alpha0", alpha0, "a number in [0, 1]")
+    return alpha0 / 2 * (1 + math.cos(math.pi * round_idx / total_rounds))
+
+
+def prune_regrow_count(mask: Tensor, rate: float) -> int:
+    """The number of entries to drop (and regrow) in one tensor: ``ceil(rate · nnz)``, DisPFL's ``fire_mask``.
+
+    Example:
+        >>> prune_regrow_count(torch.tensor([True, True, True, False]), 0.5)  # ceil(1.5)
+        2
+        >>> prune_regrow_count(torch.tensor([True, True, True, False]), 0.0)
+        0
+    """
+    check(_is_real(rate) and 0 <= rate <= 1, "rate", rate, "a number in [0, 1]")
+    return math.ceil(rate * int(torch.count_nonzero(mask)))
+
+
+def _as_scores(score: Tensor, mask: Tensor, param: str) -> Tensor:
+    check(isinstance(score, Tensor) and score.shape == mask.shape, param,
+          tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__,
+          f"a tensor of the mask's shape {tuple(mask.shape)}")
+    flat = score.detach().reshape(-1)
+    return flat if flat.is_floating_point() else flat.double()
+
+
+def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) -> Tensor:
+    """One prune-and-regrow step on one tensor's mask; returns a new mask with the same number of active entries.
+
+    1. **Drop**: among the active entries, deactivate the ``k`` with the smallest ``drop_score`` (DisPFL's
+       ``fire_mask`` with ``|w|`` of the locally trained weights; FedSpa Alg. 2; RigL).
+    2. **Grow**: among the entries inactive *after the drop*, activate the ``k`` with the largest ``grow_score``
+       (``|∇|`` of one batch for gradient regrowth as in FedSpa/RigL; uniform random scores for DisPFL's scripts'
+       random regrowth). Entries just dropped are candidates, so a dropped entry can be regrown in the same step
+       (DisPFL's ``regrow_mask``); in particular a dense tensor is left unchanged.
+
+    Inactive entries are never dropped and active-after-drop entries never grown: the selections run over those
+    index sets only (equivalent to a drop score of +inf / grow score of −inf outside them). ``k`` is clipped to
+    ``[0, nnz]``. Ties are broken deterministically by index order: both selections use a stable sort, so among
+    equal scores the entry with the lower flat (row-major) index is dropped / grown first. NaN scores rank above
+    every number (``torch.sort``'s convention): never dropped first, always grown first.
+
+    Args:
+        mask: the bool mask of one tensor.
+        drop_score: a score per entry, same shape (e.g. ``w.abs()``).
+        grow_score: a score per entry, same shape (e.g. ``grad.abs()`` or ``torch.rand(..., generator=g)``).
+        k: the number of entries to drop and regrow (see :func:`prune_regrow_count`).
+
+    Example:
+        Entry 1 has the smallest |w| among the active {0, 1, 2} and is dropped; among the inactive {1, 3} after
+        the drop, entry 3 has the larger grow score and is grown:
+
+        >>> m = torch.tensor([True, True, True, False])
+        >>> drop_and_grow(m, torch.tensor([3., 1., 2., 0.]), torch.tensor([0., 5., 0., 9.]), 1)
+        tensor([ True, False,  True,  True])
+
+        If the dropped entry has the largest grow score, it comes straight back:
+
+        >>> drop_and_grow(m, torch.tensor([3., 1., 2., 0.]), torch.tensor([0., 9., 0., 5.]), 1)
+        tensor([ True,  True,  True, False])
+    """
+    check(isinstance(mask, Tensor) and mask.dtype == torch.bool, "mask",
+          mask.dtype if isinstance(mask, Tensor) else type(mask).__name__, "a bool tensor")
+    check(_is_int(k), "k", k, "an integer")
+    ds = _as_scores(drop_score, mask, "drop_score")
+    gs = _as_scores(grow_score, mask, "grow_score")
+    new = mask.detach().reshape(-1).clone()
+    active = new.nonzero().squeeze(1)
+    k = max(0, min(k, active.numel()))
+    if k == 0:
+        return new.view(mask.shape)
+    drop = active[torch.sort(ds[active], stable=True).indices[:k]]
+    new[drop] = False
+    inactive = (~new).nonzero().squeeze(1)
+    grow = inactive[torch.sort(gs[inactive], descending=True, stable=True).indices[:k]]
+    new[grow] = True
+    return new.view(mask.shape)
+
+
+_BIT_WEIGHTS = [1 << i for i in range(8)]
+
+
+def pack_mask(mask: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """Bit-pack a mask: 8 positions per ``uint8`` byte, ``ceil(numel / 8)`` bytes, plus the mask's shape.
+
+    Positions are the row-major flat indices; bit order within a byte is little-endian: position ``8·j + i`` is
+    bit ``i`` (value ``2**i``) of byte ``j``. Unused high bits of the last byte are 0. Any nonzero entry counts as
+    active (bool or 0/1 masks). Vectorised; the bytes stay on the mask's device.
+
+    Example:
+        >>> packed, shape = pack_mask(torch.tensor([[True, False, True], [False, False, False], [False, False, True]]))
+        >>> packed, shape  # positions 0 and 2 -> 1 + 4; position 8 -> bit 0 of byte 1
+        (tensor([5, 1], dtype=torch.uint8), (3, 3))
+    """
+    check(isinstance(mask, Tensor), "mask", type(mask).__name__, "a tensor")
+    flat = (mask.detach().reshape(-1) != 0).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=flat.device)
+    packed = (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    return packed, tuple(mask.shape)
+
+
+def unpack_mask(packed: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """The bool mask of ``shape`` from :func:`pack_mask`'s bytes (little-endian bits, row-major positions).
+
+    Example:
+        >>> unpack_mask(torch.tensor([5, 1], dtype=torch.uint8), (3, 3)).int()
+        tensor([[1, 0, 1],
+                [0, 0, 0],
+                [0, 0, 1]], dtype=torch.int32)
+    """
+    n = math.prod(shape)
+    check(isinstance(packed, Tensor) and packed.dtype == torch.uint8 and packed.dim() == 1
+          and packed.numel() == math.ceil(n / 8), "packed",
+          f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, Tensor) else type(packed).__name__,
+          f"a 1-D uint8 tensor of ceil({n} / 8) = {math.ceil(n / 8)} bytes for shape {tuple(shape)}")
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    return bits.reshape(-1)[:n].to(torch.bool).view(tuple(shape))
+
+
+def pack_masks(masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`pack_mask` for every mask of a dict; the shapes travel separately (see :func:`unpack_masks`).
+
+    Example:
+        >>> pack_masks({"w": torch.ones(2, 5, dtype=torch.bool)})
+        {'w': tensor([255,   3], dtype=torch.uint8)}
+    """
+    return {k: pack_mask(m)[0] for k, m in masks.items()}
+
+
+def unpack_masks(packed: Mapping[str, Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> dict[str, Tensor]:
+    """:func:`unpack_mask` for every entry of :func:`pack_masks`' dict, with the shapes by name.
+
+    Example:
+        >>> unpack_masks({"w": torch.tensor([255, 3], dtype=torch.uint8)}, {"w": (2, 5)})["w"].all().item()
+        True
+    """
+    missing = [k for k in packed if k not in shapes]
+    check(not missing, "shapes", missing, "a shape for every packed mask")
+    return {k: unpack_mask(p, shapes[k]) for k, p in packed.items()}

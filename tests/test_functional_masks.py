@@ -1,0 +1,220 @@
+"""Pure mask maths: ERK densities against the DisPFL reference numbers, exact mask counts, prune-and-regrow,
+the cosine prune rate and bit packing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.functional import (
+    cosine_prune_rate, drop_and_grow, erk_densities, layer_densities, mask_density, masks_from_densities, pack_mask,
+    pack_masks, prune_regrow_count, unpack_mask, unpack_masks,
+)
+from pl_fedsparse.models import VGG11GN, ResNet18GN
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def resnet_shapes() -> dict[str, tuple[int, ...]]:
+    return _shapes(ResNet18GN())
+
+
+def _global(shapes: dict[str, tuple[int, ...]], dens: dict[str, float]) -> float:
+    return sum(dens[k] * math.prod(s) for k, s in shapes.items()) / sum(math.prod(s) for s in shapes.values())
+
+
+# --- ERK (notes §1: values computed with DisPFL's own calculate_sparsities) ---------------------------------------
+
+def test_erk_resnet18_at_half(resnet_shapes):
+    dens = erk_densities(resnet_shapes, 0.5)
+    expected = {"layer3.0.conv2.weight": 0.720, "layer3.1.conv1.weight": 0.720, "layer3.1.conv2.weight": 0.720,
+                "layer4.0.conv1.weight": 0.538, "layer4.0.conv2.weight": 0.358, "layer4.1.conv1.weight": 0.358,
+                "layer4.1.conv2.weight": 0.358}
+    assert len(resnet_shapes) == 62
+    assert {k for k, d in dens.items() if d < 1} == set(expected)
+    for k, d in expected.items():
+        assert dens[k] == pytest.approx(d, abs=5e-4), k
+    assert all(d == 1.0 for k, d in dens.items() if k not in expected)
+    assert _global(resnet_shapes, dens) == pytest.approx(0.5, abs=1e-4)
+    assert layer_densities(resnet_shapes, 0.5, "erk") == dens  # dense_1d changes nothing on a real network
+
+
+def test_erk_resnet18_at_0_2(resnet_shapes):
+    dens = erk_densities(resnet_shapes, 0.2)
+    for k, d in {"layer2.0.conv1.weight": 0.751, "layer3.0.conv1.weight": 0.370, "layer4.0.conv1.weight": 0.183,
+                 "layer4.1.conv2.weight": 0.122}.items():
+        assert dens[k] == pytest.approx(d, abs=1e-3), k
+    assert _global(resnet_shapes, dens) == pytest.approx(0.2, abs=1e-4)
+
+
+def test_erk_vgg11_at_half():
+    # VGG11GN's `features` indices equal DisPFL's vgg.py ones (conv, GN, ReLU, [pool] per block), so the notes'
+    # names apply as they are: features.11 is the 4th conv, .15 the 5th, .18/.22/.25 the 6th-8th.
+    shapes = _shapes(VGG11GN())
+    dens = erk_densities(shapes, 0.5)
+    expected = {"features.11.weight": 0.848, "features.15.weight": 0.634, "features.18.weight": 0.422,
+                "features.22.weight": 0.422, "features.25.weight": 0.422}
+    assert {k for k, d in dens.items() if d < 1} == set(expected)
+    for k, d in expected.items():
+        assert dens[k] == pytest.approx(d, abs=5e-4), k
+    assert _global(shapes, dens) == pytest.approx(0.5, abs=1e-4)
+
+
+def test_erk_edge_cases():
+    shapes = {"w": (8, 8), "b": (8,)}
+    assert erk_densities(shapes, 1.0) == {"w": 1.0, "b": 1.0}
+    assert erk_densities(shapes, 0.5, erk_power_scale=0) == {"w": 0.5, "b": 0.5}  # p = 0 is uniform
+    # a group of equal raws becomes dense together
+    d = erk_densities({"a": (2, 2), "b": (2, 2), "c": (64, 64)}, 0.5)
+    assert d["a"] == d["b"] == 1.0 and d["c"] < 1
+    with pytest.raises(ConfigError, match="density"):
+        erk_densities(shapes, 0.0)
+    with pytest.raises(ConfigError, match="erk_power_scale"):
+        erk_densities(shapes, 0.5, erk_power_scale=-1)
+    with pytest.raises(ConfigError, match="distribution"):
+        layer_densities(shapes, 0.5, "snip")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="density"):  # the forced-dense bias alone holds more than 10 %
+        layer_densities({"w": (2, 2), "b": (100,)}, 0.1, "erk")
+
+
+# --- masks from densities --------------------------------------------------------------------------------------
+
+def test_masks_from_densities_exact_and_reproducible():
+    shapes = {"conv": (16, 8, 3, 3), "fc": (10, 33), "b": (10,)}
+    dens = erk_densities(shapes, 0.3)
+    m1 = masks_from_densities(shapes, dens, torch.Generator().manual_seed(1))
+    m2 = masks_from_densities(shapes, dens, torch.Generator().manual_seed(1))
+    m3 = masks_from_densities(shapes, dens, torch.Generator().manual_seed(2))
+    assert set(m1) == set(shapes)
+    for k, s in shapes.items():
+        assert m1[k].dtype == torch.bool and tuple(m1[k].shape) == s
+        assert int(m1[k].sum()) == math.floor(dens[k] * math.prod(s))
+        assert torch.equal(m1[k], m2[k])
+    assert not torch.equal(m1["conv"], m3["conv"])
+    assert mask_density(m1) == pytest.approx(
+        sum(math.floor(dens[k] * math.prod(s)) for k, s in shapes.items()) / sum(math.prod(s) for s in shapes.values()))
+    with pytest.raises(ConfigError, match="densities"):
+        masks_from_densities(shapes, {"conv": 0.5}, torch.Generator())
+
+
+def test_masks_from_densities_match_reference_stream():
+    # DisPFL's init_masks draws one randperm per tensor from the global RNG: a generator with the same seed
+    # reproduces its masks.
+    shapes = {"w": (6, 5), "b": (6,), "v": (4, 9)}
+    dens = {"w": 0.5, "b": 1.0, "v": 0.25}
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        ref = {}
+        for k, s in shapes.items():
+            m = torch.zeros(s).view(-1)
+            m[torch.randperm(m.numel())[:int(dens[k] * m.numel())]] = 1
+            ref[k] = m.view(s).bool()
+    ours = masks_from_densities(shapes, dens, torch.Generator().manual_seed(7))
+    assert all(torch.equal(ours[k], ref[k]) for k in shapes)
+
+
+# --- prune and regrow ------------------------------------------------------------------------------------------
+
+def test_drop_and_grow_preserves_count_and_selects_extremes():
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        shape = (int(torch.randint(1, 7, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)))
+        mask = torch.rand(shape, generator=g) < 0.5
+        nnz = int(mask.sum())
+        # integer-valued scores make ties frequent, exercising the tie-breaking
+        drop = torch.randint(0, 4, shape, generator=g).float()
+        grow = torch.randint(0, 4, shape, generator=g).float()
+        for k in sorted({0, 1, nnz // 2, nnz, nnz + 3, -2}):
+            new = drop_and_grow(mask, drop, grow, k)
+            assert new.dtype == torch.bool and new.shape == mask.shape
+            assert int(new.sum()) == nnz
+            kk = max(0, min(k, nnz))
+            if kk == 0:
+                assert torch.equal(new, mask)
+                continue
+            # reconstruct the drop set: the kk active entries of smallest drop score, lowest index first on ties
+            active = mask.reshape(-1).nonzero().squeeze(1).tolist()
+            dropped = sorted(active, key=lambda i: (drop.reshape(-1)[i].item(), i))[:kk]
+            after = mask.reshape(-1).clone()
+            after[dropped] = False
+            inactive = (~after).nonzero().squeeze(1).tolist()
+            grown = sorted(inactive, key=lambda i: (-grow.reshape(-1)[i].item(), i))[:kk]
+            expected = after.clone()
+            expected[grown] = True
+            assert torch.equal(new.reshape(-1), expected)
+            # the dropped entries are the smallest drop scores among the active ones
+            kept = [i for i in active if i not in dropped]
+            if kept:
+                assert max(drop.reshape(-1)[dropped]) <= min(drop.reshape(-1)[kept])
+
+
+def test_drop_and_grow_regrows_just_dropped_entry():
+    mask = torch.tensor([[True, True], [False, False]])
+    w = torch.tensor([[0.1, 5.0], [0.0, 0.0]])
+    grad = torch.tensor([[9.0, 0.0], [1.0, 2.0]])  # the dropped (0, 0) has the largest grow score
+    assert torch.equal(drop_and_grow(mask, w, grad, 1), mask)
+    # with k = 2 both actives drop; candidates are all four entries, the two largest grow scores win
+    assert torch.equal(drop_and_grow(mask, w, grad, 2), torch.tensor([[True, False], [False, True]]))
+    # a dense tensor is unchanged whatever the scores
+    dense = torch.ones(2, 3, dtype=torch.bool)
+    assert torch.equal(drop_and_grow(dense, torch.randn(2, 3), torch.randn(2, 3), 4), dense)
+
+
+def test_drop_and_grow_bad_inputs():
+    mask = torch.tensor([True, False])
+    with pytest.raises(ConfigError, match="drop_score"):
+        drop_and_grow(mask, torch.zeros(3), torch.zeros(2), 1)
+    with pytest.raises(ConfigError, match="mask"):
+        drop_and_grow(mask.float(), torch.zeros(2), torch.zeros(2), 1)
+
+
+def test_prune_regrow_count():
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[:7] = True
+    assert prune_regrow_count(mask, 0.5) == 4  # ceil(3.5)
+    assert prune_regrow_count(mask, 1.0) == 7
+    assert prune_regrow_count(mask, 0.0) == 0
+    with pytest.raises(ConfigError, match="rate"):
+        prune_regrow_count(mask, 1.5)
+
+
+def test_cosine_prune_rate():
+    assert cosine_prune_rate(0, 500, 0.5) == 0.5
+    assert cosine_prune_rate(250, 500, 0.5) == pytest.approx(0.25)
+    assert cosine_prune_rate(500, 500, 0.5) == pytest.approx(0.0, abs=1e-15)
+    rates = [cosine_prune_rate(t, 10, 0.3) for t in range(11)]
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    for args, param in [((0, 0, 0.5), "total_rounds"), ((0, 10, 1.5), "alpha0"), ((0, 10, -0.1), "alpha0"),
+                        ((-1, 10, 0.5), "round_idx"), ((11, 10, 0.5), "round_idx")]:
+        with pytest.raises(ConfigError, match=param):
+            cosine_prune_rate(*args)
+
+
+# --- bit packing -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (8,), (9,), (1000,), (3, 5, 7), (0,)])
+def test_pack_roundtrip(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    mask = torch.rand(shape, generator=g) < 0.4
+    packed, s = pack_mask(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(math.prod(shape) / 8)
+    assert s == shape
+    assert torch.equal(unpack_mask(packed, s), mask)
+
+
+def test_pack_bit_order_and_dicts():
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[[0, 3, 9]] = True
+    packed, _ = pack_mask(mask)
+    assert packed.tolist() == [1 + 8, 2]  # little-endian bits: position 8j + i is bit i of byte j
+    masks = {"a": torch.rand(3, 4) < 0.5, "b": torch.ones(5, dtype=torch.bool)}
+    out = unpack_masks(pack_masks(masks), {k: tuple(m.shape) for k, m in masks.items()})
+    assert all(torch.equal(out[k], masks[k]) for k in masks)
+    with pytest.raises(ConfigError, match="packed"):
+        unpack_mask(packed, (17,))
