@@ -67,6 +67,8 @@ class ClientUpdate:
         metrics: local training metrics (``train_loss``, ``samples_seen``, ...).
         extras: free-form data one callback leaves for another (e.g. ``extras["next_mask"]``).
         flops: training FLOPs spent by this fit.
+        kind: why the client trained: ``"train"`` (a round's local fit) or another label given to
+            :meth:`~pl_fedsparse.loop.FederatedLoop.fit_client` (e.g. ``"finetune"``).
     """
 
     client_idx: int
@@ -78,6 +80,7 @@ class ClientUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     flops: float = 0.0
+    kind: str = "train"
 
 
 def _compact(value: TensorTree) -> TensorTree:

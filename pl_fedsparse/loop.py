@@ -304,7 +304,7 @@ class FederatedLoop:
         )
 
     def fit_client(self, client_idx: int, start_state: Mapping[str, Tensor], round_idx: int,
-                   epochs: int | None = None, stream: int = 0) -> ClientUpdate:
+                   epochs: int | None = None, stream: int = 0, kind: str = "train") -> ClientUpdate:
         """Train one client locally from ``start_state`` through Lightning and return its :class:`ClientUpdate`.
 
         Randomness (shuffling, augmentation, dropout) is seeded by ``(seed, round, client)``, so the order in which
@@ -325,15 +325,24 @@ class FederatedLoop:
         metrics = module.fit_metrics() if hasattr(module, "fit_metrics") else {}
         update = ClientUpdate(client_idx=client_idx, round_idx=round_idx,
                               n_samples=int(self.datamodule.num_samples(client_idx, "train")), state=state,
-                              message=Message(state), metrics=metrics)
+                              message=Message(state), metrics=metrics, kind=kind)
         self.call("on_client_fit_end", module, update)
         samples = metrics.get("samples_seen", update.n_samples * (epochs or self.local_epochs))
         assert self._flops is not None
-        update.flops = samples * self._flops.per_sample(TrainFlops.densities(update.masks))
-        self.flops_cum += update.flops
-        self.client_flops[client_idx] = self.client_flops.get(client_idx, 0.0) + update.flops
-        self._round_flops += update.flops
+        self.add_flops(update, samples * self._flops.per_sample(TrainFlops.densities(update.masks)))
         return update
+
+    def add_flops(self, update: ClientUpdate, flops: float) -> None:
+        """Charge ``flops`` of training compute to ``update``'s client (and to the round and the federation)."""
+        update.flops += flops
+        self.flops_cum += flops
+        self.client_flops[update.client_idx] = self.client_flops.get(update.client_idx, 0.0) + flops
+        self._round_flops += flops
+
+    def dense_flops_per_sample(self) -> float:
+        """Training FLOPs per sample of the dense model (forward + backward)."""
+        assert self._flops is not None
+        return self._flops.per_sample()
 
     @torch.inference_mode()
     def evaluate_module(self, client_idx: int, split: str = "test", shift: float = 0.0) -> dict[str, float]:

@@ -4,5 +4,8 @@ from pl_fedsparse.callbacks.base import POLICIES, FederatedCallback
 from pl_fedsparse.callbacks.baselines import FineTune, LocalTraining
 from pl_fedsparse.callbacks.masking import SparseMask
 from pl_fedsparse.callbacks.optimizer_state import KeepOptimizerState
+from pl_fedsparse.callbacks.prune_regrow import GradientRegrow, MaskPruneRegrow, RandomRegrow
+from pl_fedsparse.callbacks.fedspa import FedSpaAggregation
 
-__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "KeepOptimizerState"]
+__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "KeepOptimizerState",
+           "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation"]

@@ -113,7 +113,8 @@ class FineTune(FederatedCallback):
         message = Message(loop.global_state)
         for k in range(loop.num_clients):
             loop.comm.record(SERVER, k, message.nbytes())
-            update = loop.fit_client(k, loop.global_state, loop.round_idx, epochs=self.epochs, stream=self._STREAM)
+            update = loop.fit_client(k, loop.global_state, loop.round_idx, epochs=self.epochs, stream=self._STREAM,
+                                     kind="finetune")
             self.set_client_state(loop, k, "weights", update.state)
 
     @override

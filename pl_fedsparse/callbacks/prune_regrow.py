@@ -1,0 +1,164 @@
+"""Dynamic sparse training: :class:`MaskPruneRegrow` and its two regrowth rules.
+
+After a client's local training (FedSpa Alg. 2 "Next_Masks"; DisPFL Alg. 1 lines 9-10; DM-PFL Alg. 1), every masked
+tensor drops the ``α_t`` fraction of its active weights with the smallest drop score (|w| of the trained weights)
+and regrows as many among the inactive positions by a grow score; the number of active entries is kept exactly, and
+an entry dropped in a step may be regrown in the same step (:func:`~pl_fedsparse.functional.sparse.drop_and_grow`).
+The prune rate follows FedSpa/DisPFL's cosine annealing ``α_t = α₀/2 · (1 + cos(π t / T))`` or stays constant.
+
+Two subclasses override one scoring method (RigL's SET→RigL split):
+
+* :class:`GradientRegrow` — |dense gradient| of ``grow_batches`` local batches at the trained weights (FedSpa Alg. 2,
+  DisPFL paper, RigL); its FLOPs (one dense forward+backward per batch) are charged to the client.
+* :class:`RandomRegrow` — uniform random scores (SET; what the DisPFL scripts ship with ``--dis_gradient_check``).
+
+New methods subclass one of these and override :meth:`MaskPruneRegrow.drop_score` or
+:meth:`MaskPruneRegrow.grow_scores` (see ``callbacks/`` at the repository root for a worked example).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from pl_fedsparse.callbacks.masking import SparseMask
+from pl_fedsparse.client import ClientUpdate
+from pl_fedsparse.errors import check
+from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, prune_regrow_count
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["MaskPruneRegrow", "GradientRegrow", "RandomRegrow"]
+
+_STREAM_GROW = 13
+
+
+class MaskPruneRegrow(SparseMask):
+    """A :class:`~pl_fedsparse.callbacks.SparseMask` whose masks are searched by prune-and-regrow after training.
+
+    Args:
+        alpha0: initial prune rate α₀ (FedSpa/DisPFL: 0.5).
+        schedule: ``"cosine"`` (α_t = α₀/2 · (1 + cos(π t / T)), FedSpa/DisPFL) or ``"constant"`` (α_t = α₀,
+            FedDST-style, e.g. α₀ = 0.01 every 10 rounds).
+        every_n_rounds: readjust in rounds ``t`` with ``t % every_n_rounds == 0`` (1 = every round, as the papers).
+        total_rounds: ``T`` of the cosine schedule (default: ``trainer.num_rounds``).
+        **kwargs: the :class:`~pl_fedsparse.callbacks.SparseMask` arguments (density, distribution, ...).
+
+    The readjustment runs once per round at the end of the client's local fit, as in the papers; readjusting every
+    few optimizer steps inside a fit is not implemented yet.
+    """
+
+    def __init__(self, *, alpha0: float = 0.5, schedule: Literal["cosine", "constant"] = "cosine",
+                 every_n_rounds: int = 1, total_rounds: int | None = None, density: float = 0.5,
+                 distribution: Literal["erk", "uniform"] = "erk", erk_power_scale: float = 1.0,
+                 same_mask: bool = True, client_densities: list[float] | None = None, mask_gradients: bool = True,
+                 dense_1d: bool = True) -> None:
+        super().__init__(density=density, distribution=distribution, erk_power_scale=erk_power_scale,
+                         same_mask=same_mask, client_densities=client_densities, mask_gradients=mask_gradients,
+                         dense_1d=dense_1d)
+        name = type(self).__name__
+        check(0 <= alpha0 <= 1, f"{name}.alpha0", alpha0, "a number in [0, 1]")
+        check(schedule in ("cosine", "constant"), f"{name}.schedule", schedule, "one of cosine, constant")
+        check(every_n_rounds >= 1, f"{name}.every_n_rounds", every_n_rounds, "an int >= 1")
+        check(total_rounds is None or total_rounds >= 1, f"{name}.total_rounds", total_rounds, "an int >= 1 or null")
+        self.alpha0 = float(alpha0)
+        self.schedule = schedule
+        self.every_n_rounds = every_n_rounds
+        self.total_rounds = total_rounds
+
+    def prune_rate(self, loop: FederatedLoop, round_idx: int) -> float:
+        """α_t of ``round_idx`` (0 in rounds that do not readjust)."""
+        if round_idx % self.every_n_rounds != 0:
+            return 0.0
+        if self.schedule == "constant":
+            return self.alpha0
+        total = self.total_rounds or loop.num_rounds
+        return cosine_prune_rate(min(round_idx, total), total, self.alpha0)
+
+    def drop_score(self, loop: FederatedLoop, update: ClientUpdate, name: str, weight: Tensor) -> Tensor:
+        """Score of keeping each entry; the lowest active ones are dropped (default |w|, all papers)."""
+        return weight.abs()
+
+    def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
+                    update: ClientUpdate) -> dict[str, Tensor]:
+        """Score of regrowing each entry of every masked tensor; the highest inactive ones are grown."""
+        raise NotImplementedError(f"{type(self).__name__} must implement grow_scores (see GradientRegrow)")
+
+    @override
+    def next_masks(self, loop: FederatedLoop, module: pl.LightningModule,
+                   update: ClientUpdate) -> dict[str, Tensor] | None:
+        rate = self.prune_rate(loop, update.round_idx)
+        masks = update.masks or {}
+        if update.kind != "train" or rate <= 0 or not masks:
+            return None
+        grow = self.grow_scores(loop, module, update)
+        out = {}
+        for name, mask in masks.items():
+            k = prune_regrow_count(mask, rate)
+            out[name] = drop_and_grow(mask, self.drop_score(loop, update, name, update.state[name]).cpu(),
+                                      grow[name].cpu(), k)
+        return out
+
+
+class RandomRegrow(MaskPruneRegrow):
+    """Prune by |w|, regrow uniformly at random (SET; DisPFL's shipped scripts). Scores are drawn from a generator
+    seeded by ``(seed, round, client)``, so results do not depend on client order."""
+
+    @override
+    def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
+                    update: ClientUpdate) -> dict[str, Tensor]:
+        from pl_fedsparse.loop import stream_seed
+
+        gen = torch.Generator().manual_seed(stream_seed(loop.seed, _STREAM_GROW, update.round_idx, update.client_idx))
+        return {name: torch.rand(m.shape, generator=gen) for name, m in (update.masks or {}).items()}
+
+
+class GradientRegrow(MaskPruneRegrow):
+    """Prune by |w|, regrow by the largest |dense gradient| (FedSpa Alg. 2, DisPFL paper Alg. 2, RigL).
+
+    The gradient is taken at the locally trained (sparse) weights on ``grow_batches`` shuffled local batches, in
+    training mode, without weight decay (DisPFL's ``screen_gradients``); masked entries get their true, dense
+    gradient. One dense forward+backward per batch is charged to the client's FLOPs.
+
+    Args:
+        grow_batches: number of local batches whose summed gradient scores regrowth (papers: 1).
+        **kwargs: the :class:`MaskPruneRegrow` arguments.
+    """
+
+    def __init__(self, *, grow_batches: int = 1, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        check(grow_batches >= 1, f"{type(self).__name__}.grow_batches", grow_batches, "an int >= 1")
+        self.grow_batches = grow_batches
+
+    @override
+    def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
+                    update: ClientUpdate) -> dict[str, Tensor]:
+        from pl_fedsparse.loop import stream_seed
+
+        device = loop.device
+        module.to(device).train()
+        params = dict(module.named_parameters())
+        grads = {name: torch.zeros_like(params[name]) for name in (update.masks or {}) if name in params}
+        loader = loop.datamodule.train_loader(
+            update.client_idx, seed=stream_seed(loop.seed, _STREAM_GROW, update.round_idx, update.client_idx))
+        seen = 0
+        for i, (x, y) in enumerate(loader):
+            if i >= self.grow_batches:
+                break
+            x, y = x.to(device), y.to(device)
+            module.zero_grad(set_to_none=True)
+            loss = module.loss(module(x), y) if hasattr(module, "loss") else torch.nn.functional.cross_entropy(
+                module(x), y)
+            loss.backward()
+            for name, g in grads.items():
+                if params[name].grad is not None:
+                    g.add_(params[name].grad)
+            seen += int(y.shape[0])
+        module.zero_grad(set_to_none=True)
+        loop.add_flops(update, seen * loop.dense_flops_per_sample())
+        return {name: g.abs() for name, g in grads.items()}
