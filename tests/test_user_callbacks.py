@@ -39,3 +39,32 @@ def test_trimmed_mean_rejects_bad_trim() -> None:
 
     with pytest.raises(ConfigError, match="TrimmedMean.trim=0.5"):
         TrimmedMean(trim=0.5)
+
+
+def test_movement_prune_drops_weights_that_shrank(tmp_path: Path) -> None:
+    from callbacks.movement_prune import MovementPrune
+    from pl_fedsparse import ClientUpdate
+
+    cb = MovementPrune(density=0.5)
+
+    class L:
+        global_state = {"w": torch.tensor([1.0, 1.0, 1.0, 0.0])}
+
+    mask = torch.tensor([True, True, True, False])
+    up = ClientUpdate(0, 0, 1, {"w": torch.tensor([2.0, 0.5, 3.0, 0.0])}, masks={"w": mask})
+    score = cb.drop_score(L(), up, "w", up.state["w"])
+    # entry 1 shrank (1 -> 0.5) and has the lowest score although entry 0/2 would also survive magnitude pruning
+    assert int(score[:3].argmin()) == 1
+
+
+def test_movement_prune_config_runs_from_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(REPO)
+    run = tmp_path / "run"
+    code = main(["fit", "--config", "configs/synthetic_movement_prune.yaml", "--trainer.num_rounds", "2",
+                 "--data.num_clients", "10", "--trainer.default_root_dir", str(run)])
+    assert code == 0, capsys.readouterr().err
+    s = json.loads((run / "summary.json").read_text())
+    mlp_params = 768 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10  # MLP on 3x16x16, hidden [200, 200]
+    dense_bytes = 2 * 5 * 2 * 4 * mlp_params  # 2 rounds x 5 clients x (down + up) x 4 B
+    assert s["comm_cum_bytes_total"] < 0.75 * dense_bytes  # sparse messages at density 0.5
