@@ -5,11 +5,11 @@ from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.errors import CheckpointError, ConfigError
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
-from pl_fedsparse.topology import Star, Topology
+from pl_fedsparse.topology import FullyConnected, RandomPeers, Ring, Star, Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FederatedLoop", "FederatedModule", "FederatedCallback", "ClientUpdate", "ClientStateStore", "Message",
-    "Topology", "Star", "ConfigError", "CheckpointError", "__version__",
+    "Topology", "Star", "Ring", "FullyConnected", "RandomPeers", "ConfigError", "CheckpointError", "__version__",
 ]

@@ -6,7 +6,7 @@ One round (0-based ``round_idx``)::
     on_round_start
     participants = select_clients(...)                     # policy; default: uniform, seeded by (seed, round)
     for client in participants:                            # order-independent: every stream is seeded by
-        message = client_message(client)                   #   (seed, round, client)
+        message = client_message(client)                   #   (seed, round, client); on_client_message edits it
         load message (or the personal state) into the working module
         on_client_fit_start → Trainer.fit (Lightning hooks) → ClientUpdate → on_client_fit_end
     on_before_aggregate → global = aggregate(updates) → on_after_aggregate      # default: sample-weighted FedAvg
@@ -245,12 +245,14 @@ class FederatedLoop:
 
     # ------------------------------------------------------------------------------------------------ policies
     def select_clients(self, round_idx: int) -> list[int]:
-        """Participants of ``round_idx`` (policy ``select_clients``; default uniform without replacement)."""
+        """Participants of ``round_idx`` (policy ``select_clients``; default: uniform without replacement among the
+        clients the topology has not dropped this round)."""
         ids = list(range(self.num_clients))
         owner = self._owner("select_clients")
         if owner is not None:
             return sorted(owner.select_clients(self, round_idx, ids))
-        m = self.clients_per_round or max(1, int(self.join_ratio * len(ids) + 1e-9))
+        ids = [k for k in ids if k not in self.topology.dropped(round_idx, len(ids), self.seed)]
+        m = self.clients_per_round or max(1, int(self.join_ratio * self.num_clients + 1e-9))
         if m >= len(ids):
             return ids
         rng = np.random.default_rng(stream_seed(self.seed, _STREAM_SAMPLE, round_idx))
@@ -260,8 +262,12 @@ class FederatedLoop:
         """What the server sends ``client_idx`` (policy; default: the dense global model)."""
         owner = self._owner("client_message")
         if owner is not None:
-            return owner.client_message(self, client_idx)
-        return None if self.global_state is None else Message(self.global_state)
+            message = owner.client_message(self, client_idx)
+        else:
+            message = None if self.global_state is None else Message(self.global_state)
+        if message is not None:
+            self.call("on_client_message", client_idx, message)
+        return message
 
     def aggregate(self, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         """New global state (policy; default: FedAvg weighted by training samples, McMahan et al. 2017)."""
@@ -417,13 +423,13 @@ class FederatedLoop:
         updates: list[ClientUpdate] = []
         for k in self._progress(participants, f"round {round_idx}", leave=False):
             message = self.client_message(k)
-            if message is not None:
+            if message is not None and self.topology.has_server:  # peer methods record each link themselves
                 self.comm.record(SERVER, k, message.nbytes())
                 start = {**self.global_state, **message.tensors} if self.global_state else message.tensors
             else:
                 start = self.personal_state(k)
             update = self.fit_client(k, start, round_idx)
-            if update.message is not None:
+            if update.message is not None and self.topology.has_server:
                 self.comm.record(k, SERVER, update.message.nbytes())
             updates.append(update)
         self.call("on_before_aggregate", updates)

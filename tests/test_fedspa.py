@@ -79,7 +79,7 @@ def test_prune_regrow_keeps_counts_changes_masks_and_warm_starts(tmp_path: Path,
             assert all(torch.equal(cur[n], first[n]) for n in cur)
     # a regrown coordinate starts from the dense global value: the next download is m_{k,t+1} ⊙ W
     k = grab.rounds[-1][0].client_idx
-    msg = dst.client_message(loop, k)
+    msg = loop.client_message(k)
     for n, m in dst.masks(loop, k).items():
         torch.testing.assert_close(msg.tensors[n], loop.global_state[n] * m)  # type: ignore[union-attr, index]
 

@@ -151,14 +151,16 @@ def test_local_training_communicates_nothing_and_keeps_personal_models(tmp_path:
 
 
 def test_finetune_counts_download_and_changes_personal_models(tmp_path: Path) -> None:
-    loop = tiny_loop(tmp_path, num_rounds=2, callbacks=[FineTune(epochs=1)])
+    ft = FineTune(epochs=1)
+    loop = tiny_loop(tmp_path, num_rounds=2, callbacks=[ft])
     summary = loop.fit(tiny_module(), tiny_datamodule())
     nbytes = sum(v.numel() * 4 for v in loop.global_state.values())  # type: ignore[union-attr]
     # 2 rounds x 4 clients x (down + up) + fine-tuning download to 4 clients
     assert summary["comm_cum_bytes_total"] == (2 * 4 * 2 + 4) * nbytes
-    p = loop.personal_state(0)
+    p = ft.get_client_state(loop, 0, "weights")
     assert any(not torch.equal(p[k], loop.global_state[k]) for k in p)  # type: ignore[index]
     assert summary["final"]["global_acc"] is not None
+    assert summary["final"]["acc_mean"] != summary["final"]["global_acc"]  # personal = the fine-tuned models
 
 
 def test_run_directory_files(tmp_path: Path) -> None:

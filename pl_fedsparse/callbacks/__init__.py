@@ -6,6 +6,7 @@ from pl_fedsparse.callbacks.masking import SparseMask
 from pl_fedsparse.callbacks.optimizer_state import KeepOptimizerState
 from pl_fedsparse.callbacks.prune_regrow import GradientRegrow, MaskPruneRegrow, RandomRegrow
 from pl_fedsparse.callbacks.fedspa import FedSpaAggregation
+from pl_fedsparse.callbacks.gossip import Gossip
 
 __all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "KeepOptimizerState",
-           "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation"]
+           "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation", "Gossip"]

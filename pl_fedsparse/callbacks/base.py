@@ -6,7 +6,8 @@ federation hooks, which the :class:`~pl_fedsparse.loop.FederatedLoop` calls with
 Lightning passes the trainer):
 
 =========================================  ==========================================================================
-broadcast hooks (every callback, -> None)  ``on_federation_start``, ``on_round_start``, ``on_client_fit_start``,
+broadcast hooks (every callback, -> None)  ``on_federation_start``, ``on_round_start``, ``on_client_message``,
+                                           ``on_client_fit_start``,
                                            ``on_client_fit_end``, ``on_before_aggregate``, ``on_after_aggregate``,
                                            ``on_client_evaluate_start``, ``on_client_evaluate_end``,
                                            ``on_round_end``, ``on_federation_end``
@@ -81,6 +82,10 @@ class FederatedCallback(pl.Callback):
 
     def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
         """Called at the start of every round."""
+
+    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+        """Called with the message ``client_idx`` receives this round (from the ``client_message`` policy); may edit it
+        in place (e.g. sparsify it under the client's mask)."""
 
     def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
         """Called after the client's starting weights are loaded into ``module`` and before its local fit."""

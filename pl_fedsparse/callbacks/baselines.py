@@ -7,7 +7,7 @@ FedAvg itself needs no callback: it is the loop's default (sample-weighted avera
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -16,6 +16,7 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.errors import check
+from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.metrics import SERVER
 
 if TYPE_CHECKING:
@@ -65,17 +66,20 @@ class LocalTraining(FederatedCallback):
 
 
 class FineTune(FederatedCallback):
-    """Fine-tune the global model on every client (FedAvg-FT; with ``every``, D-PSGD-FT-style periodic FT).
+    """Fine-tune a shared model on every client: FedAvg-FT, and D-PSGD-FT with ``start: consensus``.
 
-    After the aggregation of the last round (and, if ``every`` is set, of every ``every``-th round) each of the
-    federation's clients receives the global model (counted as downstream traffic) and trains it for ``epochs`` local
-    epochs; the result becomes its personal model, which is what the round's evaluation reports as personal
-    accuracy. Between fine-tuning rounds the personal model is the last fine-tuned one (or the global model before
-    the first). The learning rate is the current round's (the DisPFL code uses ``lr / lr_decay``, i.e. round -1).
+    After the last round (and, if ``every`` is set, after every ``every``-th round) each client of the federation
+    trains the starting model for ``epochs`` local epochs; the result is what the round's evaluation reports as that
+    client's personal model (it does not feed back into training). Between fine-tuning rounds the last fine-tuned
+    model is reported (the method's own personal model before the first). The learning rate is the current round's
+    (the DisPFL code uses ``lr / lr_decay``, i.e. round -1).
 
     Args:
-        epochs: local epochs of fine-tuning (DisPFL/FedAvg-FT: 5, one ordinary local round).
-        every: also fine-tune after every ``every``-th round (D-PSGD-FT: 100); ``None``: only after the last.
+        epochs: local epochs of fine-tuning (DisPFL's FedAvg-FT: 5, one ordinary local round).
+        every: also fine-tune after every ``every``-th round (DisPFL's D-PSGD-FT: 100); ``None``: only after the last.
+        start: ``"global"``: the server's global model, sent to every client (counted as downstream traffic;
+            FedAvg-FT). ``"consensus"``: the uniform average of all clients' personal models — what the DisPFL code's
+            D-PSGD-FT fine-tunes, although no peer could compute it; not counted as traffic.
 
     Example:
         .. code-block:: yaml
@@ -88,15 +92,18 @@ class FineTune(FederatedCallback):
 
     _STREAM = 7  # random stream id of fine-tuning fits
 
-    def __init__(self, *, epochs: int = 1, every: int | None = None) -> None:
+    def __init__(self, *, epochs: int = 1, every: int | None = None,
+                 start: Literal["global", "consensus"] = "global") -> None:
         check(isinstance(epochs, int) and epochs >= 1, "FineTune.epochs", epochs, "an int >= 1")
         check(every is None or every >= 1, "FineTune.every", every, "an int >= 1 or null")
+        check(start in ("global", "consensus"), "FineTune.start", start, "one of global, consensus")
         self.epochs = epochs
         self.every = every
+        self.start = start
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(epochs=self.epochs, every=self.every)
+        return self._generate_state_key(epochs=self.epochs, every=self.every, start=self.start)
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
@@ -106,21 +113,29 @@ class FineTune(FederatedCallback):
         r = loop.round_idx
         return r == loop.num_rounds - 1 or (self.every is not None and (r + 1) % self.every == 0)
 
+    def _start_state(self, loop: FederatedLoop) -> dict[str, Tensor] | None:
+        if self.start == "global":
+            return loop.global_state
+        states = [loop.personal_state(k) for k in range(loop.num_clients)]
+        return weighted_average(states, [1.0] * len(states))
+
     @override
     def on_after_aggregate(self, loop: FederatedLoop) -> None:
-        if not self._due(loop) or loop.global_state is None:
+        if not self._due(loop):
             return
-        message = Message(loop.global_state)
+        start = self._start_state(loop)
+        if start is None:
+            return
+        message = Message(start)
         for k in range(loop.num_clients):
-            loop.comm.record(SERVER, k, message.nbytes())
-            update = loop.fit_client(k, loop.global_state, loop.round_idx, epochs=self.epochs, stream=self._STREAM,
+            if self.start == "global":
+                loop.comm.record(SERVER, k, message.nbytes())
+            update = loop.fit_client(k, start, loop.round_idx, epochs=self.epochs, stream=self._STREAM,
                                      kind="finetune")
             self.set_client_state(loop, k, "weights", update.state)
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
-        if self.has_client_state(loop, client_idx, "weights"):
-            return self.get_client_state(loop, client_idx, "weights")
-        if loop.global_state is None:
-            return self.get_client_state(loop, client_idx, "weights")
-        return loop.global_state
+    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+                                 kind: str) -> None:
+        if kind == "personal" and self.has_client_state(loop, client_idx, "weights"):
+            loop.load_state(self.get_client_state(loop, client_idx, "weights"))

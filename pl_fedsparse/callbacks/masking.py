@@ -4,7 +4,7 @@ A client's mask is declared per-client state, stored bit-packed on CPU (8 positi
 client's local fit the mask is applied to the weights; during the fit the gradient is masked after every backward
 pass (optional) and the weights are re-masked after every optimizer step, so a masked entry stays exactly zero —
 under mixed precision too (Lightning keeps fp32 master weights, and the re-masking writes them). The downstream
-message is the masked global model ``m_k ⊙ W`` and the upstream message the masked trained model (plus, when the
+message is masked by the receiver's mask (``m_k ⊙ W``) and the upstream message the masked trained model (plus, when the
 mask changed, the next mask as a bitmap), all counted as sparse tensors; FLOPs of masked layers are charged at the
 mask's density.
 
@@ -50,6 +50,9 @@ class SparseMask(FederatedCallback):
         mask_gradients: also zero the gradient of masked entries after each backward pass (weights are re-masked
             after each step either way; masking the gradient keeps momentum buffers and clipping norms sparse).
         dense_1d: leave 1-D tensors (biases, norm affines) dense.
+        mask_personal_eval: evaluate the personal model under the client's *current* mask (FedSpa: ``m_k ⊙ W``).
+            Set ``false`` when the personal model is the client's last trained model, already sparse under the mask
+            it trained with (DisPFL reports that one, before the next mask is applied).
 
     Example:
         .. code-block:: yaml
@@ -62,7 +65,7 @@ class SparseMask(FederatedCallback):
 
     def __init__(self, *, density: float = 0.5, distribution: Literal["erk", "uniform"] = "erk",
                  erk_power_scale: float = 1.0, same_mask: bool = True, client_densities: list[float] | None = None,
-                 mask_gradients: bool = True, dense_1d: bool = True) -> None:
+                 mask_gradients: bool = True, dense_1d: bool = True, mask_personal_eval: bool = True) -> None:
         name = type(self).__name__
         check_density(density, f"{name}.density")
         check(distribution in ("erk", "uniform"), f"{name}.distribution", distribution, "one of erk, uniform")
@@ -78,6 +81,7 @@ class SparseMask(FederatedCallback):
         self.client_densities = [float(d) for d in client_densities] if client_densities else None
         self.mask_gradients = mask_gradients
         self.dense_1d = dense_1d
+        self.mask_personal_eval = mask_personal_eval
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._active: dict[str, Tensor] = {}
         self._params: dict[str, Tensor] = {}
@@ -127,11 +131,11 @@ class SparseMask(FederatedCallback):
         self.add_client_state(loop, "mask", lambda k: pack_masks(self.draw_mask(loop, k)))
 
     @override
-    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
-        if loop.global_state is None:
-            return None
+    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+        # the client receives (and starts from) its sparse share: m_k ⊙ W (FedSpa), m_k ⊙ gossip average (DisPFL)
         masks = self.masks(loop, client_idx)
-        return Message(apply_masks(loop.global_state, masks), masks)
+        message.tensors = apply_masks(message.tensors, masks)
+        message.masks.update({k: m for k, m in masks.items() if k in message.tensors})
 
     def _activate(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
         self._active = self.masks(loop, client_idx)
@@ -168,7 +172,7 @@ class SparseMask(FederatedCallback):
     @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
-        if kind == "personal":  # the personal model is the client's masked model
+        if kind == "personal" and self.mask_personal_eval:  # the personal model is the client's masked model
             self._activate(loop, module, client_idx)
             self._active, self._params = {}, {}
 

@@ -57,10 +57,10 @@ class MaskPruneRegrow(SparseMask):
                  every_n_rounds: int = 1, total_rounds: int | None = None, density: float = 0.5,
                  distribution: Literal["erk", "uniform"] = "erk", erk_power_scale: float = 1.0,
                  same_mask: bool = True, client_densities: list[float] | None = None, mask_gradients: bool = True,
-                 dense_1d: bool = True) -> None:
+                 dense_1d: bool = True, mask_personal_eval: bool = True) -> None:
         super().__init__(density=density, distribution=distribution, erk_power_scale=erk_power_scale,
                          same_mask=same_mask, client_densities=client_densities, mask_gradients=mask_gradients,
-                         dense_1d=dense_1d)
+                         dense_1d=dense_1d, mask_personal_eval=mask_personal_eval)
         name = type(self).__name__
         check(0 <= alpha0 <= 1, f"{name}.alpha0", alpha0, "a number in [0, 1]")
         check(schedule in ("cosine", "constant"), f"{name}.schedule", schedule, "one of cosine, constant")

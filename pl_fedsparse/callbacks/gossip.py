@@ -1,0 +1,102 @@
+"""Serverless averaging with neighbours: :class:`Gossip` (DisPFL, D-PSGD).
+
+At the start of a round every client's last trained model and the mask it trained with are snapshotted. Client
+``k``'s new starting point is the per-coordinate average of its own and its neighbours' snapshot models over the
+positions each of them holds (DisPFL Alg. 1 line 7):
+
+    w_k ← (Σ_{j ∈ N_k ∪ {k}} m_j ⊙ w_j) / (Σ_{j ∈ N_k ∪ {k}} m_j)        (0 where nobody holds a position)
+
+and a mask callback (:class:`~pl_fedsparse.callbacks.SparseMask` / ``RandomRegrow`` / ``GradientRegrow``) then
+multiplies it by ``k``'s current mask in ``on_client_message``. Without masks this is D-PSGD's uniform average. The
+average is the same kernel as the server methods' (:func:`~pl_fedsparse.functional.weighted_average`). Every client
+reads the snapshot only, so the order in which clients are processed cannot matter. Each link ``j → k`` is recorded in
+the communication ledger with the bytes of ``j``'s (sparse) model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import lightning.pytorch as pl
+from torch import Tensor
+from typing_extensions import override
+
+from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.functional.aggregation import weighted_average
+from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["Gossip"]
+
+
+class Gossip(FederatedCallback):
+    """Peer-to-peer averaging over the topology's neighbours (owns ``client_message``, ``aggregate`` and
+    ``personal_state``: there is no global model; a client's personal model is its last trained model).
+
+    Example:
+        .. code-block:: yaml
+
+            trainer:
+              topology: {class_path: pl_fedsparse.topology.RandomPeers, init_args: {k: 10}}
+              callbacks:
+                - class_path: pl_fedsparse.callbacks.RandomRegrow      # DisPFL; omit for D-PSGD
+                  init_args: {density: 0.5, same_mask: false, mask_personal_eval: false}
+                - class_path: pl_fedsparse.callbacks.Gossip
+    """
+
+    def __init__(self) -> None:
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._snapshot: dict[int, tuple[dict[str, Tensor], dict[str, Tensor]]] = {}
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        if loop.topology.has_server:
+            raise ConfigError(f"trainer.topology={type(loop.topology).__name__} is invalid for Gossip: expected a "
+                              "peer topology (pl_fedsparse.topology.Ring, FullyConnected or RandomPeers)")
+        self._shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items()}
+        self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
+        self.add_client_state(loop, "mask", lambda k: {})  # the mask of the last fit, bit-packed ({} = dense)
+
+    @override
+    def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
+        # references to the stored tensors: entries are replaced, never mutated, when clients finish training
+        self._snapshot = {j: (self.get_client_state(loop, j, "weights"), self.get_client_state(loop, j, "mask"))
+                          for j in range(loop.num_clients)}
+
+    def sender_message(self, client_idx: int) -> Message:
+        """What ``client_idx`` sends to a neighbour: its snapshot model, sparse under the mask it trained with."""
+        weights, packed = self._snapshot[client_idx]
+        masks = unpack_masks(packed, self._shapes) if packed else {}
+        return Message(dict(weights), masks)
+
+    @override
+    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+        topo, r, n = loop.topology, loop.round_idx, loop.num_clients
+        own = self.sender_message(client_idx)
+        if topo.skips_aggregation(r, client_idx, n, loop.seed):
+            return Message(dict(own.tensors))
+        neighbours = topo.neighbors(r, client_idx, range(n), loop.seed)
+        sent = [self.sender_message(j) for j in neighbours]
+        for j, msg in zip(neighbours, sent):
+            loop.comm.record(j, client_idx, msg.nbytes())
+        group = [own, *sent]
+        avg = weighted_average([m.tensors for m in group], [1.0] * len(group), [m.masks or None for m in group])
+        return Message(avg)
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        self.set_client_state(loop, update.client_idx, "weights", update.state)
+        self.set_client_state(loop, update.client_idx, "mask", pack_masks(update.masks) if update.masks else {})
+
+    @override
+    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+        return None
+
+    @override
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        return self.get_client_state(loop, client_idx, "weights")
