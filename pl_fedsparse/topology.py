@@ -152,8 +152,9 @@ class RandomPeers(PeerTopology):
     The draw for a whole round comes from one generator seeded by ``(seed, round)``. Without a cap the number of
     clients that pull from one node (its out-degree) is unbounded — DisPFL's "at most 10 neighbours" holds for pulls
     only (its busiest node serves ~18 per round). With ``max_out_degree`` each node serves at most that many pullers:
-    clients choose in a random order among the peers that still have capacity (``k · K ≤ max_out_degree · K`` is
-    required so that every client can fill its ``k`` pulls).
+    clients choose in a random order among the peers that still have capacity; if that greedy order runs out of
+    capacity, the round uses a random circulant graph instead (client ``π(i)`` pulls from ``π(i+1..i+k)`` for a
+    random permutation ``π``), in which every node serves exactly ``k``.
 
     Args:
         k: peers each client pulls from (DisPFL: 10 of 100).
@@ -192,13 +193,19 @@ class RandomPeers(PeerTopology):
             load = np.zeros(num_clients, dtype=np.int64)
             for c in rng.permutation(num_clients):
                 free = [j for j in range(num_clients) if j != c and load[j] < self.max_out_degree]
-                if len(free) < self.k:  # capacity ran out for this order: take the least-loaded peers
-                    free = sorted((j for j in range(num_clients) if j != c), key=lambda j: (load[j], j))[:self.k]
+                if len(free) < self.k:  # the greedy order ran out of capacity: use a circulant graph instead
+                    pulls = self._circulant(rng.permutation(num_clients))
+                    break
                 pick = rng.choice(np.asarray(free), size=self.k, replace=False)
                 load[pick] += 1
                 pulls[int(c)] = sorted(int(j) for j in pick)
         self._cache = (round_idx, num_clients, seed, pulls)
         return pulls
+
+    def _circulant(self, order: np.ndarray) -> dict[int, list[int]]:
+        """Client ``order[i]`` pulls from ``order[i+1 .. i+k]`` (mod K): every node serves exactly ``k`` clients."""
+        n = len(order)
+        return {int(order[i]): sorted(int(order[(i + d) % n]) for d in range(1, self.k + 1)) for i in range(n)}
 
     def _graph(self, round_idx: int, client_idx: int, clients: list[int], seed: int) -> list[int]:
         return list(self.graph(round_idx, len(clients), seed)[client_idx])

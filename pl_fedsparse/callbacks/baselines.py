@@ -61,8 +61,9 @@ class LocalTraining(FederatedCallback):
 
     @override
     def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        self.set_client_state(loop, update.client_idx, "weights", update.state)
         update.message = None  # nothing is uploaded
+        if update.kind == "train":
+            self.set_client_state(loop, update.client_idx, "weights", update.state)
 
 
 class FineTune(FederatedCallback):

@@ -90,6 +90,8 @@ class Gossip(FederatedCallback):
 
     @override
     def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        if update.kind != "train":  # e.g. fine-tuning fits do not become the client's gossip model
+            return
         self.set_client_state(loop, update.client_idx, "weights", update.state)
         self.set_client_state(loop, update.client_idx, "mask", pack_masks(update.masks) if update.masks else {})
 
