@@ -425,6 +425,7 @@ class FederatedLoop:
             message = self.client_message(k)
             if message is not None and self.topology.has_server:  # peer methods record each link themselves
                 self.comm.record(SERVER, k, message.nbytes())
+            if message is not None:
                 start = {**self.global_state, **message.tensors} if self.global_state else message.tensors
             else:
                 start = self.personal_state(k)
@@ -676,6 +677,7 @@ class FederatedLoop:
             "best_acc_mean": max((r["acc_mean"] for r in evaluated), default=None),
             "client_acc": list(self._last_client_acc),
             "client_flops": [self.client_flops.get(k, 0.0) for k in range(self.num_clients)],
+            "client_comm_bytes": [self.comm.cum_node.get(k, 0) for k in range(self.num_clients)],
             "comm_cum_bytes_total": self.comm.cum["total"],
             "comm_cum_bytes_up": self.comm.cum["up"],
             "comm_cum_bytes_down": self.comm.cum["down"],

@@ -76,7 +76,9 @@ class CommLedger:
     ``up`` counts bytes sent by clients (to the server or to peers), ``down`` bytes received by clients (from the
     server or from peers) and ``total`` every transfer once: in a star federation ``total = up + down``; between
     peers each transfer is both a send and a receive, so ``up = down = total``. A node's traffic is what it sends
-    plus what it receives; the busiest node is the one with the most.
+    plus what it receives; the busiest node is the one with the most (its in- and out-traffic are also reported
+    separately: the largest receive and the largest send volume of any node in the round). ``comm_links`` counts the
+    transfers of a round and ``comm_bytes_per_link`` is their mean size.
 
     Example:
         >>> led = CommLedger()
@@ -87,13 +89,15 @@ class CommLedger:
     """
 
     def __init__(self) -> None:
-        self.cum = {"up": 0, "down": 0, "total": 0}
+        self.cum = {"up": 0, "down": 0, "total": 0, "links": 0}
         self.cum_node: dict[int, int] = defaultdict(int)
-        self._round = {"up": 0, "down": 0, "total": 0}
+        self._round = {"up": 0, "down": 0, "total": 0, "links": 0}
         self._round_node: dict[int, int] = defaultdict(int)
+        self._round_in: dict[int, int] = defaultdict(int)
+        self._round_out: dict[int, int] = defaultdict(int)
 
     def record(self, src: int, dst: int, nbytes: int) -> None:
-        """Record ``nbytes`` sent from node ``src`` to node ``dst`` (:data:`SERVER` for the server)."""
+        """Record ``nbytes`` sent from node ``src`` to node ``dst`` (:data:`SERVER` for the server) over one link."""
         if nbytes <= 0:
             return
         if src != SERVER:
@@ -101,8 +105,11 @@ class CommLedger:
         if dst != SERVER:
             self._round["down"] += nbytes
         self._round["total"] += nbytes
+        self._round["links"] += 1
         self._round_node[src] += nbytes
         self._round_node[dst] += nbytes
+        self._round_out[src] += nbytes
+        self._round_in[dst] += nbytes
 
     def end_round(self) -> dict[str, int]:
         """Close the round: fold it into the totals and return the round's and the cumulative figures."""
@@ -116,7 +123,11 @@ class CommLedger:
             "comm_bytes_up": self._round["up"],
             "comm_bytes_down": self._round["down"],
             "comm_bytes_total": self._round["total"],
+            "comm_links": self._round["links"],
+            "comm_bytes_per_link": self._round["total"] / self._round["links"] if self._round["links"] else 0.0,
             "comm_busiest_node_bytes": busiest_round,
+            "comm_busiest_node_in_bytes": max(self._round_in.values(), default=0),
+            "comm_busiest_node_out_bytes": max(self._round_out.values(), default=0),
             "comm_busiest_client_bytes": max(clients_round, default=0),
             "comm_cum_bytes_up": self.cum["up"],
             "comm_cum_bytes_down": self.cum["down"],
@@ -124,15 +135,15 @@ class CommLedger:
             "comm_cum_busiest_node_bytes": max(self.cum_node.values(), default=0),
             "comm_cum_busiest_client_bytes": max((v for n, v in self.cum_node.items() if n != SERVER), default=0),
         }
-        self._round = {"up": 0, "down": 0, "total": 0}
-        self._round_node = defaultdict(int)
+        self._round = {"up": 0, "down": 0, "total": 0, "links": 0}
+        self._round_node, self._round_in, self._round_out = defaultdict(int), defaultdict(int), defaultdict(int)
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"cum": dict(self.cum), "cum_node": dict(self.cum_node)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.cum = {k: int(v) for k, v in state["cum"].items()}
+        self.cum = {"links": 0, **{k: int(v) for k, v in state["cum"].items()}}
         self.cum_node = defaultdict(int, {int(k): int(v) for k, v in state["cum_node"].items()})
 
 

@@ -140,3 +140,28 @@ def test_gossip_needs_a_peer_topology(tmp_path: Path) -> None:
 def test_local_is_unaffected_by_peer_topology(tmp_path: Path) -> None:
     s = _loop(tmp_path, Ring(), [LocalTraining()]).fit(tiny_module(), tiny_datamodule())
     assert s["comm_cum_bytes_total"] == 0
+
+
+def test_dpsgd_clients_start_from_the_neighbourhood_average(tmp_path: Path) -> None:
+    starts: dict[int, dict] = {}
+
+    from pl_fedsparse import FederatedCallback
+
+    class Grab(FederatedCallback):
+        def on_client_fit_start(self, loop, module, client_idx):  # type: ignore[no-untyped-def]
+            if loop.round_idx == 1:
+                starts[client_idx] = {n: t.detach().clone() for n, t in module.state_dict().items()}
+
+    g = Gossip()
+    loop = _loop(tmp_path / "g", Ring(), [g, Grab()], rounds=2)
+    loop.fit(tiny_module(), tiny_datamodule())
+    local = _loop(tmp_path / "l", Ring(), [LocalTraining()], rounds=2)
+    local.fit(tiny_module(), tiny_datamodule())
+    assert any(not torch.equal(loop.personal_state(0)[n], local.personal_state(0)[n]) for n in loop.initial_state)
+    # round 1 starts from the mean of the client's and its two ring neighbours' round-0 models
+    ref = _loop(tmp_path / "r", Ring(), [Gossip()], rounds=1)
+    ref.fit(tiny_module(), tiny_datamodule())
+    for k in range(4):
+        group = [ref.personal_state(j) for j in (k, (k - 1) % 4, (k + 1) % 4)]
+        for n in starts[k]:
+            torch.testing.assert_close(starts[k][n], sum(s[n] for s in group) / 3)

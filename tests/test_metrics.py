@@ -73,3 +73,15 @@ def test_masked_average_keeps_fallback_where_nobody_holds() -> None:
     masks = [torch.tensor([True, True, False]), torch.tensor([False, True, False])]
     out = masked_weighted_average(v, [1, 1], masks, fallback=torch.tensor([0.0, 0.0, -1.0]))
     torch.testing.assert_close(out, torch.tensor([1.0, 4.0, -1.0]))
+
+
+def test_ledger_in_out_and_links() -> None:
+    led = CommLedger()
+    led.record(0, 1, 10)
+    led.record(2, 1, 30)
+    led.record(1, 0, 5)
+    r = led.end_round()
+    assert r["comm_links"] == 3 and r["comm_bytes_per_link"] == pytest.approx(15.0)
+    assert r["comm_busiest_node_in_bytes"] == 40   # node 1 receives 10 + 30
+    assert r["comm_busiest_node_out_bytes"] == 30  # node 2 sends 30
+    assert r["comm_busiest_node_bytes"] == 45      # node 1: 40 in + 5 out

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import lightning.pytorch as pl
 from torch import Tensor
 from typing_extensions import override
 
@@ -89,11 +88,12 @@ class Gossip(FederatedCallback):
         return Message(avg)
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        if update.kind != "train":  # e.g. fine-tuning fits do not become the client's gossip model
-            return
-        self.set_client_state(loop, update.client_idx, "weights", update.state)
-        self.set_client_state(loop, update.client_idx, "mask", pack_masks(update.masks) if update.masks else {})
+    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+        # after every callback's on_client_fit_end, so update.masks is final whatever the callback order; only the
+        # round's own fits are here (fine-tuning fits never become a client's gossip model)
+        for update in updates:
+            self.set_client_state(loop, update.client_idx, "weights", update.state)
+            self.set_client_state(loop, update.client_idx, "mask", pack_masks(update.masks) if update.masks else {})
 
     @override
     def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
