@@ -8,7 +8,7 @@ set -euo pipefail
 ROOT=${1:-data/cifar10}
 OUT=${OUT:-benchmarks/_runs/cifar10_p2p}
 COMMON=(--data.root "$ROOT" --trainer.accelerator cpu --trainer.enable_progress_bar false --trainer.overwrite true)
-for m in dispfl dpsgd dpsgd_ft local_p2p; do
+for m in ${METHODS:-dispfl dpsgd dpsgd_ft local_p2p}; do
   pl-fed fit --config "configs/cifar10_${m}_cpu.yaml" "${COMMON[@]}" --trainer.default_root_dir "$OUT/$m"
 done
 python benchmarks/summarize.py "$OUT"/dispfl "$OUT"/dpsgd "$OUT"/dpsgd_ft "$OUT"/local_p2p
