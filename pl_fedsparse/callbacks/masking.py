@@ -85,6 +85,7 @@ class SparseMask(FederatedCallback):
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._active: dict[str, Tensor] = {}
         self._params: dict[str, Tensor] = {}
+        self._step_masks: dict[str, Tensor] = {}
 
     @property
     def state_key(self) -> str:
@@ -182,17 +183,25 @@ class SparseMask(FederatedCallback):
         # the module is on its device now: keep device copies of the masks for the per-step hooks
         self._params = dict(pl_module.named_parameters())
         self._active = {k: m.to(pl_module.device) for k, m in self._active.items()}
+        # float copies made once per fit, so the per-step hooks do no conversions
+        self._step_masks = {k: m.to(self._params[k].dtype) for k, m in self._active.items() if k in self._params}
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.mask_gradients:
             return
-        for name, mask in self._active.items():
-            p = self._params.get(name)
-            if p is not None and p.grad is not None:
-                p.grad.mul_(mask.to(p.grad.dtype))
+        for name, mask in self._step_masks.items():
+            g = self._params[name].grad
+            if g is not None:
+                g.mul_(mask)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self._mask_weights()
+        with torch.no_grad():
+            for name, mask in self._step_masks.items():
+                self._params[name].mul_(mask)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_masks = {}
