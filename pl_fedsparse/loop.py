@@ -40,6 +40,7 @@ from pl_fedsparse.callbacks.base import POLICIES, FederatedCallback
 from pl_fedsparse.checkpoint import atomic_write_text, dumps_json, load_checkpoint, save_checkpoint
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.errors import CheckpointError, ConfigError, check
+from pl_fedsparse.evaluation import CLEAN, EvalView, kind_metric, logits_metrics, merge_views, view_metric_prefix
 from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.metrics import SERVER, CommLedger, TrainFlops, summarize_accuracies
 from pl_fedsparse.topology import Star, Topology
@@ -351,64 +352,108 @@ class FederatedLoop:
         return self._flops.per_sample()
 
     @torch.inference_mode()
-    def evaluate_module(self, client_idx: int, split: str = "test", shift: float = 0.0) -> dict[str, float]:
-        """Accuracy and loss of the working module on one client's ``split`` data."""
+    def predict(self, client_idx: int, split: str = "test", shift: float = 0.0, corruption: str | None = None,
+                severity: int = 0) -> tuple[Tensor, Tensor]:
+        """CPU float logits and labels of the working module on one client's ``split`` data (optionally shifted
+        and/or corrupted, :meth:`FederatedDataModule.eval_loader`). Mixed precision as in training."""
         assert self.model is not None
         module = self.model.to(self.device)
         module.eval()
-        correct = torch.zeros((), dtype=torch.long, device=self.device)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        total = 0
         loader = self.datamodule.eval_loader(client_idx, split=split, shift=shift,
-                                             seed=stream_seed(self.seed, _STREAM_EVAL, client_idx))
+                                             seed=stream_seed(self.seed, _STREAM_EVAL, client_idx),
+                                             corruption=corruption, severity=severity)
         dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(self.precision)
         autocast = (torch.autocast(self.device.type, dtype=dtype) if dtype is not None
                     else contextlib.nullcontext())
+        logits, labels = [], []
         for x, y in loader:
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            x = x.to(self.device, non_blocking=True)
             with autocast:
-                logits = module(x)
-            correct += (logits.argmax(1) == y).sum()
-            loss += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
-            total += int(y.shape[0])
+                out = module(x)
+            logits.append(out.float().cpu())
+            labels.append(y.cpu())
         module.train()
-        n = max(total, 1)
-        return {"acc": float(correct) / n, "loss": float(loss) / n, "n": float(total)}
+        if not logits:
+            nc = int(self.datamodule.num_classes)
+            return torch.zeros(0, nc), torch.zeros(0, dtype=torch.long)
+        return torch.cat(logits), torch.cat(labels)
+
+    def evaluate_module(self, client_idx: int, split: str = "test", shift: float = 0.0) -> dict[str, float]:
+        """Accuracy and loss of the working module on one client's ``split`` data."""
+        return logits_metrics(*self.predict(client_idx, split, shift))
+
+    def eval_views(self) -> dict[str, EvalView]:
+        """The views of the coming evaluation: the clean one plus every callback's (:mod:`pl_fedsparse.evaluation`)."""
+        views: dict[str, EvalView] = {CLEAN.name: CLEAN}
+        for cb in self.fed_callbacks:
+            merge_views(views, list(cb.eval_views(self)))
+        return views
+
+    def _predict_views(self, client_idx: int, split: str, views: Mapping[str, EvalView]) -> dict[str, Tensor]:
+        cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        out: dict[str, Tensor] = {}
+        for name, v in views.items():
+            if v.key not in cache:
+                cache[v.key] = self.predict(client_idx, "train" if v.split == "train" else split, v.shift,
+                                            v.corruption, v.severity)
+            out[name] = cache[v.key][0]
+        self._view_labels = {name: cache[v.key][1] for name, v in views.items()}
+        return out
 
     def evaluate(self, split: str | None = None) -> dict[str, Any]:
-        """Evaluate every client's personal model (and the global model) on the client's own data."""
+        """Evaluate every client's personal model (and the global model) on the client's own data, on the clean view
+        and on every view the callbacks ask for (:mod:`pl_fedsparse.evaluation`)."""
         split = split or self.eval_split
-        personal: list[dict[str, float]] = []
-        glob: list[dict[str, float]] = []
+        views = self.eval_views()
         has_global = self.global_state is not None and self.eval_global
         # the personal result can stand for the global one only if no callback edits the loaded model
         edits = any(type(cb).on_client_evaluate_start is not FederatedCallback.on_client_evaluate_start
                     for cb in self.fed_callbacks)
+        per_client: list[dict[str, dict[str, dict[str, float]]]] = []  # [client][view][kind] -> metrics
         for k in range(self.num_clients):
+            outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
             state = self.personal_state(k)
-            self.load_state(state)
-            self.call("on_client_evaluate_start", self.model, k, "personal")
-            m = self.evaluate_module(k, split)
-            self.call("on_client_evaluate_end", self.model, k, "personal", m)
-            personal.append(m)
+            kinds = [("personal", state)]
             if has_global:
-                if state is self.global_state and not edits:
-                    glob.append(m)
+                kinds.append(("global", self.global_state))  # type: ignore[arg-type]
+            labels: dict[str, Tensor] = {}
+            for kind, st in kinds:
+                if kind == "global" and state is self.global_state and not edits:
+                    for name in views:
+                        outputs[name]["global"] = outputs[name]["personal"]
                     continue
-                self.load_state(self.global_state)  # type: ignore[arg-type]
-                self.call("on_client_evaluate_start", self.model, k, "global")
-                g = self.evaluate_module(k, split)
-                self.call("on_client_evaluate_end", self.model, k, "global", g)
-                glob.append(g)
-        n = [int(m["n"]) for m in personal]
+                self.load_state(st)
+                self.call("on_client_evaluate_start", self.model, k, kind)
+                preds = self._predict_views(k, split, views)
+                labels = self._view_labels
+                m = logits_metrics(preds[CLEAN.name], labels[CLEAN.name])
+                self.call("on_client_evaluate_end", self.model, k, kind, m)
+                for name, lg in preds.items():
+                    outputs[name][kind] = lg
+            self.call("on_client_predictions", k, outputs, labels)
+            per_client.append({name: {kind: logits_metrics(lg, labels[name]) for kind, lg in kinds_out.items()}
+                               for name, kinds_out in outputs.items() if views[name].report})
+        n = [int(pc[CLEAN.name]["personal"]["n"]) for pc in per_client]
+        personal = [pc[CLEAN.name]["personal"] for pc in per_client]
         out: dict[str, Any] = summarize_accuracies([m["acc"] for m in personal], n)
         out["loss_mean"] = float(np.mean([m["loss"] for m in personal]))
-        if glob:
-            gs = summarize_accuracies([g["acc"] for g in glob], n)
-            out["global_acc"] = gs["acc_mean"]
-            out["global_acc_weighted"] = gs["acc_weighted"]
-        else:
-            out["global_acc"] = None
+        out["global_acc"] = None
+        for name, v in views.items():
+            if not v.report:
+                continue
+            prefix = view_metric_prefix(name)
+            nv = [int(pc[name]["personal"]["n"]) for pc in per_client]
+            for kind in per_client[0][name] if per_client else []:
+                s = summarize_accuracies([pc[name][kind]["acc"] for pc in per_client], nv)
+                if kind == "personal":
+                    if name != CLEAN.name:
+                        out.update({f"{prefix}{key}": val for key, val in s.items()})
+                elif kind == "global":
+                    out[f"{prefix}global_acc"] = s["acc_mean"]
+                    out[f"{prefix}global_acc_weighted"] = s["acc_weighted"]
+                else:
+                    out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
+                    out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]
         out["client_acc"] = [m["acc"] for m in personal]
         return out
 

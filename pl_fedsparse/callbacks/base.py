@@ -10,6 +10,7 @@ broadcast hooks (every callback, -> None)  ``on_federation_start``, ``on_round_s
                                            ``on_client_fit_start``,
                                            ``on_client_fit_end``, ``on_before_aggregate``, ``on_after_aggregate``,
                                            ``on_client_evaluate_start``, ``on_client_evaluate_end``,
+                                           ``eval_views`` (collected), ``on_client_predictions``,
                                            ``on_round_end``, ``on_federation_end``
 policies (one owner, return a value)       ``select_clients``, ``client_message``, ``aggregate``, ``personal_state``
 =========================================  ==========================================================================
@@ -39,6 +40,7 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
+from pl_fedsparse.evaluation import EvalView
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -108,6 +110,17 @@ class FederatedCallback(pl.Callback):
         self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str, metrics: dict[str, float]
     ) -> None:
         """Called with the client's evaluation metrics (may add entries)."""
+
+    def eval_views(self, loop: FederatedLoop) -> list[EvalView]:
+        """Extra evaluation views for the coming evaluation (shift levels, corruptions, auxiliary data; see
+        :mod:`pl_fedsparse.evaluation`). Collected from every callback; default: none."""
+        return []
+
+    def on_client_predictions(self, loop: FederatedLoop, client_idx: int, outputs: dict[str, dict[str, Tensor]],
+                              labels: dict[str, Tensor]) -> None:
+        """Called once per client and evaluation with the CPU logits of every model kind on every view
+        (``outputs[view][kind]``, kinds ``"personal"`` and, if any, ``"global"``) and the views' labels; may add
+        kinds (e.g. ``outputs[view]["adaptive"]``), which the loop then reports as ``<kind>_acc``."""
 
     def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
         """Called at the end of a round with the round's metrics row (may add entries before it is logged)."""

@@ -25,6 +25,7 @@ import torch
 from pl_fedsparse.data.datasets import DATASETS, EMNIST_SPLITS, BaseDataset, load_dataset, synthetic_params
 from pl_fedsparse.data.loaders import TensorBatchLoader, normalize
 from pl_fedsparse.data.partition import SCHEMES, client_test_from_global, partition
+from pl_fedsparse.data.corruptions import CORRUPTIONS, corrupt
 from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
 from pl_fedsparse.errors import ConfigError, check
 
@@ -248,14 +249,16 @@ class FederatedDataModule(lightning.LightningDataModule):
         return TensorBatchLoader(self._train_x, self._train_y, self.batch_size, shuffle=True, generator_seed=seed,
                                  mean=self.base.mean, std=self.base.std, augment=self.augment, indices=idx)
 
-    def eval_loader(self, client_idx: int, split: Literal["val", "test"] = "test", shift: float = 0.0,
-                    seed: int = 0) -> TensorBatchLoader:
-        """Unshuffled, unaugmented evaluation batches of a client's val/test split.
+    def eval_loader(self, client_idx: int, split: Literal["train", "val", "test"] = "test", shift: float = 0.0,
+                    seed: int = 0, corruption: str | None = None, severity: int = 0) -> TensorBatchLoader:
+        """Unshuffled, unaugmented evaluation batches of a client's train/val/test split.
 
         With ``shift > 0`` a fraction ``shift`` of the samples is replaced by samples drawn uniformly from the base
-        test split (DM-PFL, :mod:`pl_fedsparse.data.shift`), seeded by ``(seed, client_idx)``.
+        test split (DM-PFL, :mod:`pl_fedsparse.data.shift`), seeded by ``(seed, client_idx)``. With ``corruption``
+        every image is corrupted at ``severity`` (1-5; :mod:`pl_fedsparse.data.corruptions`), seeded by
+        ``(seed, client_idx, corruption, severity)``.
         """
-        self._check_client(client_idx, split, ("val", "test"))
+        self._check_client(client_idx, split)
         check(_is_num(shift) and 0 <= shift <= 1, "shift", shift, "a number in [0, 1]")
         idx = self.client_indices(client_idx, split)
         images, labels, _ = self._source(split)
@@ -271,6 +274,14 @@ class FederatedDataModule(lightning.LightningDataModule):
                 labels = torch.cat([labels[torch.as_tensor(kept, device=labels.device)],
                                     self._test_y[torch.as_tensor(drawn, device=labels.device)]])
                 idx = None
+        if corruption is not None:
+            if idx is not None:
+                rows = torch.as_tensor(np.asarray(idx, dtype=np.int64), device=images.device)
+                images, labels, idx = images[rows], labels[rows], None
+            key = CORRUPTIONS.index(corruption) if corruption in CORRUPTIONS else -1
+            gen = torch.Generator().manual_seed(
+                int(np.random.SeedSequence([seed, client_idx, 101, key + 1, int(severity)]).generate_state(1)[0]))
+            images = corrupt(images.cpu(), corruption, severity, gen).to(labels.device)
         return TensorBatchLoader(images, labels, self.eval_batch_size, shuffle=False, generator_seed=seed, mean=mean,
                                  std=std, augment=False, indices=idx)
 
