@@ -1,4 +1,4 @@
-"""The dense baselines every sparse-PFL paper compares against: Local and FedAvg-FT.
+"""The dense baselines every sparse-PFL paper compares against: Local, FedAvg-FT and Ditto.
 
 FedAvg itself needs no callback: it is the loop's default (sample-weighted averaging of dense models, McMahan et al.
 2017, with the global model as every client's model).
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 from typing_extensions import override
 
@@ -22,7 +23,7 @@ from pl_fedsparse.metrics import SERVER
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["LocalTraining", "FineTune"]
+__all__ = ["LocalTraining", "FineTune", "Ditto"]
 
 
 class LocalTraining(FederatedCallback):
@@ -140,3 +141,85 @@ class FineTune(FederatedCallback):
                                  kind: str) -> None:
         if kind == "personal" and self.has_client_state(loop, client_idx, "weights"):
             loop.load_state(self.get_client_state(loop, client_idx, "weights"))
+
+
+class Ditto(FederatedCallback):
+    """Ditto (Li, Hu, Beirami, Smith, ICML 2021): FedAvg for the global model plus a λ-regularised personal model per
+    client.
+
+    Each sampled client first trains the global model as in FedAvg (Alg. 1 lines 4-5, the loop's default fit and
+    aggregation), then trains its personal model ``v_k`` for ``personal_epochs`` epochs on
+    ``F_k(v_k) + λ/2 · ‖v_k − w^t‖²`` where ``w^t`` is the global model it received this round (lines 6-7; the
+    gradient gets ``λ (v_k − w^t)``). The personal model is what is evaluated as "personal"; it is never uploaded.
+
+    Args:
+        lam: λ, the strength of the pull towards the global model (Ditto's CIFAR-10 setting: 0.1; DM-PFL tunes it).
+        personal_epochs: epochs of personal training per participation (default ``trainer.local_epochs``).
+
+    Example:
+        .. code-block:: yaml
+
+            trainer:
+              callbacks:
+                - class_path: pl_fedsparse.callbacks.Ditto
+                  init_args: {lam: 0.1}
+    """
+
+    _STREAM = 19  # random stream of the personal fits
+
+    def __init__(self, *, lam: float = 0.1, personal_epochs: int | None = None) -> None:
+        check(isinstance(lam, (int, float)) and not isinstance(lam, bool) and lam >= 0, "Ditto.lam", lam,
+              "a number >= 0")
+        check(personal_epochs is None or (isinstance(personal_epochs, int) and personal_epochs >= 1),
+              "Ditto.personal_epochs", personal_epochs, "an int >= 1 or null")
+        self.lam = float(lam)
+        self.personal_epochs = personal_epochs
+        self._ref: dict[str, Tensor] = {}
+        self._ref_dev: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(lam=self.lam, personal_epochs=self.personal_epochs)
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
+
+    @override
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        return self.get_client_state(loop, client_idx, "weights")
+
+    @override
+    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+        if loop.global_state is None:
+            return
+        self._ref = loop.global_state  # w^t: the model every participant received this round
+        try:
+            for u in updates:
+                if u.kind != "train":
+                    continue
+                personal = self.get_client_state(loop, u.client_idx, "weights")
+                upd = loop.fit_client(u.client_idx, personal, u.round_idx, epochs=self.personal_epochs,
+                                      stream=self._STREAM, kind="personal")
+                self.set_client_state(loop, u.client_idx, "weights", upd.state)
+        finally:
+            self._ref = {}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._ref:
+            self._ref_dev = [(p, self._ref[n].to(p.device, p.dtype)) for n, p in pl_module.named_parameters()
+                             if n in self._ref]
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._ref_dev or self.lam == 0:
+            return
+        with torch.no_grad():
+            for p, ref in self._ref_dev:  # ∇ λ/2 ‖v − w^t‖² = λ (v − w^t)
+                if p.grad is not None:
+                    p.grad.add_(p - ref, alpha=self.lam)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ref_dev = []

@@ -276,7 +276,7 @@ class FederatedDataModule(lightning.LightningDataModule):
                 idx = None
         if corruption is not None:
             if idx is not None:
-                rows = torch.as_tensor(np.asarray(idx, dtype=np.int64), device=images.device)
+                rows = torch.as_tensor(np.array(idx, dtype=np.int64, copy=True), device=images.device)
                 images, labels, idx = images[rows], labels[rows], None
             key = CORRUPTIONS.index(corruption) if corruption in CORRUPTIONS else -1
             gen = torch.Generator().manual_seed(

@@ -2,6 +2,7 @@
 
 from pl_fedsparse.functional.aggregation import masked_weighted_average, weighted_average
 from pl_fedsparse.functional.accounting import message_nbytes, sparse_nbytes, tensor_nbytes
+from pl_fedsparse.functional.inference import adaptive_choice, entropy, output_cosine
 from pl_fedsparse.functional.masks import (
     apply_masks, check_density, erk_densities, layer_densities, mask_density, masks_from_densities, random_mask,
     uniform_densities,
@@ -15,5 +16,5 @@ __all__ = [
     "apply_masks", "check_density", "random_mask", "uniform_densities",
     "erk_densities", "layer_densities", "masks_from_densities", "mask_density",
     "cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
-    "unpack_masks",
+    "unpack_masks", "adaptive_choice", "entropy", "output_cosine",
 ]

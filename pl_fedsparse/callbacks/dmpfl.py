@@ -1,0 +1,366 @@
+"""DM-PFL's dual-masked sparse training (Zhang, Zhou, Wang, Tong, "DM-PFL: Hitchhiking Generic Federated Learning for
+Efficient Shift-Robust Personalization", KDD 2023): :class:`DualMask`, and FedDST as its synchronised-mask special
+case (:class:`FedDST`).
+
+Objects (§3.2, Eq. 4): the server keeps global weights ``w_g`` (dense) and a global mask ``m_g``; client ``c`` keeps
+personal weights ``w_c`` (stored at its mask's positions only) and a personal mask ``m_c``, all at density ``1 − S``.
+The global model is ``θ_g = w_g ⊙ m_g``, the personal model ``θ_c = w_g ⊙ (m_g ∩ m_c) + w_c ⊙ (m_c − m_g)``.
+
+Schedule (§3.3.1, §4.3.2): ``T`` rounds are divided equally into ``2·iterations`` blocks alternating
+Phase 1 / Phase 2 (``iterations = 0``: Phase 1 only):
+
+* **Phase 1 — train dual masks (Alg. 1).** A sampled client receives ``m_g`` and ``m_g ⊙ w_g`` (line 4), overwrites
+  ``w_c`` at ``m_g ∩ m_c`` with ``w_g`` (line 6), trains ``w_c ⊙ m_c`` for E epochs with the gradient masked by
+  ``m_c`` (lines 7-9), readjusts ``m_c`` by prune-and-regrow (lines 10-12, :class:`GradientRegrow`'s rule and
+  schedules) and uploads ``w_c ⊙ m_c`` and ``m_c`` (line 13). The server applies Eq. 5 (per position, sample-weighted
+  over the clients holding it; positions nobody holds keep the old ``w_g``) and takes the new ``m_g`` as the top
+  ``1 − S`` positions by ``|w_g|`` among positions held by more than ``coverage_threshold`` of the sampled clients.
+* **Phase 2 — refine dual weights.** Global refinement (Alg. 2): FedAvg rounds under the fixed ``m_g`` (receive
+  ``w_g ⊙ m_g``, train with the gradient masked by ``m_g``, upload, sample-weighted average). At the end of each
+  Phase 2 block, personal refinement (Alg. 3): **every** client sets ``w_c`` at ``m_g ∩ m_c`` to ``w_g`` and trains
+  only ``m_c − m_g`` for ``personal_epochs`` epochs, with the shared positions frozen bit-exactly; nothing is
+  uploaded.
+
+Choices the paper leaves open (each an argument; documented in the README): the initial masks (one ERK draw
+shared by ``m_g`` and every ``m_c``), the readjustment rate and interval (``alpha0``, ``schedule``,
+``every_n_rounds``), regrown positions starting at zero (RigL) and uploaded as such, whether the global mask's top-k
+is taken per layer (at the ERK layer densities) or over the whole model (``global_mask_scope``), the number of
+iterations, when personal refinement runs (once per Phase 2 block, all clients), and that 1-D tensors (biases) are
+dense and shared (``dense_1d``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from pl_fedsparse.callbacks.prune_regrow import GradientRegrow
+from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.errors import check
+from pl_fedsparse.functional.aggregation import masked_weighted_average
+from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
+from pl_fedsparse.functional.masks import layer_densities
+from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.metrics import SERVER
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["DualMask", "FedDST"]
+
+Phase = Literal["mask", "global"]
+
+
+class DualMask(GradientRegrow):
+    """DM-PFL: dual masks, two-phase training (Alg. 1-3). Owns ``client_message``, ``aggregate`` and
+    ``personal_state``. Add :class:`~pl_fedsparse.callbacks.AdaptiveInference` for DM-PFL+ (Alg. 4).
+
+    Args:
+        density: ``1 − S``, the density of ``m_g`` and every ``m_c`` (paper: S = 0.5).
+        iterations: number of (Phase 1, Phase 2) repetitions over ``trainer.num_rounds`` (``0``: Phase 1 only).
+        coverage_threshold: positions held by no more than this fraction of the sampled clients are not eligible
+            for the global mask (paper: 0.3).
+        global_mask_scope: ``"layer"`` (top-k per tensor at its ERK density) or ``"model"`` (one magnitude
+            threshold over all masked tensors).
+        personal_epochs: local epochs of personal refinement (Alg. 3; default ``trainer.local_epochs``).
+        alpha0: readjustment rate α_s (initial rate for the cosine schedule).
+        schedule: ``"cosine"`` (FedSpa/DisPFL) or ``"constant"`` (FedDST-style: e.g. 0.01 every 10 rounds).
+        every_n_rounds: readjust in Phase 1 rounds ``t`` with ``t % every_n_rounds == 0``.
+        grow_batches: local batches whose |gradient| scores regrowth.
+        **kwargs: further :class:`~pl_fedsparse.callbacks.SparseMask` arguments (distribution, dense_1d, ...).
+
+    Example:
+        .. code-block:: yaml
+
+            trainer:
+              callbacks:
+                - class_path: pl_fedsparse.callbacks.DualMask
+                  init_args: {density: 0.5, iterations: 2, coverage_threshold: 0.3}
+                - class_path: pl_fedsparse.callbacks.AdaptiveInference   # DM-PFL+
+    """
+
+    _STREAM_PERSONAL = 17  # random stream of personal-refinement fits
+
+    def __init__(self, *, density: float = 0.5, iterations: int = 2, coverage_threshold: float = 0.3,
+                 global_mask_scope: Literal["layer", "model"] = "layer", personal_epochs: int | None = None,
+                 alpha0: float = 0.5, schedule: Literal["cosine", "constant"] = "cosine", every_n_rounds: int = 1,
+                 total_rounds: int | None = None, grow_batches: int = 1,
+                 distribution: Literal["erk", "uniform"] = "erk", erk_power_scale: float = 1.0,
+                 same_mask: bool = True, mask_gradients: bool = True, dense_1d: bool = True) -> None:
+        super().__init__(grow_batches=grow_batches, alpha0=alpha0, schedule=schedule, every_n_rounds=every_n_rounds,
+                         total_rounds=total_rounds, density=density, distribution=distribution,
+                         erk_power_scale=erk_power_scale, same_mask=same_mask, mask_gradients=mask_gradients,
+                         dense_1d=dense_1d)
+        name = type(self).__name__
+        check(isinstance(iterations, int) and not isinstance(iterations, bool) and iterations >= 0,
+              f"{name}.iterations", iterations, "an int >= 0")
+        check(0 <= coverage_threshold < 1, f"{name}.coverage_threshold", coverage_threshold, "a number in [0, 1)")
+        check(global_mask_scope in ("layer", "model"), f"{name}.global_mask_scope", global_mask_scope,
+              "one of layer, model")
+        check(personal_epochs is None or (isinstance(personal_epochs, int) and personal_epochs >= 1),
+              f"{name}.personal_epochs", personal_epochs, "an int >= 1 or null")
+        self.iterations = iterations
+        self.coverage_threshold = float(coverage_threshold)
+        self.global_mask_scope = global_mask_scope
+        self.personal_epochs = personal_epochs
+        self.global_mask: dict[str, Tensor] = {}
+        self._mode: str = "mask"
+        self._frozen: dict[str, Tensor] = {}
+        self._frozen_dev: dict[str, Tensor] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(density=self.density, iterations=self.iterations)
+
+    # ---- schedule ------------------------------------------------------------------------------------------------
+    def _boundaries(self, loop: FederatedLoop) -> list[int]:
+        blocks = 2 * self.iterations
+        return [round(i * loop.num_rounds / blocks) for i in range(blocks + 1)]
+
+    def phase(self, loop: FederatedLoop, round_idx: int) -> Phase:
+        """``"mask"`` (Phase 1, Alg. 1) or ``"global"`` (Phase 2 global refinement, Alg. 2) for ``round_idx``."""
+        if self.iterations == 0:
+            return "mask"
+        b = self._boundaries(loop)
+        block = max(i for i in range(len(b) - 1) if b[i] <= round_idx) if round_idx < b[-1] else len(b) - 2
+        return "mask" if block % 2 == 0 else "global"
+
+    def refines_personal_after(self, loop: FederatedLoop, round_idx: int) -> bool:
+        """Whether round ``round_idx`` closes a Phase 2 block (personal refinement, Alg. 3, follows it)."""
+        if self.iterations == 0:
+            return False
+        b = self._boundaries(loop)
+        return any(round_idx + 1 == b[i] and b[i] > b[i - 1] for i in range(2, len(b), 2))
+
+    # ---- state ---------------------------------------------------------------------------------------------------
+    def _masked(self, name: str) -> bool:
+        return name in self.global_mask
+
+    def personal_weights(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``w_c`` as dense tensors (zero outside ``m_c``) for the masked tensors."""
+        values = self.get_client_state(loop, client_idx, "weights")
+        out = {}
+        for name, m in masks.items():
+            dense = torch.zeros(m.shape, dtype=values[name].dtype)
+            dense[m] = values[name]
+            out[name] = dense
+        return out
+
+    def _store_weights(self, loop: FederatedLoop, client_idx: int, state: dict[str, Tensor],
+                       masks: dict[str, Tensor]) -> None:
+        self.set_client_state(loop, client_idx, "weights",
+                              {name: state[name][m].clone() for name, m in masks.items()})
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        super().setup_federation(loop)  # m_c: one ERK draw (same_mask) per client, bit-packed
+        init = loop.initial_state
+        self.global_mask = {k: m.clone() for k, m in self.draw_mask(loop, 0).items()}  # m_g: the shared draw
+        self.add_client_state(loop, "weights", lambda k: {name: init[name][m].clone()
+                                                           for name, m in self.masks(loop, k).items()})
+        densities = layer_densities(self._shapes, self.density, self.distribution, self.erk_power_scale,
+                                    self.dense_1d)
+        self._counts = {k: int(round(densities[k] * m.numel())) for k, m in self.global_mask.items()}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_mask": pack_masks(self.global_mask)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "global_mask" in state_dict:
+            self.global_mask = unpack_masks(state_dict["global_mask"], self._shapes)
+
+    # ---- policies ------------------------------------------------------------------------------------------------
+    def _global_message(self, loop: FederatedLoop) -> Message:
+        assert loop.global_state is not None
+        tensors = {k: (v * self.global_mask[k].to(v.dtype) if self._masked(k) else v)
+                   for k, v in loop.global_state.items()}
+        return Message(tensors, dict(self.global_mask))
+
+    @override
+    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+        return self._global_message(loop)  # Alg. 1 line 4 / Alg. 2 line 4: m_g and m_g ⊙ w_g
+
+    @override
+    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+        pass  # the message is already m_g ⊙ w_g (SparseMask would mask it by m_c)
+
+    @override
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        """Eq. 4: ``θ_c = w_g ⊙ (m_g ∩ m_c) + w_c ⊙ (m_c − m_g)`` (unmasked tensors: ``w_g``)."""
+        assert loop.global_state is not None
+        masks = self.masks(loop, client_idx)
+        w_c = self.personal_weights(loop, client_idx, masks)
+        state = dict(loop.global_state)
+        for name, m_c in masks.items():
+            state[name] = compose_personal(loop.global_state[name], self.global_mask[name], w_c[name], m_c)
+        return state
+
+    @override
+    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+        glob = loop.global_state
+        sent = [u for u in updates if u.message is not None]
+        if glob is None or not sent:
+            return glob
+        weights = [float(u.n_samples) for u in sent]
+        masks = [u.message.masks for u in sent]  # type: ignore[union-attr]
+        new: dict[str, Tensor] = {}
+        for name, w in glob.items():
+            if not w.is_floating_point():
+                new[name] = w
+                continue
+            vals = [u.message.tensors[name] for u in sent]  # type: ignore[union-attr]
+            ms = [m.get(name) for m in masks]
+            # Eq. 5 (Phase 1) / masked FedAvg (Phase 2, all masks = m_g): positions nobody holds keep w_g
+            new[name] = masked_weighted_average(vals, weights, ms, fallback=w)
+        if self.phase(loop, sent[0].round_idx) == "mask":
+            coverage = {k: mask_coverage([m[k] for m in masks]) for k in self.global_mask}
+            self.global_mask = select_global_mask({k: new[k] for k in self.global_mask}, coverage, len(sent),
+                                                  self._counts, self.coverage_threshold, self.global_mask_scope)
+        return new
+
+    # ---- client fits ---------------------------------------------------------------------------------------------
+    @override
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
+        mode = self._mode if self._mode == "personal" else self.phase(loop, loop.round_idx)
+        params = dict(module.named_parameters())
+        m_c = self.masks(loop, client_idx)
+        self._frozen = {}
+        if mode == "global":  # Alg. 2: train w_g ⊙ m_g
+            self._active = {k: m.clone() for k, m in self.global_mask.items()}
+        else:
+            w_c = self.personal_weights(loop, client_idx, m_c)
+            with torch.no_grad():
+                for name, m in m_c.items():  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
+                    p = params[name]
+                    start = compose_personal(p.detach().cpu(), self.global_mask[name], w_c[name], m)
+                    p.copy_(start.to(p.device, p.dtype))
+            if mode == "personal":  # Alg. 3 line 6: only m_c − m_g moves; the shared part is frozen bit-exactly
+                self._active = {k: m & ~self.global_mask[k] for k, m in m_c.items()}
+                self._frozen = {k: params[k].detach().cpu() * (m & self.global_mask[k]).to(params[k].dtype)
+                                for k, m in m_c.items()}
+                for name, p in params.items():  # unmasked tensors (biases) are shared: frozen too
+                    if name not in m_c:
+                        self._active[name] = torch.zeros(p.shape, dtype=torch.bool)
+                        self._frozen[name] = p.detach().cpu().clone()
+            else:  # Alg. 1 lines 7-9: train under m_c
+                self._active = m_c
+        self._params = params
+        self._fit_mode = mode
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._frozen_dev = {k: v.to(pl_module.device, self._params[k].dtype) for k, v in self._frozen.items()}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # p ← p ⊙ trainable
+        if self._frozen_dev:
+            with torch.no_grad():  # weight decay and momentum must not move frozen entries
+                for name, frozen in self._frozen_dev.items():
+                    self._params[name].add_(frozen)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._frozen_dev = {}
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        mode = getattr(self, "_fit_mode", "mask")
+        k = update.client_idx
+        m_c = self.masks(loop, k)
+        self._active, self._params, self._frozen = {}, {}, {}
+        if mode == "global":  # Alg. 2 line 9: upload w ⊙ m_g
+            update.masks = dict(self.global_mask)
+            update.message = Message({n: (v * self.global_mask[n].to(v.dtype) if self._masked(n) else v)
+                                      for n, v in update.state.items()}, dict(self.global_mask))
+            return
+        update.masks = m_c
+        if mode == "personal":  # Alg. 3: keep w_c, upload nothing
+            self._store_weights(loop, k, update.state, m_c)
+            update.message = None
+            return
+        nxt = self.next_masks(loop, module, update) if self.phase(loop, update.round_idx) == "mask" else None
+        new = nxt if nxt is not None else m_c
+        if nxt is not None:
+            self.set_masks(loop, k, nxt)
+            update.extras["next_mask"] = nxt
+        self._store_weights(loop, k, update.state, new)  # regrown positions start at zero (RigL)
+        # Alg. 1 line 13: upload w_c ⊙ m_c and m_c (the readjusted mask)
+        update.message = Message({n: (v * new[n].to(v.dtype) if n in new else v) for n, v in update.state.items()},
+                                 dict(new))
+
+    @override
+    def on_after_aggregate(self, loop: FederatedLoop) -> None:
+        if not self.refines_personal_after(loop, loop.round_idx):
+            return
+        message = self._global_message(loop)  # Alg. 3 line 2: every client receives m_g and m_g ⊙ w_g
+        self._mode = "personal"
+        try:
+            for k in range(loop.num_clients):
+                loop.comm.record(SERVER, k, message.nbytes())
+                start = {**loop.global_state, **message.tensors}  # type: ignore[dict-item]
+                loop.fit_client(k, start, loop.round_idx, epochs=self.personal_epochs or loop.local_epochs,
+                                stream=self._STREAM_PERSONAL, kind="personal_refine")
+        finally:
+            self._mode = "mask"
+
+    @override
+    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+                                 kind: str) -> None:
+        if kind == "global":  # θ_g = w_g ⊙ m_g
+            with torch.no_grad():
+                for name, p in module.named_parameters():
+                    if self._masked(name):
+                        p.mul_(self.global_mask[name].to(p.device, p.dtype))
+
+    @override
+    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+        metrics["dmpfl_phase"] = 1 if self.phase(loop, round_idx) == "mask" else 2
+        total = sum(m.numel() for m in self.global_mask.values())
+        metrics["global_mask_density"] = sum(int(m.sum()) for m in self.global_mask.values()) / max(total, 1)
+
+
+class FedDST(DualMask):
+    """FedDST (Bibikar et al., AAAI 2022) — generic sparse FL with server-synchronised masks, as DM-PFL's baseline.
+
+    One global sparse model: every sampled client starts from ``m_g ⊙ w_g`` under ``m_c = m_g``, trains, readjusts
+    its mask by prune-and-regrow, and uploads; the server averages per position over the clients holding it and
+    keeps the top ``1 − S`` positions by magnitude (no coverage threshold). The personal model is the global one.
+
+    Args:
+        alpha0: readjustment rate (FedDST: 0.01, constant).
+        every_n_rounds: readjustment interval (FedDST: 10 rounds).
+        **kwargs: :class:`DualMask` arguments.
+    """
+
+    def __init__(self, *, density: float = 0.5, alpha0: float = 0.01,
+                 schedule: Literal["cosine", "constant"] = "constant", every_n_rounds: int = 10,
+                 coverage_threshold: float = 0.0, global_mask_scope: Literal["layer", "model"] = "layer",
+                 grow_batches: int = 1, distribution: Literal["erk", "uniform"] = "erk",
+                 dense_1d: bool = True) -> None:
+        super().__init__(density=density, iterations=0, coverage_threshold=coverage_threshold,
+                         global_mask_scope=global_mask_scope, alpha0=alpha0, schedule=schedule,
+                         every_n_rounds=every_n_rounds, grow_batches=grow_batches, distribution=distribution,
+                         dense_1d=dense_1d)
+
+    @override
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
+        assert loop.global_state is not None
+        self.set_masks(loop, client_idx, self.global_mask)  # masks are synchronised by the server
+        self._store_weights(loop, client_idx, loop.global_state, self.global_mask)
+        super().on_client_fit_start(loop, module, client_idx)
+
+    @override
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        assert loop.global_state is not None
+        return self._global_message(loop).tensors
