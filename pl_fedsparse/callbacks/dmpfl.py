@@ -71,6 +71,7 @@ class DualMask(GradientRegrow):
         alpha0: readjustment rate α_s (initial rate for the cosine schedule).
         schedule: ``"cosine"`` (FedSpa/DisPFL) or ``"constant"`` (FedDST-style: e.g. 0.01 every 10 rounds).
         every_n_rounds: readjust in Phase 1 rounds ``t`` with ``t % every_n_rounds == 0``.
+        total_rounds: ``T`` of the phase schedule and of the cosine rate (default: ``trainer.num_rounds``).
         grow_batches: local batches whose |gradient| scores regrowth.
         **kwargs: further :class:`~pl_fedsparse.callbacks.SparseMask` arguments (distribution, dense_1d, ...).
 
@@ -120,7 +121,8 @@ class DualMask(GradientRegrow):
     # ---- schedule ------------------------------------------------------------------------------------------------
     def _boundaries(self, loop: FederatedLoop) -> list[int]:
         blocks = 2 * self.iterations
-        return [round(i * loop.num_rounds / blocks) for i in range(blocks + 1)]
+        total = self.total_rounds or loop.num_rounds
+        return [round(i * total / blocks) for i in range(blocks + 1)]
 
     def phase(self, loop: FederatedLoop, round_idx: int) -> Phase:
         """``"mask"`` (Phase 1, Alg. 1) or ``"global"`` (Phase 2 global refinement, Alg. 2) for ``round_idx``."""
