@@ -13,8 +13,9 @@ declare -A V=(
 )
 for name in "${!V[@]}"; do
   for seed in 0 1; do
-    sed "s/coverage_threshold: 0.3  # why: the paper's 30 % rule/coverage_threshold: 0.3, ${V[$name]}/" \
-      configs/synthetic_dmpfl.yaml > "/tmp/sweep_$name.yaml"
+    python -c "import sys; s = open('configs/synthetic_dmpfl.yaml').read(); extra = sys.argv[1].replace(', ', '\n        ');
+print(s.replace('coverage_threshold: 0.3  # why: the paper\'s 30 % rule', 'coverage_threshold: 0.3\n        ' + extra), end='')" \
+      "${V[$name]}" > "/tmp/sweep_$name.yaml"
     pl-fed fit --config "/tmp/sweep_$name.yaml" --seed_everything $seed --data.seed $seed --trainer.overwrite true \
       --trainer.enable_progress_bar false --trainer.default_root_dir "$OUT/${name}_s$seed" > /dev/null
   done
