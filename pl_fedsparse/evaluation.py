@@ -32,7 +32,7 @@ from torch import Tensor
 from pl_fedsparse.data.corruptions import CORRUPTIONS
 from pl_fedsparse.errors import check
 
-__all__ = ["EvalView", "CLEAN", "view_metric_prefix", "kind_metric"]
+__all__ = ["CLEAN", "EvalView", "kind_metric", "view_metric_prefix"]
 
 
 @dataclass(frozen=True)

@@ -749,6 +749,11 @@ class FederatedLoop:
             ("personal acc (bottom decile)", pct(row.get("acc_bottom10"))),
             ("global model acc", pct(row.get("global_acc"))),
         ]
+        extra = [("adaptive acc (DM-PFL+)", "adaptive_acc"), ("personal model alone", "personal_only_acc"),
+                 ("personal acc @ 100 % shift", "shift100/acc_mean"), ("global acc @ 100 % shift", "shift100/global_acc"),
+                 ("personal acc, mean over shifts", "shift_avg/acc_mean"),
+                 ("personal acc, mean over corruptions", "corruption_avg/acc_mean")]
+        items += [(label, pct(row[key])) for label, key in extra if row.get(key) is not None]
         if "comm_cum_bytes_total" in summary:
             items += [
                 ("communication total (MB)", f"{summary['comm_cum_bytes_total'] / 1e6:.2f}"),

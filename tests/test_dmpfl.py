@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+
 import pytest
 import torch
-
 from conftest import tiny_datamodule, tiny_loop, tiny_module
+
 from pl_fedsparse import ClientUpdate, ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import Ditto, DualMask, FedDST
 from pl_fedsparse.client import Message

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_datamodule, tiny_loop, tiny_module
+
 from pl_fedsparse import ConfigError
 from pl_fedsparse.callbacks import AdaptiveInference, DualMask, FineTune, LocalTraining, ShiftEvaluation
 from pl_fedsparse.data.corruptions import CORRUPTIONS, corrupt
@@ -146,7 +146,7 @@ def test_shift_evaluation_reports_every_kind_per_view(tmp_path: Path) -> None:
 def test_shift0_view_equals_the_clean_evaluation(tmp_path: Path) -> None:
     loop = tiny_loop(tmp_path, num_rounds=1, callbacks=[LocalTraining()])
     loop.fit(tiny_module(), tiny_datamodule())
-    logits, labels = loop.predict(0, "test")
+    logits, _ = loop.predict(0, "test")
     logits0, _ = loop.predict(0, "test", shift=0.0)
     assert torch.equal(logits, logits0)
     with pytest.raises(ConfigError, match="EvalView.shift=2"):

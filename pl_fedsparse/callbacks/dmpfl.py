@@ -44,7 +44,6 @@ from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
-from pl_fedsparse.functional.masks import layer_densities
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 from pl_fedsparse.metrics import SERVER
 
@@ -165,9 +164,8 @@ class DualMask(GradientRegrow):
         self.global_mask = {k: m.clone() for k, m in self.draw_mask(loop, 0).items()}  # m_g: the shared draw
         self.add_client_state(loop, "weights", lambda k: {name: init[name][m].clone()
                                                            for name, m in self.masks(loop, k).items()})
-        densities = layer_densities(self._shapes, self.density, self.distribution, self.erk_power_scale,
-                                    self.dense_1d)
-        self._counts = {k: int(round(densities[k] * m.numel())) for k, m in self.global_mask.items()}
+        # m_g keeps as many positions per layer as the initial ERK draw (the personal masks' exact counts)
+        self._counts = {k: int(m.sum()) for k, m in self.global_mask.items()}
 
     @override
     def state_dict(self) -> dict[str, Any]:

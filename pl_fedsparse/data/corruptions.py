@@ -75,7 +75,7 @@ def _impulse_noise(x: Tensor, c: float, gen: torch.Generator) -> Tensor:
 
 def _filter(x: Tensor, kernel: Tensor) -> Tensor:
     """Depthwise 2-D filtering with reflect padding (kernel ``[k, k]``, odd ``k``)."""
-    n, ch, h, w = x.shape
+    _, ch, h, w = x.shape
     k = kernel.shape[-1]
     pad = k // 2
     if pad >= min(h, w):  # reflect padding needs pad < size: fall back to replicate
@@ -107,7 +107,7 @@ def _defocus_blur(x: Tensor, c: tuple[float, float], gen: torch.Generator) -> Te
     kernel = F.conv2d(F.pad(disk[None, None], (1, 1, 1, 1)), smooth[None, None])[0, 0]
     nz = kernel.abs().sum(0) > 1e-12  # crop the all-zero border (same filter, smaller kernel)
     idx = torch.nonzero(nz).flatten()
-    r = int(max(8 - int(idx.min()), int(idx.max()) - 8))
+    r = max(8 - int(idx.min()), int(idx.max()) - 8)
     kernel = kernel[8 - r:9 + r, 8 - r:9 + r]
     return _filter(x, (kernel / kernel.sum()).float()).clamp_(0, 1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["entropy", "output_cosine", "adaptive_choice"]
+__all__ = ["adaptive_choice", "entropy", "output_cosine"]
 
 
 def entropy(logits: Tensor) -> Tensor:
