@@ -454,6 +454,7 @@ class FederatedLoop:
                 else:
                     out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
                     out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]
+        self.call("on_evaluation_end", out)
         out["client_acc"] = [m["acc"] for m in personal]
         return out
 

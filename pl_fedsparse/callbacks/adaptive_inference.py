@@ -98,7 +98,7 @@ class AdaptiveInference(FederatedCallback):
                 kinds["adaptive"] = adaptive
 
     @override
-    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
         if metrics.get("acc_mean") is None:
             return
         for view, (chose_c, total) in self._counts.items():

@@ -11,6 +11,7 @@ broadcast hooks (every callback, -> None)  ``on_federation_start``, ``on_round_s
                                            ``on_client_fit_end``, ``on_before_aggregate``, ``on_after_aggregate``,
                                            ``on_client_evaluate_start``, ``on_client_evaluate_end``,
                                            ``eval_views`` (collected), ``on_client_predictions``,
+                                           ``on_evaluation_end``,
                                            ``on_round_end``, ``on_federation_end``
 policies (one owner, return a value)       ``select_clients``, ``client_message``, ``aggregate``, ``personal_state``
 =========================================  ==========================================================================
@@ -121,6 +122,10 @@ class FederatedCallback(pl.Callback):
         """Called once per client and evaluation with the CPU logits of every model kind on every view
         (``outputs[view][kind]``, kinds ``"personal"`` and, if any, ``"global"``) and the views' labels; may add
         kinds (e.g. ``outputs[view]["adaptive"]``), which the loop then reports as ``<kind>_acc``."""
+
+    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+        """Called after every client was evaluated (during ``fit`` and in ``validate``/``test``) with the evaluation's
+        metrics; may add derived entries (e.g. averages over shift levels)."""
 
     def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
         """Called at the end of a round with the round's metrics row (may add entries before it is logged)."""

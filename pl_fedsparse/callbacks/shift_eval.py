@@ -97,7 +97,7 @@ class ShiftEvaluation(FederatedCallback):
         return self.views() if self._due(loop) else []
 
     @override
-    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
         views = self.views()
         if not views or f"{views[0].name}/acc_mean" not in metrics:  # not evaluated under shift this round
             return
