@@ -229,7 +229,7 @@ class DualMask(GradientRegrow):
     @override
     def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
         mode = self._mode if self._mode == "personal" else self.phase(loop, loop.round_idx)
-        params = dict(module.named_parameters())
+        params: dict[str, Tensor] = dict(module.named_parameters())
         m_c = self.masks(loop, client_idx)
         self._frozen = {}
         if mode == "global":  # Alg. 2: train w_g ⊙ m_g
