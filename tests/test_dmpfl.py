@@ -118,6 +118,15 @@ def test_phase_schedule(tmp_path: Path) -> None:
         DualMask(iterations=-1)
     with pytest.raises(ConfigError, match="DualMask.coverage_threshold=1.5"):
         DualMask(coverage_threshold=1.5)
+    # T = 30, 2 iterations: blocks start at round(0), round(7.5) = 8, 15, round(22.5) = 22
+    loop30 = tiny_loop(tmp_path, num_rounds=30)
+    phases = [dm.phase(loop30, r) for r in range(30)]
+    assert phases == ["mask"] * 8 + ["global"] * 7 + ["mask"] * 7 + ["global"] * 8
+    assert [r for r in range(30) if dm.refines_personal_after(loop30, r)] == [14, 29]
+    # each phase needs at least one round
+    too_short = tiny_loop(tmp_path / "short", num_rounds=3, callbacks=[DualMask(iterations=2)])
+    with pytest.raises(ConfigError, match="DualMask.iterations=2 is invalid: expected at most 1 for 3 rounds"):
+        too_short.fit(tiny_module(), tiny_datamodule())
     with pytest.raises(ConfigError, match="DualMask.global_mask_scope='all'"):
         DualMask(global_mask_scope="all")  # type: ignore[arg-type]
 

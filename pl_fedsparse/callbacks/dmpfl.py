@@ -119,6 +119,7 @@ class DualMask(GradientRegrow):
 
     # ---- schedule ------------------------------------------------------------------------------------------------
     def _boundaries(self, loop: FederatedLoop) -> list[int]:
+        """First round of each block: ``round(i · T / (2 · iterations))`` (Python's round, half to even)."""
         blocks = 2 * self.iterations
         total = self.total_rounds or loop.num_rounds
         return [round(i * total / blocks) for i in range(blocks + 1)]
@@ -159,6 +160,9 @@ class DualMask(GradientRegrow):
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
+        total = self.total_rounds or loop.num_rounds
+        check(self.iterations == 0 or total >= 2 * self.iterations, f"{type(self).__name__}.iterations",
+              self.iterations, f"at most {total // 2} for {total} rounds (each phase needs a round), or 0")
         super().setup_federation(loop)  # m_c: one ERK draw (same_mask) per client, bit-packed
         init = loop.initial_state
         self.global_mask = {k: m.clone() for k, m in self.draw_mask(loop, 0).items()}  # m_g: the shared draw
