@@ -148,11 +148,18 @@ class _Record(FederatedCallback):
         self.fits.append(update)
 
 
-def test_phase2_trains_exactly_the_positions_it_should(tmp_path: Path) -> None:
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize(("accelerator", "precision"), [("cpu", "32-true"), ("cpu", "bf16-mixed"),
+                                                        pytest.param("gpu", "16-mixed", marks=_GPU),
+                                                        pytest.param("gpu", "bf16-mixed", marks=_GPU)])
+def test_phase2_trains_exactly_the_positions_it_should(tmp_path: Path, accelerator: str, precision: str) -> None:
     rec = _Record()
     dm = DualMask(density=0.5, iterations=1, alpha0=0.3)
     # weight decay and momentum would move frozen entries if they were only gradient-masked
-    loop = tiny_loop(tmp_path, num_rounds=2, clients_per_round=2, callbacks=[rec, dm])
+    loop = tiny_loop(tmp_path, num_rounds=2, clients_per_round=2, callbacks=[rec, dm], accelerator=accelerator,
+                     precision=precision)
     loop.fit(tiny_module(weight_decay=0.05, momentum=0.9), tiny_datamodule())
     assert [dm.phase(loop, r) for r in range(2)] == ["mask", "global"]
 
