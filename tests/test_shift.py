@@ -175,6 +175,10 @@ def test_adaptive_inference_in_a_federation(tmp_path: Path) -> None:
     loop3 = tiny_loop(tmp_path / "c", num_rounds=1, callbacks=[LocalTraining(), AdaptiveInference()])
     with pytest.raises(ConfigError, match="AdaptiveInference needs a global model"):
         loop3.fit(tiny_module(), tiny_datamodule())
+    loop4 = tiny_loop(tmp_path / "d", num_rounds=1, eval_global=False, callbacks=[AdaptiveInference()])
+    with pytest.raises(ConfigError, match="AdaptiveInference needs a global model"):
+        loop4.fit(tiny_module(), tiny_datamodule())
+    assert not (tmp_path / "d" / "checkpoints").exists()  # refused before any round was trained
 
 
 def test_adaptive_predictions_pick_rows_of_the_chosen_model(tmp_path: Path) -> None:

@@ -68,6 +68,12 @@ class AdaptiveInference(FederatedCallback):
         self.base_entropies: dict[int, tuple[float, float]] = {}
 
     @override
+    def on_federation_start(self, loop: FederatedLoop) -> None:
+        if not loop.eval_global or not loop.topology.has_server:  # fail before training, not at the first evaluation
+            raise ConfigError("trainer.callbacks is invalid: AdaptiveInference needs a global model next to the "
+                              "personal ones (a server method, with trainer.eval_global: true)")
+
+    @override
     def eval_views(self, loop: FederatedLoop) -> list[EvalView]:
         self._counts = {}  # called once at the start of every evaluation
         if loop.global_state is None or not loop.eval_global:
