@@ -72,7 +72,11 @@ class DualMask(GradientRegrow):
         every_n_rounds: readjust in Phase 1 rounds ``t`` with ``t % every_n_rounds == 0``.
         total_rounds: ``T`` of the phase schedule and of the cosine rate (default: ``trainer.num_rounds``).
         grow_batches: local batches whose |gradient| scores regrowth.
-        **kwargs: further :class:`~pl_fedsparse.callbacks.SparseMask` arguments (distribution, dense_1d, ...).
+        distribution: layer densities of the initial masks, ``"erk"`` or ``"uniform"``.
+        erk_power_scale: exponent of the ERK scores.
+        same_mask: one initial draw for ``m_g`` and every ``m_c`` (else one per client; ``m_g`` is client 0's draw).
+        mask_gradients: also mask gradients after each backward pass (weights are re-masked after every step).
+        dense_1d: leave 1-D tensors (biases) dense and shared.
 
     Example:
         .. code-block:: yaml
@@ -344,7 +348,9 @@ class FedDST(DualMask):
     Args:
         alpha0: readjustment rate (FedDST: 0.01, constant).
         every_n_rounds: readjustment interval (FedDST: 10 rounds).
-        **kwargs: :class:`DualMask` arguments.
+        coverage_threshold: positions held by no more than this fraction of the sampled clients are ignored by the
+            server's top-k (FedDST: none, 0).
+        global_mask_scope, grow_batches, distribution, dense_1d: as in :class:`DualMask`.
     """
 
     def __init__(self, *, density: float = 0.5, alpha0: float = 0.01,
