@@ -22,7 +22,6 @@ metric                   meaning
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,9 +109,9 @@ def logits_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
     return {"acc": acc, "loss": loss, "n": float(n)}
 
 
-def merge_views(views: Mapping[str, EvalView], new: list[EvalView]) -> None:
+def merge_views(views: dict[str, EvalView], new: list[EvalView]) -> None:
     """Add ``new`` to ``views`` (by name); a name used twice for different views is an error."""
     for v in new:
         old = views.get(v.name)
         check(old is None or old == v, "eval_views", v.name, "distinct names for distinct views")
-        views[v.name] = v  # type: ignore[index]
+        views[v.name] = v

@@ -351,17 +351,18 @@ class FederatedLoop:
         assert self._flops is not None
         return self._flops.per_sample()
 
+    def _eval_loader(self, client_idx: int, split: str, shift: float = 0.0, corruption: str | None = None,
+                     severity: int = 0) -> Any:
+        return self.datamodule.eval_loader(client_idx, split=split, shift=shift,
+                                           seed=stream_seed(self.seed, _STREAM_EVAL, client_idx),
+                                           corruption=corruption, severity=severity)
+
     @torch.inference_mode()
-    def predict(self, client_idx: int, split: str = "test", shift: float = 0.0, corruption: str | None = None,
-                severity: int = 0) -> tuple[Tensor, Tensor]:
-        """CPU float logits and labels of the working module on one client's ``split`` data (optionally shifted
-        and/or corrupted, :meth:`FederatedDataModule.eval_loader`). Mixed precision as in training."""
+    def _logits(self, loader: Any) -> tuple[Tensor, Tensor]:
+        """CPU float logits and labels of the working module over an evaluation loader (autocast as in training)."""
         assert self.model is not None
         module = self.model.to(self.device)
         module.eval()
-        loader = self.datamodule.eval_loader(client_idx, split=split, shift=shift,
-                                             seed=stream_seed(self.seed, _STREAM_EVAL, client_idx),
-                                             corruption=corruption, severity=severity)
         dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(self.precision)
         autocast = (torch.autocast(self.device.type, dtype=dtype) if dtype is not None
                     else contextlib.nullcontext())
@@ -374,9 +375,14 @@ class FederatedLoop:
             labels.append(y.cpu())
         module.train()
         if not logits:
-            nc = int(self.datamodule.num_classes)
-            return torch.zeros(0, nc), torch.zeros(0, dtype=torch.long)
+            return torch.zeros(0, int(self.datamodule.num_classes)), torch.zeros(0, dtype=torch.long)
         return torch.cat(logits), torch.cat(labels)
+
+    def predict(self, client_idx: int, split: str = "test", shift: float = 0.0, corruption: str | None = None,
+                severity: int = 0) -> tuple[Tensor, Tensor]:
+        """CPU float logits and labels of the working module on one client's ``split`` data (optionally shifted
+        and/or corrupted, :meth:`FederatedDataModule.eval_loader`). Mixed precision as in training."""
+        return self._logits(self._eval_loader(client_idx, split, shift, corruption, severity))
 
     def evaluate_module(self, client_idx: int, split: str = "test", shift: float = 0.0) -> dict[str, float]:
         """Accuracy and loss of the working module on one client's ``split`` data."""
@@ -389,17 +395,6 @@ class FederatedLoop:
             merge_views(views, list(cb.eval_views(self)))
         return views
 
-    def _predict_views(self, client_idx: int, split: str, views: Mapping[str, EvalView]) -> dict[str, Tensor]:
-        cache: dict[tuple, tuple[Tensor, Tensor]] = {}
-        out: dict[str, Tensor] = {}
-        for name, v in views.items():
-            if v.key not in cache:
-                cache[v.key] = self.predict(client_idx, "train" if v.split == "train" else split, v.shift,
-                                            v.corruption, v.severity)
-            out[name] = cache[v.key][0]
-        self._view_labels = {name: cache[v.key][1] for name, v in views.items()}
-        return out
-
     def evaluate(self, split: str | None = None) -> dict[str, Any]:
         """Evaluate every client's personal model (and the global model) on the client's own data, on the clean view
         and on every view the callbacks ask for (:mod:`pl_fedsparse.evaluation`)."""
@@ -411,33 +406,31 @@ class FederatedLoop:
                     for cb in self.fed_callbacks)
         per_client: list[dict[str, dict[str, dict[str, float]]]] = []  # [client][view][kind] -> metrics
         for k in range(self.num_clients):
-            outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
+            # one loader per distinct view (shifted / corrupted once per client), shared by every model kind
+            loaders: dict[tuple, Any] = {}
+            for v in views.values():
+                if v.key not in loaders:
+                    loaders[v.key] = self._eval_loader(k, "train" if v.split == "train" else split, v.shift,
+                                                       v.corruption, v.severity)
             state = self.personal_state(k)
-            kinds = [("personal", state)]
-            if has_global:
-                kinds.append(("global", self.global_state))  # type: ignore[arg-type]
+            kinds = [("personal", state)] + ([("global", self.global_state)] if has_global else [])
+            outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
             labels: dict[str, Tensor] = {}
             for kind, st in kinds:
                 if kind == "global" and state is self.global_state and not edits:
                     for name in views:
                         outputs[name]["global"] = outputs[name]["personal"]
                     continue
-                self.load_state(st)
+                self.load_state(st)  # type: ignore[arg-type]
                 self.call("on_client_evaluate_start", self.model, k, kind)
-                preds = self._predict_views(k, split, views)
-                labels = self._view_labels
-                m = logits_metrics(preds[CLEAN.name], labels[CLEAN.name])
-                self.call("on_client_evaluate_end", self.model, k, kind, m)
-                for name, lg in preds.items():
-                    outputs[name][kind] = lg
+                results = {key: self._logits(loader) for key, loader in loaders.items()}
+                self.call("on_client_evaluate_end", self.model, k, kind, logits_metrics(*results[CLEAN.key]))
+                for name, v in views.items():
+                    outputs[name][kind], labels[name] = results[v.key]
             self.call("on_client_predictions", k, outputs, labels)
             per_client.append({name: {kind: logits_metrics(lg, labels[name]) for kind, lg in kinds_out.items()}
                                for name, kinds_out in outputs.items() if views[name].report})
-        n = [int(pc[CLEAN.name]["personal"]["n"]) for pc in per_client]
-        personal = [pc[CLEAN.name]["personal"] for pc in per_client]
-        out: dict[str, Any] = summarize_accuracies([m["acc"] for m in personal], n)
-        out["loss_mean"] = float(np.mean([m["loss"] for m in personal]))
-        out["global_acc"] = None
+        out: dict[str, Any] = {}
         for name, v in views.items():
             if not v.report:
                 continue
@@ -446,16 +439,15 @@ class FederatedLoop:
             for kind in per_client[0][name] if per_client else []:
                 s = summarize_accuracies([pc[name][kind]["acc"] for pc in per_client], nv)
                 if kind == "personal":
-                    if name != CLEAN.name:
-                        out.update({f"{prefix}{key}": val for key, val in s.items()})
-                elif kind == "global":
-                    out[f"{prefix}global_acc"] = s["acc_mean"]
-                    out[f"{prefix}global_acc_weighted"] = s["acc_weighted"]
+                    out.update({f"{prefix}{key}": val for key, val in s.items()})
+                    if name == CLEAN.name:
+                        out["loss_mean"] = float(np.mean([pc[name][kind]["loss"] for pc in per_client]))
                 else:
                     out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
                     out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]
+        out.setdefault("global_acc", None)
         self.call("on_evaluation_end", out)
-        out["client_acc"] = [m["acc"] for m in personal]
+        out["client_acc"] = [pc[CLEAN.name]["personal"]["acc"] for pc in per_client]
         return out
 
     # ------------------------------------------------------------------------------------------------ a round

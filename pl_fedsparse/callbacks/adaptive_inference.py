@@ -67,18 +67,20 @@ class AdaptiveInference(FederatedCallback):
         #: the last evaluation's base entropies per client: ``{client: (BE(θ_c), BE(θ_g))}``
         self.base_entropies: dict[int, tuple[float, float]] = {}
 
-    @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
-        if not loop.eval_global or not loop.topology.has_server:  # fail before training, not at the first evaluation
+    @staticmethod
+    def _require_global(loop: FederatedLoop) -> None:
+        if loop.global_state is None or not loop.eval_global:
             raise ConfigError("trainer.callbacks is invalid: AdaptiveInference needs a global model next to the "
                               "personal ones (a server method, with trainer.eval_global: true)")
 
     @override
+    def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
+        self._require_global(loop)  # before any training (every method has set up its global model by now)
+
+    @override
     def eval_views(self, loop: FederatedLoop) -> list[EvalView]:
         self._counts = {}  # called once at the start of every evaluation
-        if loop.global_state is None or not loop.eval_global:
-            raise ConfigError("trainer.callbacks is invalid: AdaptiveInference needs a global model next to the "
-                              "personal ones (a server method, with trainer.eval_global: true)")
+        self._require_global(loop)
         return [EvalView(_BASE_VIEW, split="train" if self.base_split == "train" else "eval", report=False)]
 
     @override

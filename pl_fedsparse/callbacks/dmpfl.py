@@ -116,6 +116,7 @@ class DualMask(GradientRegrow):
         self._mode: str = "mask"
         self._frozen: dict[str, Tensor] = {}
         self._frozen_dev: dict[str, Tensor] = {}
+        self._message_cache: tuple[dict[str, Tensor], dict[str, Tensor], Message] | None = None
 
     @property
     def state_key(self) -> str:
@@ -186,10 +187,16 @@ class DualMask(GradientRegrow):
 
     # ---- policies ------------------------------------------------------------------------------------------------
     def _global_message(self, loop: FederatedLoop) -> Message:
-        assert loop.global_state is not None
-        tensors = {k: (v * self.global_mask[k].to(v.dtype) if self._masked(k) else v)
-                   for k, v in loop.global_state.items()}
-        return Message(tensors, dict(self.global_mask))
+        """``m_g`` and ``m_g ⊙ w_g``; the masked tensors are computed once per (w_g, m_g) pair and shared by every
+        recipient (aggregation and resume replace both objects, which invalidates the cache); each call returns its
+        own Message, so ``on_client_message`` hooks may replace entries."""
+        glob = loop.global_state
+        assert glob is not None
+        cached = self._message_cache
+        if cached is None or cached[0] is not glob or cached[1] is not self.global_mask:
+            tensors = {k: (v * self.global_mask[k].to(v.dtype) if self._masked(k) else v) for k, v in glob.items()}
+            cached = self._message_cache = (glob, self.global_mask, Message(tensors, dict(self.global_mask)))
+        return Message(dict(cached[2].tensors), dict(cached[2].masks))
 
     @override
     def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:

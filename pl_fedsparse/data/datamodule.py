@@ -278,9 +278,9 @@ class FederatedDataModule(lightning.LightningDataModule):
             if idx is not None:
                 rows = torch.as_tensor(np.array(idx, dtype=np.int64, copy=True), device=images.device)
                 images, labels, idx = images[rows], labels[rows], None
-            key = CORRUPTIONS.index(corruption) if corruption in CORRUPTIONS else -1
-            gen = torch.Generator().manual_seed(
-                int(np.random.SeedSequence([seed, client_idx, 101, key + 1, int(severity)]).generate_state(1)[0]))
+            check(corruption in CORRUPTIONS, "corruption", corruption, "one of " + ", ".join(CORRUPTIONS))
+            gen = torch.Generator().manual_seed(int(np.random.SeedSequence(
+                [seed, client_idx, 101, CORRUPTIONS.index(corruption) + 1, int(severity)]).generate_state(1)[0]))
             images = corrupt(images.cpu(), corruption, severity, gen).to(labels.device)
         return TensorBatchLoader(images, labels, self.eval_batch_size, shuffle=False, generator_seed=seed, mean=mean,
                                  std=std, augment=False, indices=idx)
