@@ -2,6 +2,8 @@
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
+from pl_fedsparse.context import FitContext, FitKind, FitSpec, FitStage, current_fit
+from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
 from pl_fedsparse.errors import CheckpointError, ConfigError
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
@@ -11,5 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FederatedLoop", "FederatedModule", "FederatedCallback", "ClientUpdate", "ClientStateStore", "Message",
+    "FitContext", "FitKind", "FitSpec", "FitStage", "current_fit", "ClientExecutor", "FitRequest", "InProcessExecutor",
     "Topology", "Star", "Ring", "FullyConnected", "RandomPeers", "ConfigError", "CheckpointError", "__version__",
 ]

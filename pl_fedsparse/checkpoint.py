@@ -10,18 +10,24 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pl_fedsparse.errors import CheckpointError
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "save_checkpoint", "load_checkpoint", "FORMAT"]
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
 
-FORMAT = "pl_fedsparse.checkpoint/1"
+__all__ = ["atomic_write_bytes", "atomic_write_text", "save_checkpoint", "load_checkpoint", "FORMAT", "fingerprint",
+           "federation_state", "restore_federation"]
+
+FORMAT = "pl_fedsparse.checkpoint/2"  # 2: accounting in one entry, every client state created at start
 
 
 def _atomic(path: Path, write: Any) -> None:
@@ -92,3 +98,77 @@ def dumps_json(obj: Any) -> str:
         return v
 
     return json.dumps(clean(obj), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------- federation state
+def fingerprint(loop: FederatedLoop) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed by this configuration."""
+    assert loop.model is not None
+    return {
+        "data": loop.datamodule.fingerprint(),
+        "model": type(getattr(loop.model, "backbone", loop.model)).__name__,
+        "shapes": {k: list(v.shape) for k, v in loop.initial_state.items()},
+        "callbacks": [type(c).__name__ for c in loop.fed_callbacks],
+        "topology": type(loop.topology).__name__,
+        "seed": loop.seed,
+    }
+
+
+def federation_state(loop: FederatedLoop) -> dict[str, Any]:
+    """Everything needed to continue the federation: round, global state, every client's declared state, callback
+    state, accounting, history and the global RNG states (tensors and plain containers only)."""
+    return {
+        "round": loop.round_idx,
+        "fingerprint": dumps_json(fingerprint(loop)),
+        "global_state": loop.global_state,
+        "client_store": loop.client_store.state_dict(),
+        "callbacks": {cb.state_key: cb.state_dict() for cb in loop.callbacks},
+        "accounting": loop.accounting.state_dict(),
+        "time_cum": loop.time_cum,
+        "history": dumps_json(loop.history),
+        "last_client_acc": list(loop.last_client_acc),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()[1],
+                "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+                "numpy_pos": int(np.random.get_state()[2])},
+    }
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+    return f"{path}: {a!r} in the checkpoint vs {b!r} now"
+
+
+def restore_federation(loop: FederatedLoop, ckpt: dict[str, Any], ckpt_path: str) -> None:
+    """Restore :func:`federation_state` into ``loop`` after checking its fingerprint; one-line errors."""
+    try:
+        theirs = json.loads(ckpt["fingerprint"])
+        mine = json.loads(dumps_json(fingerprint(loop)))
+        if theirs != mine:
+            raise CheckpointError(
+                f"ckpt_path={ckpt_path!r} is invalid: it was written by another configuration "
+                f"({_first_difference(theirs, mine)}); expected a checkpoint of this run (resume with the run's "
+                "config.yaml)")
+        loop.round_idx = int(ckpt["round"])
+        loop.global_state = ckpt["global_state"]
+        loop.client_store.load_state_dict(ckpt["client_store"])
+        for cb in loop.callbacks:
+            if cb.state_key in ckpt["callbacks"]:
+                cb.load_state_dict(ckpt["callbacks"][cb.state_key])
+        loop.accounting.load_state_dict(ckpt["accounting"])
+        loop.time_cum = float(ckpt["time_cum"])
+        loop.history = json.loads(ckpt["history"])
+        loop.last_client_acc = list(ckpt["last_client_acc"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        random.setstate((3, tuple(ckpt["rng"]["python"]), None))
+        np.random.set_state(("MT19937", ckpt["rng"]["numpy"].numpy().astype(np.uint32), int(ckpt["rng"]["numpy_pos"])))
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"ckpt_path={ckpt_path!r} is invalid: expected a complete pl_fedsparse "
+                              f"checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
+    if loop.round_idx > loop.num_rounds:
+        raise CheckpointError(f"trainer.num_rounds={loop.num_rounds} is invalid: expected >= the checkpoint's "
+                              f"completed rounds ({loop.round_idx})")

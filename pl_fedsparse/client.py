@@ -10,13 +10,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from pl_fedsparse.context import FitContext
 from pl_fedsparse.functional.accounting import message_nbytes
 
 __all__ = ["Message", "ClientUpdate", "ClientStateStore", "to_cpu_state", "StateInit"]
@@ -67,8 +68,10 @@ class ClientUpdate:
         metrics: local training metrics (``train_loss``, ``samples_seen``, ...).
         extras: free-form data one callback leaves for another (e.g. ``extras["next_mask"]``).
         flops: training FLOPs spent by this fit.
-        kind: why the client trained: ``"train"`` (a round's local fit) or another label given to
-            :meth:`~pl_fedsparse.loop.FederatedLoop.fit_client` (e.g. ``"finetune"``).
+        kind: why the client trained (:data:`~pl_fedsparse.context.FitKind`): ``"train"`` (a round's local fit),
+            ``"finetune"``, ``"personal"``, ``"personal_refine"`` (fits requested by callbacks).
+        context: the fit's :class:`~pl_fedsparse.context.FitContext` (client, round, kind, stream, seed).
+        client_state: the client's declared state after the fit (what an executor hands back to the loop).
     """
 
     client_idx: int
@@ -81,6 +84,8 @@ class ClientUpdate:
     extras: dict[str, Any] = field(default_factory=dict)
     flops: float = 0.0
     kind: str = "train"
+    context: FitContext | None = None
+    client_state: dict[str, TensorTree] | None = None
 
 
 def _compact(value: TensorTree) -> TensorTree:
@@ -93,10 +98,14 @@ def _compact(value: TensorTree) -> TensorTree:
 
 
 class ClientStateStore:
-    """Per-client persistent state, declared by name with a lazy initialiser.
+    """Per-client persistent state, declared by name with an initialiser.
 
-    Entries are created the first time a client's entry is read, so a federation of thousands of clients costs
-    nothing for clients that never take part. Values are tensors or (nested) dicts of tensors, stored on CPU.
+    The loop creates every declared entry of every client when the federation starts (:meth:`materialize`), from
+    the initial weights — never later, so no entry is drawn by whichever hook happens to read it first (e.g. during
+    an evaluation, after another model's weights were loaded). After that, reading an entry that does not exist is
+    an error. Before it (in tests and tools), entries are created on first read. Values are tensors or (nested)
+    dicts of tensors, stored on CPU; initialisers that return the same tensor objects for every client (e.g. the
+    initial weights) cost nothing per client.
 
     Example:
         >>> store = ClientStateStore()
@@ -110,6 +119,7 @@ class ClientStateStore:
     def __init__(self) -> None:
         self._inits: dict[str, StateInit] = {}
         self._data: dict[int, dict[str, TensorTree]] = {}
+        self._sealed = False
 
     def declare(self, key: str, init: StateInit) -> None:
         """Declare an entry ``key`` created by ``init(client_idx)`` on first use."""
@@ -132,8 +142,32 @@ class ClientStateStore:
         if key not in slot:
             if key not in self._inits:
                 raise KeyError(f"client state {key!r} was never declared")
+            if self._sealed:
+                raise KeyError(f"client state {key!r} of client {client_idx} does not exist: entries are created when "
+                               "the federation starts (declare them in setup_federation)")
             slot[key] = _compact(self._inits[key](client_idx))
         return slot[key]
+
+    def materialize(self, clients: Iterable[int]) -> None:
+        """Create every missing entry of ``clients`` (in declaration order), then refuse lazy creation."""
+        for k in clients:
+            for key in self._inits:
+                self.get(k, key)
+        self._sealed = True
+
+    def export_client(self, client_idx: int) -> dict[str, TensorTree]:
+        """All entries of one client (references, no copies): what travels in a fit request."""
+        return dict(self._data.get(client_idx, {}))
+
+    def import_client(self, client_idx: int, entries: Mapping[str, TensorTree]) -> None:
+        """Replace one client's entries with ``entries`` (as returned by :meth:`export_client`)."""
+        unknown = [k for k in entries if k not in self._inits]
+        if unknown:
+            raise KeyError(f"client state {unknown} was never declared")
+        slot = self._data.setdefault(client_idx, {})
+        for key, value in entries.items():
+            if slot.get(key) is not value:
+                slot[key] = _compact(value)
 
     def set(self, client_idx: int, key: str, value: TensorTree) -> None:
         """Replace the entry (stored compact on CPU)."""

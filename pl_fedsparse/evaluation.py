@@ -22,16 +22,23 @@ metric                   meaning
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pl_fedsparse.data.corruptions import CORRUPTIONS
 from pl_fedsparse.errors import check
+from pl_fedsparse.execution import load_state
+from pl_fedsparse.metrics import summarize_accuracies
 
-__all__ = ["CLEAN", "EvalView", "kind_metric", "view_metric_prefix"]
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["CLEAN", "EvalView", "Evaluator", "kind_metric", "view_metric_prefix"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +122,117 @@ def merge_views(views: dict[str, EvalView], new: list[EvalView]) -> None:
         old = views.get(v.name)
         check(old is None or old == v, "eval_views", v.name, "distinct names for distinct views")
         views[v.name] = v
+
+
+def _same_state(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class Evaluator:
+    """Evaluates every client's models — ``"personal"`` and, when there is one, ``"global"`` — on every view.
+
+    For each client: one loader per distinct view (shifted / corrupted once, shared by every model kind); for each
+    model kind, its state is loaded into the working module, ``on_client_evaluate_start`` lets callbacks adjust it
+    (e.g. apply a mask), the logits of every view are computed (mixed precision as in training) and
+    ``on_client_evaluate_end`` sees the clean metrics. When the global model, after those hooks, holds exactly the
+    weights the personal one held, its logits are reused instead of recomputed. Then ``on_client_predictions`` may add
+    kinds built from the logits (e.g. an adaptive choice), and every kind is reported on every reported view.
+    """
+
+    def __init__(self, loop: FederatedLoop) -> None:
+        self.loop = loop
+
+    def loader(self, client_idx: int, split: str, shift: float = 0.0, corruption: str | None = None,
+               severity: int = 0) -> Any:
+        loop = self.loop
+        return loop.datamodule.eval_loader(client_idx, split=split, shift=shift,
+                                           seed=loop.streams.seed("eval", client_idx), corruption=corruption,
+                                           severity=severity)
+
+    @torch.inference_mode()
+    def logits(self, loader: Any) -> tuple[Tensor, Tensor]:
+        """CPU float logits and labels of the working module over an evaluation loader (autocast as in training)."""
+        loop = self.loop
+        assert loop.model is not None
+        device = loop.device
+        module = loop.model.to(device)
+        module.eval()
+        dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(loop.precision)
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        logits, labels = [], []
+        for x, y in loader:
+            x = x.to(device, non_blocking=True)
+            with autocast:
+                out = module(x)
+            logits.append(out.float().cpu())
+            labels.append(y.cpu())
+        module.train()
+        if not logits:
+            return torch.zeros(0, int(loop.datamodule.num_classes)), torch.zeros(0, dtype=torch.long)
+        return torch.cat(logits), torch.cat(labels)
+
+    def views(self) -> dict[str, EvalView]:
+        """The views of the coming evaluation: the clean one plus every callback's."""
+        views: dict[str, EvalView] = {CLEAN.name: CLEAN}
+        for cb in self.loop.fed_callbacks:
+            merge_views(views, list(cb.eval_views(self.loop)))
+        return views
+
+    def _client(self, k: int, split: str, views: dict[str, EvalView], has_global: bool
+                ) -> dict[str, dict[str, dict[str, float]]]:
+        loop = self.loop
+        assert loop.model is not None
+        loaders: dict[tuple, Any] = {}
+        for v in views.values():
+            if v.key not in loaders:
+                loaders[v.key] = self.loader(k, "train" if v.split == "train" else split, v.shift, v.corruption,
+                                             v.severity)
+        kinds = [("personal", loop.personal_state(k))] + ([("global", loop.global_state)] if has_global else [])
+        outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
+        labels: dict[str, Tensor] = {}
+        evaluated: dict[str, Tensor] | None = None  # the weights the personal logits were computed with
+        personal_results: dict[tuple, tuple[Tensor, Tensor]] = {}
+        for kind, st in kinds:
+            load_state(loop.model, st)  # type: ignore[arg-type]
+            loop.call("on_client_evaluate_start", loop.model, k, kind)
+            current = ({n: t.detach().clone() for n, t in loop.model.state_dict().items()} if has_global
+                       else None)
+            if kind == "global" and evaluated is not None and current is not None and _same_state(evaluated, current):
+                results = personal_results  # the same weights give the same logits
+            else:
+                results = {key: self.logits(loader) for key, loader in loaders.items()}
+            if kind == "personal":
+                evaluated, personal_results = current, results
+            loop.call("on_client_evaluate_end", loop.model, k, kind, logits_metrics(*results[CLEAN.key]))
+            for name, v in views.items():
+                outputs[name][kind], labels[name] = results[v.key]
+        loop.call("on_client_predictions", k, outputs, labels)
+        return {name: {kind: logits_metrics(lg, labels[name]) for kind, lg in kinds_out.items()}
+                for name, kinds_out in outputs.items() if views[name].report}
+
+    def evaluate(self, split: str) -> dict[str, Any]:
+        """Metrics of every model kind on every reported view, plus ``client_acc`` (the clean personal accuracy of
+        every client)."""
+        loop = self.loop
+        views = self.views()
+        has_global = loop.global_state is not None and loop.eval_global
+        per_client = [self._client(k, split, views, has_global) for k in range(loop.num_clients)]
+        out: dict[str, Any] = {}
+        for name, v in views.items():
+            if not v.report:
+                continue
+            prefix = view_metric_prefix(name)
+            nv = [int(pc[name]["personal"]["n"]) for pc in per_client]
+            for kind in per_client[0][name] if per_client else []:
+                s = summarize_accuracies([pc[name][kind]["acc"] for pc in per_client], nv)
+                if kind == "personal":
+                    out.update({f"{prefix}{key}": val for key, val in s.items()})
+                    if name == CLEAN.name:
+                        out["loss_mean"] = float(np.mean([pc[name][kind]["loss"] for pc in per_client]))
+                else:
+                    out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
+                    out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]
+        out.setdefault("global_acc", None)
+        loop.call("on_evaluation_end", out)
+        out["client_acc"] = [pc[CLEAN.name]["personal"]["acc"] for pc in per_client]
+        return out

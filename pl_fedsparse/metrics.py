@@ -4,6 +4,8 @@
   (the ``⌊N/10⌋``-th worst client, 0-based, as pFedGate/FedEM report it).
 * :class:`CommLedger` — bytes per link, counted from the messages actually sent
   (:mod:`pl_fedsparse.functional.accounting` has the byte rules), per round and cumulative, with the busiest node.
+* :class:`Accounting` — the one API through which the loop *and callbacks* charge traffic (``send``) and training
+  compute (``charge_flops``, ``charge_training``), per client, per round and cumulative.
 * :class:`TrainFlops` — training FLOPs per sample measured once with :mod:`torch.utils.flop_counter` (forward and
   backward of one small batch), with the FLOPs of masked layers scaled by their density.
 
@@ -22,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["summarize_accuracies", "bottom_decile", "CommLedger", "TrainFlops", "SERVER"]
+__all__ = ["summarize_accuracies", "bottom_decile", "CommLedger", "TrainFlops", "Accounting", "SERVER"]
 
 SERVER = -1  #: node id of the server in :class:`CommLedger`
 
@@ -205,3 +207,68 @@ class TrainFlops:
         if not masks:
             return {}
         return {k: float(m.count_nonzero()) / max(m.numel(), 1) for k, m in masks.items()}
+
+
+class Accounting:
+    """Traffic and training compute of a federation: the one place where both are charged.
+
+    The loop charges a round's messages and every fit's training; callbacks charge what they cause besides
+    (e.g. the download of a fine-tuning start, a gradient pass for regrowth or for an initial mask's scores) with
+    :meth:`send` and :meth:`charge_flops` — usually through ``loop.accounting``.
+
+    Example:
+        >>> acc = Accounting()
+        >>> acc.send(SERVER, 0, 100); acc.charge_flops(0, 5.0); acc.charge_flops(1, 7.0)
+        >>> row = acc.end_round(participants=2)
+        >>> row["comm_bytes_down"], row["flops_train"], row["flops_train_per_client"], acc.client_flops
+        (100, 12.0, 6.0, {0: 5.0, 1: 7.0})
+    """
+
+    def __init__(self, train_flops: TrainFlops | None = None) -> None:
+        self.comm = CommLedger()
+        self.train_flops = train_flops
+        self.flops_cum = 0.0
+        self.client_flops: dict[int, float] = {}
+        self.round_flops = 0.0
+
+    def send(self, src: int, dst: int, message: Any) -> None:
+        """Charge one transfer from node ``src`` to ``dst`` (:data:`SERVER` for the server): a
+        :class:`~pl_fedsparse.client.Message` (its :meth:`nbytes`) or a byte count."""
+        self.comm.record(src, dst, int(message) if isinstance(message, (int, np.integer)) else message.nbytes())
+
+    def charge_flops(self, client_idx: int, flops: float, update: Any = None) -> None:
+        """Charge ``flops`` of training compute to ``client_idx`` (and to ``update.flops`` when given)."""
+        if update is not None:
+            update.flops += flops
+        self.flops_cum += flops
+        self.client_flops[client_idx] = self.client_flops.get(client_idx, 0.0) + flops
+        self.round_flops += flops
+
+    def flops_per_sample(self, masks: Mapping[str, Tensor] | None = None) -> float:
+        """Training FLOPs of one sample, masked layers at their masks' density (dense without masks)."""
+        if self.train_flops is None:
+            return 0.0
+        return self.train_flops.per_sample(TrainFlops.densities(masks))
+
+    def charge_training(self, update: Any, samples: float) -> None:
+        """Charge a fit that trained on ``samples`` samples under ``update.masks``."""
+        self.charge_flops(update.client_idx, samples * self.flops_per_sample(update.masks), update)
+
+    def start_round(self) -> None:
+        self.round_flops = 0.0
+
+    def end_round(self, participants: int) -> dict[str, Any]:
+        """The round's traffic and compute figures (then the next round starts from zero)."""
+        row: dict[str, Any] = dict(self.comm.end_round())
+        row["flops_train"] = self.round_flops
+        row["flops_train_per_client"] = self.round_flops / max(participants, 1)
+        row["flops_train_cum"] = self.flops_cum
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"comm": self.comm.state_dict(), "flops_cum": self.flops_cum, "client_flops": dict(self.client_flops)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.comm.load_state_dict(state["comm"])
+        self.flops_cum = float(state["flops_cum"])
+        self.client_flops = {int(k): float(v) for k, v in state["client_flops"].items()}

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pl_fedsparse.context import current_fit
 from pl_fedsparse.errors import check
 
 __all__ = ["FederatedModule"]
@@ -71,7 +72,7 @@ class FederatedModule(pl.LightningModule):
         self.momentum = momentum
         self.weight_decay = weight_decay
         self.label_smoothing = label_smoothing
-        #: set by the loop before each fit; drives the per-round learning-rate decay
+        #: the round whose learning rate is used outside a federated fit (inside one, the fit's context decides)
         self.round_idx = 0
         self._loss_sum: Tensor | None = None
         self._samples_seen = 0
@@ -80,8 +81,11 @@ class FederatedModule(pl.LightningModule):
         return self.backbone(x)
 
     def current_lr(self) -> float:
-        """Learning rate of the current round."""
-        return self.lr * self.lr_decay**self.round_idx
+        """Learning rate of the running fit: ``lr · lr_decay ** r`` with ``r`` the fit's ``lr_round``
+        (:func:`~pl_fedsparse.context.current_fit`; normally its round), or :attr:`round_idx` outside a fit."""
+        ctx = current_fit()
+        r = ctx.lr_round if ctx is not None else self.round_idx
+        return self.lr * self.lr_decay**r
 
     def loss(self, logits: Tensor, y: Tensor) -> Tensor:
         """The training loss (cross-entropy); override to change it."""

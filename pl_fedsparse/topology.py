@@ -27,13 +27,12 @@ import numpy as np
 
 from pl_fedsparse.errors import check
 from pl_fedsparse.metrics import SERVER
+from pl_fedsparse.streams import STREAM_IDS
 
 __all__ = ["Topology", "Star", "PeerTopology", "Ring", "FullyConnected", "RandomPeers"]
 
-_STREAM_DROP, _STREAM_PEERS = 21, 22
-
-
 def _rng(seed: int, *keys: int) -> np.random.Generator:
+    # the SeedSequence itself (not stream_seed): kept as the topologies always drew, so results do not change
     return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, *keys]))
 
 
@@ -97,7 +96,7 @@ class PeerTopology(Topology):
     def _drawn_drops(self, round_idx: int, num_clients: int, seed: int) -> set[int]:
         if self.drop_prob <= 0:
             return set()
-        draw = _rng(seed, _STREAM_DROP, round_idx).random(num_clients)
+        draw = _rng(seed, STREAM_IDS["drop"], round_idx).random(num_clients)
         return {int(k) for k in np.flatnonzero(draw < self.drop_prob)}
 
     def dropped(self, round_idx: int, num_clients: int, seed: int) -> set[int]:
@@ -183,7 +182,7 @@ class RandomPeers(PeerTopology):
         if self._cache is not None and self._cache[:3] == (round_idx, num_clients, seed):
             return self._cache[3]
         check(self.k < num_clients, "topology.k", self.k, f"an int < the number of clients ({num_clients})")
-        rng = _rng(seed, _STREAM_PEERS, round_idx)
+        rng = _rng(seed, STREAM_IDS["peers"], round_idx)
         pulls: dict[int, list[int]] = {}
         if self.max_out_degree is None:
             for c in range(num_clients):

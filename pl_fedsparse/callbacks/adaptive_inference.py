@@ -106,6 +106,10 @@ class AdaptiveInference(FederatedCallback):
                 kinds["adaptive"] = adaptive
 
     @override
+    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+        return [("adaptive acc (DM-PFL+)", "adaptive_acc"), ("personal model alone", "personal_only_acc")]
+
+    @override
     def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
         if metrics.get("acc_mean") is None:
             return

@@ -1,24 +1,28 @@
 """The extension API: :class:`FederatedCallback`.
 
 A ``FederatedCallback`` is a :class:`lightning.pytorch.Callback`: every Lightning hook keeps its meaning and fires
-inside one client's local fit (``on_train_batch_end``, ``on_after_backward``, ...). On top of those it has
-federation hooks, which the :class:`~pl_fedsparse.loop.FederatedLoop` calls with itself as first argument (as
-Lightning passes the trainer):
+inside one client's local fit (``on_train_batch_end``, ``on_before_optimizer_step``, ...); inside them,
+:func:`~pl_fedsparse.context.current_fit` says which fit it is. On top of those it has federation hooks, which the
+:class:`~pl_fedsparse.loop.FederatedLoop` calls with itself as first argument (as Lightning passes the trainer).
+``docs/extending.md`` lists them in the order they fire (a test keeps that table true).
 
 =========================================  ==========================================================================
-broadcast hooks (every callback, -> None)  ``on_federation_start``, ``on_round_start``, ``on_client_message``,
-                                           ``on_client_fit_start``,
-                                           ``on_client_fit_end``, ``on_before_aggregate``, ``on_after_aggregate``,
+broadcast hooks (every callback, -> None)  ``setup_federation``, ``on_federation_start``, ``on_round_start``,
+                                           ``on_client_message``, ``on_client_fit_start``, ``on_client_fit_end``,
+                                           ``on_before_aggregate``, ``on_after_aggregate``,
                                            ``on_client_evaluate_start``, ``on_client_evaluate_end``,
-                                           ``eval_views`` (collected), ``on_client_predictions``,
-                                           ``on_evaluation_end``,
-                                           ``on_round_end``, ``on_federation_end``
-policies (one owner, return a value)       ``select_clients``, ``client_message``, ``aggregate``, ``personal_state``
+                                           ``on_client_predictions``, ``on_evaluation_end``, ``on_round_end``,
+                                           ``on_federation_end``
+collected hooks (every callback's list)    ``fit_requests`` (extra fits, run by the loop at a stage; results go to
+                                           the requester's ``on_requested_fits_end``), ``eval_views``,
+                                           ``report_rows``
+policies (one owner, return a value)       ``select_clients``, ``client_message``, ``aggregate``, ``personal_state``,
+                                           ``client_masks``
 =========================================  ==========================================================================
 
 A policy is *owned* by a callback whose class overrides it; two owners of one policy is a configuration error.
 Without an owner the loop uses its defaults: uniform seeded sampling, the dense global model as the downstream
-message, sample-weighted FedAvg, and the global model as every client's personal model.
+message, sample-weighted FedAvg, the global model as every client's personal model, and no masks.
 
 Per-client state is declared, not hand-serialised::
 
@@ -27,9 +31,12 @@ Per-client state is declared, not hand-serialised::
             self.add_client_state(loop, "rounds", lambda k: torch.zeros((), dtype=torch.long))
 
         def on_client_fit_end(self, loop, module, update):
-            self.set_client_state(loop, update.client_idx, "rounds", self.get_client_state(loop, update.client_idx, "rounds") + 1)
+            if update.kind == "train":
+                k = update.client_idx
+                self.set_client_state(loop, k, "rounds", self.get_client_state(loop, k, "rounds") + 1)
 
-The loop stores it compact on CPU, checkpoints it and restores it on resume.
+The loop creates every client's entries when the federation starts, keeps them compact on CPU, ships a client's
+entries with each of its fits, checkpoints them and restores them on resume.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
+from pl_fedsparse.context import FitContext, FitSpec, FitStage
 from pl_fedsparse.evaluation import EvalView
 
 if TYPE_CHECKING:
@@ -48,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FederatedCallback", "POLICIES"]
 
-POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state")
+POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state", "client_masks")
 
 
 class FederatedCallback(pl.Callback):
@@ -61,7 +69,8 @@ class FederatedCallback(pl.Callback):
         return self.state_key
 
     def add_client_state(self, loop: FederatedLoop, name: str, init: StateInit) -> None:
-        """Declare a per-client entry created by ``init(client_idx)`` on first use (call from ``setup_federation``)."""
+        """Declare a per-client entry created by ``init(client_idx)`` when the federation starts (call from
+        ``setup_federation``; the working module then holds the initial weights)."""
         loop.client_store.declare(f"{self.client_state_prefix}/{name}", init)
 
     def get_client_state(self, loop: FederatedLoop, client_idx: int, name: str) -> TensorTree:
@@ -90,17 +99,30 @@ class FederatedCallback(pl.Callback):
         """Called with the message ``client_idx`` receives this round (from the ``client_message`` policy); may edit it
         in place (e.g. sparsify it under the client's mask)."""
 
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
-        """Called after the client's starting weights are loaded into ``module`` and before its local fit."""
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        """Called after the client's starting weights are loaded into ``module`` and before its local fit;
+        ``context`` says which client, round and kind of fit it is (also :func:`~pl_fedsparse.current_fit`)."""
 
     def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        """Called after the local fit; may edit ``update`` (its message, masks, extras)."""
+        """Called after the local fit (``update.context`` is the fit's context); may edit ``update`` (its message,
+        masks, extras)."""
 
     def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
         """Called with all updates of the round before aggregation."""
 
     def on_after_aggregate(self, loop: FederatedLoop) -> None:
         """Called after aggregation (``loop.global_state`` holds the new global model, if any)."""
+
+    def fit_requests(self, loop: FederatedLoop, stage: FitStage,
+                     updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+        """Extra fits this callback needs at ``stage`` (``"before_aggregate"``: after ``on_before_aggregate``, with
+        the round's ``updates``; ``"after_aggregate"``: after ``on_after_aggregate``). The loop runs them through the
+        client executor — every callback's fit hooks fire, with the fit's kind in its context — and passes the
+        results to :meth:`on_requested_fits_end` of this callback. Default: none."""
+        return []
+
+    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+        """Called on the requester with the updates of the fits it asked for at ``stage``."""
 
     def on_client_evaluate_start(
         self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str
@@ -127,6 +149,10 @@ class FederatedCallback(pl.Callback):
         """Called after every client was evaluated (during ``fit`` and in ``validate``/``test``) with the evaluation's
         metrics; may add derived entries (e.g. averages over shift levels)."""
 
+    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+        """``(label, metric key)`` lines this callback adds to the printed results table (shown when present)."""
+        return []
+
     def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
         """Called at the end of a round with the round's metrics row (may add entries before it is logged)."""
 
@@ -148,6 +174,10 @@ class FederatedCallback(pl.Callback):
 
     def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
         """Return the state of ``client_idx``'s personal model (what is evaluated as "personal")."""
+        raise NotImplementedError
+
+    def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+        """Return ``client_idx``'s current (bool) masks by tensor name (``None``: dense)."""
         raise NotImplementedError
 
     @classmethod

@@ -7,7 +7,7 @@ FedAvg itself needs no callback: it is the loop's default (sample-weighted avera
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -16,9 +16,9 @@ from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.context import FitSpec, FitStage, current_fit
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.aggregation import weighted_average
-from pl_fedsparse.metrics import SERVER
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -71,10 +71,10 @@ class FineTune(FederatedCallback):
     """Fine-tune a shared model on every client: FedAvg-FT, and D-PSGD-FT with ``start: consensus``.
 
     After the last round (and, if ``every`` is set, after every ``every``-th round) each client of the federation
-    trains the starting model for ``epochs`` local epochs; the result is what the round's evaluation reports as that
-    client's personal model (it does not feed back into training). Between fine-tuning rounds the last fine-tuned
-    model is reported (the method's own personal model before the first). The learning rate is the current round's
-    (the DisPFL code uses ``lr / lr_decay``, i.e. round -1).
+    trains the starting model for ``epochs`` local epochs — fits of kind ``"finetune"``, requested after aggregation;
+    the result is what the round's evaluation reports as that client's personal model (it does not feed back into
+    training). Between fine-tuning rounds the last fine-tuned model is reported (the method's own personal model
+    before the first).
 
     Args:
         epochs: local epochs of fine-tuning (DisPFL's FedAvg-FT: 5, one ordinary local round).
@@ -82,6 +82,9 @@ class FineTune(FederatedCallback):
         start: ``"global"``: the server's global model, sent to every client (counted as downstream traffic;
             FedAvg-FT). ``"consensus"``: the uniform average of all clients' personal models — what the DisPFL code's
             D-PSGD-FT fine-tunes, although no peer could compute it; not counted as traffic.
+        lr: ``"current"``: the current round's learning rate (``lr · lr_decay^t``); ``"reference"``: the DisPFL
+            code's, the rate of round −1 (``lr / lr_decay``: its fine-tuning builds a fresh optimizer at the
+            initial rate of the decayed schedule) — after 500 rounds at decay 0.998, 0.100 instead of 0.037.
 
     Example:
         .. code-block:: yaml
@@ -89,19 +92,20 @@ class FineTune(FederatedCallback):
             trainer:
               callbacks:
                 - class_path: pl_fedsparse.callbacks.FineTune
-                  init_args: {epochs: 5}
+                  init_args: {epochs: 5, lr: reference}
     """
 
-    _STREAM = 7  # random stream id of fine-tuning fits
-
     def __init__(self, *, epochs: int = 1, every: int | None = None,
-                 start: Literal["global", "consensus"] = "global") -> None:
+                 start: Literal["global", "consensus"] = "global", lr: Literal["current", "reference"] = "current"
+                 ) -> None:
         check(isinstance(epochs, int) and epochs >= 1, "FineTune.epochs", epochs, "an int >= 1")
         check(every is None or every >= 1, "FineTune.every", every, "an int >= 1 or null")
         check(start in ("global", "consensus"), "FineTune.start", start, "one of global, consensus")
+        check(lr in ("current", "reference"), "FineTune.lr", lr, "one of current, reference")
         self.epochs = epochs
         self.every = every
         self.start = start
+        self.lr = lr
 
     @property
     def state_key(self) -> str:
@@ -109,7 +113,7 @@ class FineTune(FederatedCallback):
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
-        self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
+        self.add_client_state(loop, "weights", lambda k: {})  # {} until the client's first fine-tuning
 
     def _due(self, loop: FederatedLoop) -> bool:
         r = loop.round_idx
@@ -122,25 +126,28 @@ class FineTune(FederatedCallback):
         return weighted_average(states, [1.0] * len(states))
 
     @override
-    def on_after_aggregate(self, loop: FederatedLoop) -> None:
-        if not self._due(loop):
-            return
+    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+        if stage != "after_aggregate" or not self._due(loop):
+            return []
         start = self._start_state(loop)
         if start is None:
-            return
-        message = Message(start)
-        for k in range(loop.num_clients):
-            if self.start == "global":
-                loop.comm.record(SERVER, k, message.nbytes())
-            update = loop.fit_client(k, start, loop.round_idx, epochs=self.epochs, stream=self._STREAM,
-                                     kind="finetune")
-            self.set_client_state(loop, k, "weights", update.state)
+            return []
+        download = Message(start) if self.start == "global" else None
+        lr_round = -1 if self.lr == "reference" else None
+        return [FitSpec(k, "finetune", start, epochs=self.epochs, lr_round=lr_round, download=download)
+                for k in range(loop.num_clients)]
+
+    @override
+    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+        for u in updates:
+            self.set_client_state(loop, u.client_idx, "weights", u.state)
 
     @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
-        if kind == "personal" and self.has_client_state(loop, client_idx, "weights"):
-            loop.load_state(self.get_client_state(loop, client_idx, "weights"))
+        tuned = self.get_client_state(loop, client_idx, "weights")
+        if kind == "personal" and tuned:
+            loop.load_state(tuned)
 
 
 class Ditto(FederatedCallback):
@@ -150,7 +157,9 @@ class Ditto(FederatedCallback):
     Each sampled client first trains the global model as in FedAvg (Alg. 1 lines 4-5, the loop's default fit and
     aggregation), then trains its personal model ``v_k`` for ``personal_epochs`` epochs on
     ``F_k(v_k) + λ/2 · ‖v_k − w^t‖²`` where ``w^t`` is the global model it received this round (lines 6-7; the
-    gradient gets ``λ (v_k − w^t)``). The personal model is what is evaluated as "personal"; it is never uploaded.
+    gradient gets ``λ (v_k − w^t)``, added to the unscaled gradient before each optimizer step). The personal fits
+    (kind ``"personal"``) are requested before aggregation. The personal model is what is evaluated as "personal";
+    it is never uploaded.
 
     Args:
         lam: λ, the strength of the pull towards the global model (Ditto's CIFAR-10 setting: 0.1; DM-PFL tunes it).
@@ -164,8 +173,6 @@ class Ditto(FederatedCallback):
                 - class_path: pl_fedsparse.callbacks.Ditto
                   init_args: {lam: 0.1}
     """
-
-    _STREAM = 19  # random stream of the personal fits
 
     def __init__(self, *, lam: float = 0.1, personal_epochs: int | None = None) -> None:
         check(isinstance(lam, (int, float)) and not isinstance(lam, bool) and lam >= 0, "Ditto.lam", lam,
@@ -190,29 +197,32 @@ class Ditto(FederatedCallback):
         return self.get_client_state(loop, client_idx, "weights")
 
     @override
-    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
-        if loop.global_state is None:
-            return
+    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+        if stage != "before_aggregate" or loop.global_state is None:
+            return []
         self._ref = loop.global_state  # w^t: the model every participant received this round
-        try:
-            for u in updates:
-                if u.kind != "train":
-                    continue
-                personal = self.get_client_state(loop, u.client_idx, "weights")
-                upd = loop.fit_client(u.client_idx, personal, u.round_idx, epochs=self.personal_epochs,
-                                      stream=self._STREAM, kind="personal")
-                self.set_client_state(loop, u.client_idx, "weights", upd.state)
-        finally:
-            self._ref = {}
+        return [FitSpec(u.client_idx, "personal", self.get_client_state(loop, u.client_idx, "weights"),
+                        epochs=self.personal_epochs) for u in updates if u.kind == "train"]
+
+    @override
+    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+        for u in updates:
+            self.set_client_state(loop, u.client_idx, "weights", u.state)
+        self._ref = {}
+
+    def _is_personal_fit(self) -> bool:
+        ctx = current_fit()
+        return ctx is not None and ctx.kind == "personal" and ctx.requester == self.state_key
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._ref:
+        if self._ref and self._is_personal_fit():
             self._ref_dev = [(p, self._ref[n].to(p.device, p.dtype)) for n, p in pl_module.named_parameters()
                              if n in self._ref]
 
     @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # unscaled gradients here (under 16-mixed, on_after_backward still sees them multiplied by the loss scale)
         if not self._ref_dev or self.lam == 0:
             return
         with torch.no_grad():

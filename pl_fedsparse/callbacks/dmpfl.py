@@ -21,6 +21,12 @@ Phase 1 / Phase 2 (``iterations = 0``: Phase 1 only):
   only ``m_c − m_g`` for ``personal_epochs`` epochs, with the shared positions frozen bit-exactly; nothing is
   uploaded.
 
+Composition: the personal masks are declared client state drawn like :class:`SparseMask`'s (shared ERK draw,
+same random stream); training under a mask — with the shared part frozen during personal refinement — is the
+reusable :class:`~pl_fedsparse.callbacks.masking.MaskedTraining`; readjustment is the prune/regrow rule of
+:mod:`~pl_fedsparse.callbacks.prune_regrow` (schedule, |w| drop, |gradient| regrowth); personal refinement is a
+fit requested after aggregation (kind ``"personal_refine"``), not run from inside a hook.
+
 Choices the paper leaves open (each an argument; documented in the README): the initial masks (one ERK draw
 shared by ``m_g`` and every ``m_c``), the readjustment rate and interval (``alpha0``, ``schedule``,
 ``every_n_rounds``), regrown positions starting at zero (RigL) and uploaded as such, whether the global mask's top-k
@@ -39,13 +45,16 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.prune_regrow import GradientRegrow
+from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.masking import MaskedTraining, random_mask_scores, top_masks
+from pl_fedsparse.callbacks.prune_regrow import PruneRegrowSchedule, gradient_scores, prune_regrow
 from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.context import FitContext, FitSpec, FitStage
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
+from pl_fedsparse.functional.masks import check_density, layer_densities
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
-from pl_fedsparse.metrics import SERVER
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -55,9 +64,10 @@ __all__ = ["DualMask", "FedDST"]
 Phase = Literal["mask", "global"]
 
 
-class DualMask(GradientRegrow):
-    """DM-PFL: dual masks, two-phase training (Alg. 1-3). Owns ``client_message``, ``aggregate`` and
-    ``personal_state``. Add :class:`~pl_fedsparse.callbacks.AdaptiveInference` for DM-PFL+ (Alg. 4).
+class DualMask(FederatedCallback):
+    """DM-PFL: dual masks, two-phase training (Alg. 1-3). Owns ``client_message``, ``aggregate``,
+    ``personal_state`` and ``client_masks``. Add :class:`~pl_fedsparse.callbacks.AdaptiveInference` for DM-PFL+
+    (Alg. 4).
 
     Args:
         density: ``1 − S``, the density of ``m_g`` and every ``m_c`` (paper: S = 0.5).
@@ -75,7 +85,7 @@ class DualMask(GradientRegrow):
         distribution: layer densities of the initial masks, ``"erk"`` or ``"uniform"``.
         erk_power_scale: exponent of the ERK scores.
         same_mask: one initial draw for ``m_g`` and every ``m_c`` (else one per client; ``m_g`` is client 0's draw).
-        mask_gradients: also mask gradients after each backward pass (weights are re-masked after every step).
+        mask_gradients: also mask gradients before each optimizer step (weights are re-masked after every step).
         dense_1d: leave 1-D tensors (biases) dense and shared.
 
     Example:
@@ -88,19 +98,17 @@ class DualMask(GradientRegrow):
                 - class_path: pl_fedsparse.callbacks.AdaptiveInference   # DM-PFL+
     """
 
-    _STREAM_PERSONAL = 17  # random stream of personal-refinement fits
-
     def __init__(self, *, density: float = 0.5, iterations: int = 2, coverage_threshold: float = 0.3,
                  global_mask_scope: Literal["layer", "model"] = "layer", personal_epochs: int | None = None,
                  alpha0: float = 0.5, schedule: Literal["cosine", "constant"] = "cosine", every_n_rounds: int = 1,
                  total_rounds: int | None = None, grow_batches: int = 1,
                  distribution: Literal["erk", "uniform"] = "erk", erk_power_scale: float = 1.0,
                  same_mask: bool = True, mask_gradients: bool = True, dense_1d: bool = True) -> None:
-        super().__init__(grow_batches=grow_batches, alpha0=alpha0, schedule=schedule, every_n_rounds=every_n_rounds,
-                         total_rounds=total_rounds, density=density, distribution=distribution,
-                         erk_power_scale=erk_power_scale, same_mask=same_mask, mask_gradients=mask_gradients,
-                         dense_1d=dense_1d)
         name = type(self).__name__
+        check_density(density, f"{name}.density")
+        check(distribution in ("erk", "uniform"), f"{name}.distribution", distribution, "one of erk, uniform")
+        check(erk_power_scale >= 0, f"{name}.erk_power_scale", erk_power_scale, "a number >= 0")
+        check(grow_batches >= 1, f"{name}.grow_batches", grow_batches, "an int >= 1")
         check(isinstance(iterations, int) and not isinstance(iterations, bool) and iterations >= 0,
               f"{name}.iterations", iterations, "an int >= 0")
         check(0 <= coverage_threshold < 1, f"{name}.coverage_threshold", coverage_threshold, "a number in [0, 1)")
@@ -108,14 +116,19 @@ class DualMask(GradientRegrow):
               "one of layer, model")
         check(personal_epochs is None or (isinstance(personal_epochs, int) and personal_epochs >= 1),
               f"{name}.personal_epochs", personal_epochs, "an int >= 1 or null")
+        self.rule = PruneRegrowSchedule(alpha0=alpha0, schedule=schedule, every_n_rounds=every_n_rounds,
+                                        total_rounds=total_rounds, owner=name)
+        self.training = MaskedTraining(mask_gradients=mask_gradients)
+        self.density, self.distribution, self.erk_power_scale = float(density), distribution, float(erk_power_scale)
+        self.same_mask, self.dense_1d, self.grow_batches = same_mask, dense_1d, grow_batches
+        self.total_rounds = total_rounds
         self.iterations = iterations
         self.coverage_threshold = float(coverage_threshold)
         self.global_mask_scope = global_mask_scope
         self.personal_epochs = personal_epochs
+        self.shapes: dict[str, tuple[int, ...]] = {}
         self.global_mask: dict[str, Tensor] = {}
-        self._mode: str = "mask"
-        self._frozen: dict[str, Tensor] = {}
-        self._frozen_dev: dict[str, Tensor] = {}
+        self._counts: dict[str, int] = {}
         self._message_cache: tuple[dict[str, Tensor], dict[str, Tensor], Message] | None = None
 
     @property
@@ -148,6 +161,20 @@ class DualMask(GradientRegrow):
     def _masked(self, name: str) -> bool:
         return name in self.global_mask
 
+    def draw_mask(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        """The initial ``m_c`` (client 0's draw is also ``m_g``): random scores from the ``mask`` stream, top-k at
+        the ERK (or uniform) layer densities."""
+        key = 0 if self.same_mask else client_idx + 1
+        densities = layer_densities(self.shapes, self.density, self.distribution, self.erk_power_scale, self.dense_1d)
+        return top_masks(random_mask_scores(loop, self.shapes, key, self.density), densities)
+
+    def masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        """``m_c`` (unpacked, bool)."""
+        return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self.shapes)
+
+    def set_masks(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> None:
+        self.set_client_state(loop, client_idx, "mask", pack_masks(masks))
+
     def personal_weights(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> dict[str, Tensor]:
         """``w_c`` as dense tensors (zero outside ``m_c``) for the masked tensors."""
         values = self.get_client_state(loop, client_idx, "weights")
@@ -168,11 +195,12 @@ class DualMask(GradientRegrow):
         total = self.total_rounds or loop.num_rounds
         check(self.iterations == 0 or total >= 2 * self.iterations, f"{type(self).__name__}.iterations",
               self.iterations, f"at most {total // 2} for {total} rounds (each phase needs a round), or 0")
-        super().setup_federation(loop)  # m_c: one ERK draw (same_mask) per client, bit-packed
+        self.shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items() if v.is_floating_point()}
         init = loop.initial_state
-        self.global_mask = {k: m.clone() for k, m in self.draw_mask(loop, 0).items()}  # m_g: the shared draw
+        self.add_client_state(loop, "mask", lambda k: pack_masks(self.draw_mask(loop, k)))  # m_c
         self.add_client_state(loop, "weights", lambda k: {name: init[name][m].clone()
                                                            for name, m in self.masks(loop, k).items()})
+        self.global_mask = {k: m.clone() for k, m in self.draw_mask(loop, 0).items()}  # m_g: the shared draw
         # m_g keeps as many positions per layer as the initial ERK draw (the personal masks' exact counts)
         self._counts = {k: int(m.sum()) for k, m in self.global_mask.items()}
 
@@ -183,7 +211,7 @@ class DualMask(GradientRegrow):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "global_mask" in state_dict:
-            self.global_mask = unpack_masks(state_dict["global_mask"], self._shapes)
+            self.global_mask = unpack_masks(state_dict["global_mask"], self.shapes)
 
     # ---- policies ------------------------------------------------------------------------------------------------
     def _global_message(self, loop: FederatedLoop) -> Message:
@@ -203,8 +231,8 @@ class DualMask(GradientRegrow):
         return self._global_message(loop)  # Alg. 1 line 4 / Alg. 2 line 4: m_g and m_g ⊙ w_g
 
     @override
-    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
-        pass  # the message is already m_g ⊙ w_g (SparseMask would mask it by m_c)
+    def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+        return self.masks(loop, client_idx)
 
     @override
     def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
@@ -241,94 +269,93 @@ class DualMask(GradientRegrow):
         return new
 
     # ---- client fits ---------------------------------------------------------------------------------------------
+    def fit_mode(self, loop: FederatedLoop, context: FitContext) -> str:
+        """``"personal"`` (Alg. 3) for a personal-refinement fit, else the round's phase."""
+        return "personal" if context.kind == "personal_refine" else self.phase(loop, context.round_idx)
+
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
-        mode = self._mode if self._mode == "personal" else self.phase(loop, loop.round_idx)
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        mode = self.fit_mode(loop, context)
         params: dict[str, Tensor] = dict(module.named_parameters())
-        m_c = self.masks(loop, client_idx)
-        self._frozen = {}
         if mode == "global":  # Alg. 2: train w_g ⊙ m_g
-            self._active = {k: m.clone() for k, m in self.global_mask.items()}
-        else:
-            w_c = self.personal_weights(loop, client_idx, m_c)
-            with torch.no_grad():
-                for name, m in m_c.items():  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
-                    p = params[name]
-                    start = compose_personal(p.detach().cpu(), self.global_mask[name], w_c[name], m)
-                    p.copy_(start.to(p.device, p.dtype))
-            if mode == "personal":  # Alg. 3 line 6: only m_c − m_g moves; the shared part is frozen bit-exactly
-                self._active = {k: m & ~self.global_mask[k] for k, m in m_c.items()}
-                self._frozen = {k: params[k].detach().cpu() * (m & self.global_mask[k]).to(params[k].dtype)
-                                for k, m in m_c.items()}
-                for name, p in params.items():  # unmasked tensors (biases) are shared: frozen too
-                    if name not in m_c:
-                        self._active[name] = torch.zeros(p.shape, dtype=torch.bool)
-                        self._frozen[name] = p.detach().cpu().clone()
-            else:  # Alg. 1 lines 7-9: train under m_c
-                self._active = m_c
-        self._params = params
-        self._fit_mode = mode
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self._frozen_dev = {k: v.to(pl_module.device, self._params[k].dtype) for k, v in self._frozen.items()}
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # p ← p ⊙ trainable
-        if self._frozen_dev:
-            with torch.no_grad():  # weight decay and momentum must not move frozen entries
-                for name, frozen in self._frozen_dev.items():
-                    self._params[name].add_(frozen)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
-        self._frozen_dev = {}
+            self.training.begin(module, {k: m.clone() for k, m in self.global_mask.items()}, apply=False)
+            return
+        m_c = self.masks(loop, context.client_idx)
+        w_c = self.personal_weights(loop, context.client_idx, m_c)
+        with torch.no_grad():
+            for name, m in m_c.items():  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
+                p = params[name]
+                p.copy_(compose_personal(p.detach().cpu(), self.global_mask[name], w_c[name], m).to(p.device, p.dtype))
+        if mode == "mask":  # Alg. 1 lines 7-9: train under m_c
+            self.training.begin(module, m_c, apply=False)
+            return
+        # Alg. 3 line 6: only m_c − m_g moves; the shared part (and every unmasked tensor) is frozen bit-exactly
+        trainable = {k: m & ~self.global_mask[k] for k, m in m_c.items()}
+        frozen = {k: params[k].detach().cpu() * (m & self.global_mask[k]).to(params[k].dtype) for k, m in m_c.items()}
+        for name, p in params.items():
+            if name not in m_c:
+                trainable[name] = torch.zeros(p.shape, dtype=torch.bool)
+                frozen[name] = p.detach().cpu().clone()
+        self.training.begin(module, trainable, frozen, apply=False)
 
     @override
     def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        mode = getattr(self, "_fit_mode", "mask")
+        assert update.context is not None
+        mode = self.fit_mode(loop, update.context)
+        self.training.end()
         k = update.client_idx
-        m_c = self.masks(loop, k)
-        self._active, self._params, self._frozen = {}, {}, {}
         if mode == "global":  # Alg. 2 line 9: upload w ⊙ m_g
             update.masks = dict(self.global_mask)
             update.message = Message({n: (v * self.global_mask[n].to(v.dtype) if self._masked(n) else v)
                                       for n, v in update.state.items()}, dict(self.global_mask))
             return
+        m_c = self.masks(loop, k)
         update.masks = m_c
         if mode == "personal":  # Alg. 3: keep w_c, upload nothing
             self._store_weights(loop, k, update.state, m_c)
             update.message = None
             return
-        nxt = self.next_masks(loop, module, update) if self.phase(loop, update.round_idx) == "mask" else None
-        new = nxt if nxt is not None else m_c
-        if nxt is not None:
-            self.set_masks(loop, k, nxt)
-            update.extras["next_mask"] = nxt
+        new = m_c
+        rate = self.rule.rate(loop, update.round_idx)
+        if update.kind == "train" and rate > 0 and m_c:  # Alg. 1 lines 10-12: prune by |w|, regrow by |gradient|
+            grow = gradient_scores(loop, update, list(m_c), self.grow_batches)
+            new = prune_regrow(m_c, {n: update.state[n].abs() for n in m_c}, grow, rate)
+            self.set_masks(loop, k, new)
+            update.extras["next_mask"] = new
         self._store_weights(loop, k, update.state, new)  # regrown positions start at zero (RigL)
         # Alg. 1 line 13: upload w_c ⊙ m_c and m_c (the readjusted mask)
         update.message = Message({n: (v * new[n].to(v.dtype) if n in new else v) for n, v in update.state.items()},
                                  dict(new))
 
     @override
-    def on_after_aggregate(self, loop: FederatedLoop) -> None:
-        if not self.refines_personal_after(loop, loop.round_idx):
-            return
+    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+        if stage != "after_aggregate" or not self.refines_personal_after(loop, loop.round_idx):
+            return []
+        assert loop.global_state is not None
         message = self._global_message(loop)  # Alg. 3 line 2: every client receives m_g and m_g ⊙ w_g
-        self._mode = "personal"
-        try:
-            for k in range(loop.num_clients):
-                loop.comm.record(SERVER, k, message.nbytes())
-                start = {**loop.global_state, **message.tensors}  # type: ignore[dict-item]
-                loop.fit_client(k, start, loop.round_idx, epochs=self.personal_epochs or loop.local_epochs,
-                                stream=self._STREAM_PERSONAL, kind="personal_refine")
-        finally:
-            self._mode = "mask"
+        start = {**loop.global_state, **message.tensors}
+        return [FitSpec(k, "personal_refine", start, epochs=self.personal_epochs or loop.local_epochs,
+                        download=message) for k in range(loop.num_clients)]
 
+    # ---- Lightning hooks (inside a client's local fit) -----------------------------------------------------------
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.training.on_train_start(pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.training.on_before_optimizer_step()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.training.on_train_batch_end()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.training.on_train_end()
+
+    # ---- evaluation and reporting --------------------------------------------------------------------------------
     @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
@@ -371,11 +398,11 @@ class FedDST(DualMask):
                          dense_1d=dense_1d)
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
         assert loop.global_state is not None
-        self.set_masks(loop, client_idx, self.global_mask)  # masks are synchronised by the server
-        self._store_weights(loop, client_idx, loop.global_state, self.global_mask)
-        super().on_client_fit_start(loop, module, client_idx)
+        self.set_masks(loop, context.client_idx, self.global_mask)  # masks are synchronised by the server
+        self._store_weights(loop, context.client_idx, loop.global_state, self.global_mask)
+        super().on_client_fit_start(loop, module, context)
 
     @override
     def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:

@@ -8,7 +8,8 @@ positions each of them holds (DisPFL Alg. 1 line 7):
 
 and a mask callback (:class:`~pl_fedsparse.callbacks.SparseMask` / ``RandomRegrow`` / ``GradientRegrow``) then
 multiplies it by ``k``'s current mask in ``on_client_message``. Without masks this is D-PSGD's uniform average. The
-average is the same kernel as the server methods' (:func:`~pl_fedsparse.functional.weighted_average`). Every client
+average is the same kernel as the server methods' (:func:`~pl_fedsparse.functional.weighted_average`). Before its first fit a client's snapshot is
+the initial model under its initial mask (``loop.client_masks``), so round 0 is counted sparse too. Every client
 reads the snapshot only, so the order in which clients are processed cannot matter. Each link ``j → k`` is recorded in
 the communication ledger with the bytes of ``j``'s (sparse) model.
 """
@@ -59,7 +60,9 @@ class Gossip(FederatedCallback):
                               "peer topology (pl_fedsparse.topology.Ring, FullyConnected or RandomPeers)")
         self._shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items()}
         self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
-        self.add_client_state(loop, "mask", lambda k: {})  # the mask of the last fit, bit-packed ({} = dense)
+        # the mask of the last fit, bit-packed ({} = dense); before the first fit, the client's initial mask (from the
+        # mask callback's client_masks policy), so round 0 already sends w₀ ⊙ m_k as DisPFL's clients do
+        self.add_client_state(loop, "mask", lambda k: pack_masks(loop.client_masks(k) or {}))
 
     @override
     def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:

@@ -8,13 +8,18 @@ message is masked by the receiver's mask (``m_k ⊙ W``) and the upstream messag
 mask changed, the next mask as a bitmap), all counted as sparse tensors; FLOPs of masked layers are charged at the
 mask's density.
 
-Subclasses change the mask after local training by overriding :meth:`SparseMask.next_masks`
-(:class:`~pl_fedsparse.callbacks.prune_regrow.MaskPruneRegrow`). Composed with the loop's default FedAvg this is
+Two methods are meant to be overridden: :meth:`SparseMask.mask_scores` (the initial mask is the top-k of these
+scores at each layer's density; random by default, SNIP's ``|g ⊙ w|`` in ``callbacks/snip.py``) and
+:meth:`SparseMask.next_masks` (the mask after local training; :class:`~pl_fedsparse.callbacks.MaskPruneRegrow`).
+The per-step mechanics — trainable positions, gradients masked before the optimizer step (unscaled under mixed
+precision), weights re-masked after it, an optional frozen part added back — are the reusable part
+:class:`MaskedTraining`, which :class:`~pl_fedsparse.callbacks.DualMask` composes too. Composed with the loop's default FedAvg this is
 "FedAvg with a static sparse mask"; with :class:`~pl_fedsparse.callbacks.fedspa.FedSpaAggregation` it is FedSpa.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -24,16 +29,93 @@ from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
-from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, masks_from_densities
+from pl_fedsparse.functional.masks import (apply_masks, check_density, layer_densities, permutation_scores,
+                                           topk_mask)
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["SparseMask"]
+__all__ = ["SparseMask", "MaskedTraining", "random_mask_scores", "top_masks"]
 
-_STREAM_MASK = 11
+
+def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], key: int,
+                       density: float) -> dict[str, Tensor]:
+    """The default initial-mask scores: one ``randperm`` per tensor (in order) from the ``mask`` stream at
+    ``(key, density·1e6)`` — DisPFL's ``init_masks`` draw; ``key`` 0 is shared by all clients."""
+    gen = loop.streams.generator("mask", key, int(density * 1e6))
+    return {k: permutation_scores(s, gen) for k, s in shapes.items()}
+
+
+def top_masks(scores: dict[str, Tensor], densities: dict[str, float]) -> dict[str, Tensor]:
+    """Per tensor with density < 1, the top ``floor(d · n)`` positions of its scores."""
+    return {k: topk_mask(scores[k], int(math.floor(d * scores[k].numel()))) for k, d in densities.items() if d < 1.0}
+
+
+class MaskedTraining:
+    """One fit's masked training, as a reusable part: only ``trainable`` positions move.
+
+    :meth:`begin` (from ``on_client_fit_start``) takes the trainable masks — bool, by parameter name — and optionally
+    ``frozen`` values (a parameter's fixed part, zero at its trainable positions) and may apply the masks to the
+    weights. During the fit, gradients are multiplied by the masks before every optimizer step (unscaled then, under
+    mixed precision) and after every step the weights are re-masked and the frozen part is added back, so frozen
+    entries stay bit-identical also under weight decay and momentum, and masked entries stay exactly zero. The owner
+    forwards its Lightning hooks ``on_train_start``, ``on_before_optimizer_step``, ``on_train_batch_end`` and
+    ``on_train_end``, and calls :meth:`end` after the fit.
+    """
+
+    def __init__(self, *, mask_gradients: bool = True) -> None:
+        self.mask_gradients = mask_gradients
+        self.active: dict[str, Tensor] = {}
+        self._frozen: dict[str, Tensor] = {}
+        self._params: dict[str, Tensor] = {}
+        self._step_masks: dict[str, Tensor] = {}
+        self._frozen_dev: dict[str, Tensor] = {}
+
+    def begin(self, module: pl.LightningModule, trainable: dict[str, Tensor],
+              frozen: dict[str, Tensor] | None = None, apply: bool = True) -> None:
+        """Start a fit: ``module`` holds the start weights; ``apply`` multiplies them by ``trainable`` now."""
+        self.active, self._frozen = trainable, dict(frozen or {})
+        self._params = dict(module.named_parameters())
+        if apply:
+            with torch.no_grad():
+                for name, mask in trainable.items():
+                    p = self._params.get(name)
+                    if p is not None:
+                        p.mul_(mask.to(p.device, p.dtype))
+
+    def on_train_start(self, module: pl.LightningModule) -> None:
+        # the module is on its device now: device copies of the masks, converted once per fit
+        self._params = dict(module.named_parameters())
+        self.active = {k: m.to(module.device) for k, m in self.active.items()}
+        self._step_masks = {k: m.to(self._params[k].dtype) for k, m in self.active.items() if k in self._params}
+        self._frozen_dev = {k: v.to(module.device, self._params[k].dtype) for k, v in self._frozen.items()}
+
+    def on_before_optimizer_step(self) -> None:
+        if not self.mask_gradients:
+            return
+        for name, mask in self._step_masks.items():
+            g = self._params[name].grad
+            if g is not None:
+                g.mul_(mask)
+
+    def on_train_batch_end(self) -> None:
+        with torch.no_grad():
+            for name, mask in self._step_masks.items():
+                self._params[name].mul_(mask)
+            for name, frozen in self._frozen_dev.items():  # weight decay and momentum must not move frozen entries
+                self._params[name].add_(frozen)
+
+    def on_train_end(self) -> None:
+        self._step_masks, self._frozen_dev = {}, {}
+
+    def end(self) -> dict[str, Tensor]:
+        """Finish the fit; returns the trainable masks (on CPU)."""
+        masks = {k: m.cpu() for k, m in self.active.items()}
+        self.active, self._frozen, self._params = {}, {}, {}
+        return masks
 
 
 class SparseMask(FederatedCallback):
@@ -44,10 +126,10 @@ class SparseMask(FederatedCallback):
         distribution: layer-wise densities: ``"erk"`` (Erdős–Rényi-Kernel, RigL/DisPFL/FedSpa) or ``"uniform"``.
         erk_power_scale: exponent of the ERK raw scores (1 = standard ERK).
         same_mask: one initial mask for all clients (FedSpa's "same seed" default) instead of one per client
-            (DisPFL's scripts, ``--different_initial``).
+            (DisPFL's scripts, ``--different_initial``); applies to the default random scores.
         client_densities: heterogeneous densities, client ``i`` gets ``client_densities[i % len]`` (DisPFL §4.3:
             ``[0.2, 0.4, 0.6, 0.8, 1.0]``); overrides ``density``.
-        mask_gradients: also zero the gradient of masked entries after each backward pass (weights are re-masked
+        mask_gradients: also zero the gradient of masked entries before each optimizer step (weights are re-masked
             after each step either way; masking the gradient keeps momentum buffers and clipping norms sparse).
         dense_1d: leave 1-D tensors (biases, norm affines) dense.
         mask_personal_eval: evaluate the personal model under the client's *current* mask (FedSpa: ``m_k ⊙ W``).
@@ -82,10 +164,8 @@ class SparseMask(FederatedCallback):
         self.mask_gradients = mask_gradients
         self.dense_1d = dense_1d
         self.mask_personal_eval = mask_personal_eval
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self._active: dict[str, Tensor] = {}
-        self._params: dict[str, Tensor] = {}
-        self._step_masks: dict[str, Tensor] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  #: shapes of the floating-point tensors (set at setup)
+        self.training = MaskedTraining(mask_gradients=mask_gradients)
 
     @property
     def state_key(self) -> str:
@@ -99,21 +179,29 @@ class SparseMask(FederatedCallback):
             return self.client_densities[client_idx % len(self.client_densities)]
         return self.density
 
-    def draw_mask(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
-        """The initial mask of ``client_idx`` (only tensors with density < 1), seeded by the federation seed, and
-        by the client unless ``same_mask`` (clients of equal density then share one draw)."""
-        from pl_fedsparse.loop import stream_seed
+    def layer_densities(self, client_idx: int) -> dict[str, float]:
+        """Density of every tensor of ``client_idx``'s mask (ERK or uniform at the client's density)."""
+        return layer_densities(self.shapes, self.client_density(client_idx), self.distribution, self.erk_power_scale,
+                               self.dense_1d)
 
-        density = self.client_density(client_idx)
-        densities = layer_densities(self._shapes, density, self.distribution, self.erk_power_scale, self.dense_1d)
+    def mask_scores(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        """Scores of every position of every tensor; the initial mask keeps the top ``floor(d_l · n_l)`` of each layer.
+
+        Called once per client when the federation starts, with the initial weights in ``loop.model`` (and in
+        ``loop.initial_state``). Default: random — one ``randperm`` per tensor from the ``mask`` stream, keyed by the
+        client (0 for all with ``same_mask``) and its density, as DisPFL's ``init_masks``. Override for a
+        data-dependent initial mask (SNIP: ``callbacks/snip.py``).
+        """
         key = 0 if self.same_mask else client_idx + 1
-        gen = torch.Generator().manual_seed(stream_seed(loop.seed, _STREAM_MASK, key, int(density * 1e6)))
-        masks = masks_from_densities(self._shapes, densities, gen)
-        return {k: m for k, m in masks.items() if densities[k] < 1.0}
+        return random_mask_scores(loop, self.shapes, key, self.client_density(client_idx))
+
+    def draw_mask(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        """The initial mask of ``client_idx``: per tensor with density < 1, the top-k of :meth:`mask_scores`."""
+        return top_masks(self.mask_scores(loop, client_idx), self.layer_densities(client_idx))
 
     def masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
         """The current (unpacked, bool) mask of ``client_idx``."""
-        return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self._shapes)
+        return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self.shapes)
 
     def set_masks(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> None:
         """Replace the mask of ``client_idx`` (stored bit-packed)."""
@@ -128,8 +216,12 @@ class SparseMask(FederatedCallback):
     # ---- federation hooks ----------------------------------------------------------------------------------------
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
-        self._shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items() if v.is_floating_point()}
+        self.shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items() if v.is_floating_point()}
         self.add_client_state(loop, "mask", lambda k: pack_masks(self.draw_mask(loop, k)))
+
+    @override
+    def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+        return self.masks(loop, client_idx)
 
     @override
     def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
@@ -138,27 +230,13 @@ class SparseMask(FederatedCallback):
         message.tensors = apply_masks(message.tensors, masks)
         message.masks.update({k: m for k, m in masks.items() if k in message.tensors})
 
-    def _activate(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
-        self._active = self.masks(loop, client_idx)
-        self._params = dict(module.named_parameters())
-        self._mask_weights()
-
-    @torch.no_grad()
-    def _mask_weights(self) -> None:
-        for name, mask in self._active.items():
-            p = self._params.get(name)
-            if p is not None:
-                p.mul_(mask.to(p.device, p.dtype))
-
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
-        self._activate(loop, module, client_idx)
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        self.training.begin(module, self.masks(loop, context.client_idx))
 
     @override
     def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        masks = self._active if self._active else self.masks(loop, update.client_idx)
-        masks = {k: m.cpu() for k, m in masks.items()}
-        self._active, self._params = {}, {}
+        masks = self.training.end()
         update.masks = masks
         nxt = self.next_masks(loop, module, update)
         sent: dict[str, Tensor] = dict(masks)
@@ -174,34 +252,26 @@ class SparseMask(FederatedCallback):
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "personal" and self.mask_personal_eval:  # the personal model is the client's masked model
-            self._activate(loop, module, client_idx)
-            self._active, self._params = {}, {}
+            with torch.no_grad():
+                params = dict(module.named_parameters())
+                for name, mask in self.masks(loop, client_idx).items():
+                    if name in params:
+                        params[name].mul_(mask.to(params[name].device, params[name].dtype))
 
     # ---- Lightning hooks (inside a client's local fit) -----------------------------------------------------------
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # the module is on its device now: keep device copies of the masks for the per-step hooks
-        self._params = dict(pl_module.named_parameters())
-        self._active = {k: m.to(pl_module.device) for k, m in self._active.items()}
-        # float copies made once per fit, so the per-step hooks do no conversions
-        self._step_masks = {k: m.to(self._params[k].dtype) for k, m in self._active.items() if k in self._params}
+        self.training.on_train_start(pl_module)
 
     @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.mask_gradients:
-            return
-        for name, mask in self._step_masks.items():
-            g = self._params[name].grad
-            if g is not None:
-                g.mul_(mask)
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.training.on_before_optimizer_step()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        with torch.no_grad():
-            for name, mask in self._step_masks.items():
-                self._params[name].mul_(mask)
+        self.training.on_train_batch_end()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._step_masks = {}
+        self.training.on_train_end()

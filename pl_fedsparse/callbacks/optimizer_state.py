@@ -17,6 +17,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.client import ClientUpdate
+from pl_fedsparse.context import FitContext
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -27,6 +29,9 @@ __all__ = ["KeepOptimizerState"]
 class KeepOptimizerState(FederatedCallback):
     """Carry each client's optimizer state (momentum, Adam moments) from one of its fits to the next.
 
+    Only a round's local training (fit kind ``"train"``) reads and writes the kept state; fine-tuning and other
+    requested fits start from a fresh optimizer, as in the reference code, and do not disturb it.
+
     Example:
         .. code-block:: yaml
 
@@ -36,38 +41,39 @@ class KeepOptimizerState(FederatedCallback):
     """
 
     def __init__(self) -> None:
-        self._loop: FederatedLoop | None = None
-        self._client: int | None = None
+        self._pending: dict[str, Tensor] | None = None  # the state to load into this fit's optimizer
+        self._captured: dict[str, Tensor] | None = None  # the state at the end of this fit
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
-        self._loop = loop
         self.add_client_state(loop, "state", lambda k: {})
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int) -> None:
-        self._client = client_idx
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        self._pending = self.get_client_state(loop, context.client_idx, "state") if context.kind == "train" else None
+        self._captured = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._loop is None or self._client is None:
-            return
-        flat: dict[str, Tensor] = self.get_client_state(self._loop, self._client, "state")
-        if not flat:
+        if not self._pending:
             return
         opt = trainer.optimizers[0]
         state: dict[int, dict[str, Tensor]] = {}
-        for key, value in flat.items():
+        for key, value in self._pending.items():
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = value.to(pl_module.device)
         opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._loop is None or self._client is None:
+        if self._pending is None:
             return
         state = trainer.optimizers[0].state_dict()["state"]
-        flat = {f"{i}.{name}": v.detach().to("cpu", copy=True) if isinstance(v, Tensor) else torch.as_tensor(v)
-                for i, entries in state.items() for name, v in entries.items()}
-        self.set_client_state(self._loop, self._client, "state", flat)
-        self._client = None
+        self._captured = {f"{i}.{name}": v.detach().to("cpu", copy=True) if isinstance(v, Tensor)
+                          else torch.as_tensor(v) for i, entries in state.items() for name, v in entries.items()}
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        if self._captured is not None:
+            self.set_client_state(loop, update.client_idx, "state", self._captured)
+        self._pending = self._captured = None

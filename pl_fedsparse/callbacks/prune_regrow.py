@@ -33,9 +33,53 @@ from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, pru
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["MaskPruneRegrow", "GradientRegrow", "RandomRegrow"]
+__all__ = ["MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "PruneRegrowSchedule", "prune_regrow",
+           "gradient_scores"]
 
-_STREAM_GROW = 13
+
+class PruneRegrowSchedule:
+    """When and how much to readjust: the prune rate α_t of a round (a reusable part, also used by ``DualMask``).
+
+    Args:
+        alpha0: initial prune rate α₀.
+        schedule: ``"cosine"`` (α_t = α₀/2 · (1 + cos(π t / T))) or ``"constant"``.
+        every_n_rounds: readjust only in rounds ``t`` with ``t % every_n_rounds == 0``.
+        total_rounds: ``T`` (default: ``trainer.num_rounds``).
+    """
+
+    def __init__(self, *, alpha0: float, schedule: str, every_n_rounds: int, total_rounds: int | None,
+                 owner: str) -> None:
+        check(0 <= alpha0 <= 1, f"{owner}.alpha0", alpha0, "a number in [0, 1]")
+        check(schedule in ("cosine", "constant"), f"{owner}.schedule", schedule, "one of cosine, constant")
+        check(every_n_rounds >= 1, f"{owner}.every_n_rounds", every_n_rounds, "an int >= 1")
+        check(total_rounds is None or total_rounds >= 1, f"{owner}.total_rounds", total_rounds, "an int >= 1 or null")
+        self.alpha0, self.schedule = float(alpha0), schedule
+        self.every_n_rounds, self.total_rounds = every_n_rounds, total_rounds
+
+    def rate(self, loop: FederatedLoop, round_idx: int) -> float:
+        """α_t of ``round_idx`` (0 in rounds that do not readjust)."""
+        if round_idx % self.every_n_rounds != 0:
+            return 0.0
+        if self.schedule == "constant":
+            return self.alpha0
+        total = self.total_rounds or loop.num_rounds
+        return cosine_prune_rate(min(round_idx, total), total, self.alpha0)
+
+
+def prune_regrow(masks: dict[str, Tensor], drop: dict[str, Tensor], grow: dict[str, Tensor],
+                 rate: float) -> dict[str, Tensor]:
+    """Every mask drops its ``α``-share of active entries with the lowest ``drop`` score and regrows as many by the
+    highest ``grow`` score (:func:`~pl_fedsparse.functional.sparse.drop_and_grow`); counts are kept exactly."""
+    return {name: drop_and_grow(m, drop[name].cpu(), grow[name].cpu(), prune_regrow_count(m, rate))
+            for name, m in masks.items()}
+
+
+def gradient_scores(loop: FederatedLoop, update: ClientUpdate, names: list[str], batches: int) -> dict[str, Tensor]:
+    """|dense gradient| of ``names`` at the working module's (trained) weights over ``batches`` local batches from
+    the ``grow`` stream of (round, client); its FLOPs are charged to the client (``loop.local_gradients``)."""
+    grads = loop.local_gradients(update.client_idx, names, keys=(update.round_idx, update.client_idx),
+                                 batches=batches, stream="grow", update=update)
+    return {name: g.abs() for name, g in grads.items()}
 
 
 class MaskPruneRegrow(SparseMask):
@@ -61,24 +105,14 @@ class MaskPruneRegrow(SparseMask):
         super().__init__(density=density, distribution=distribution, erk_power_scale=erk_power_scale,
                          same_mask=same_mask, client_densities=client_densities, mask_gradients=mask_gradients,
                          dense_1d=dense_1d, mask_personal_eval=mask_personal_eval)
-        name = type(self).__name__
-        check(0 <= alpha0 <= 1, f"{name}.alpha0", alpha0, "a number in [0, 1]")
-        check(schedule in ("cosine", "constant"), f"{name}.schedule", schedule, "one of cosine, constant")
-        check(every_n_rounds >= 1, f"{name}.every_n_rounds", every_n_rounds, "an int >= 1")
-        check(total_rounds is None or total_rounds >= 1, f"{name}.total_rounds", total_rounds, "an int >= 1 or null")
-        self.alpha0 = float(alpha0)
-        self.schedule = schedule
-        self.every_n_rounds = every_n_rounds
-        self.total_rounds = total_rounds
+        self.rule = PruneRegrowSchedule(alpha0=alpha0, schedule=schedule, every_n_rounds=every_n_rounds,
+                                        total_rounds=total_rounds, owner=type(self).__name__)
+        self.alpha0, self.schedule = self.rule.alpha0, schedule
+        self.every_n_rounds, self.total_rounds = every_n_rounds, total_rounds
 
     def prune_rate(self, loop: FederatedLoop, round_idx: int) -> float:
         """α_t of ``round_idx`` (0 in rounds that do not readjust)."""
-        if round_idx % self.every_n_rounds != 0:
-            return 0.0
-        if self.schedule == "constant":
-            return self.alpha0
-        total = self.total_rounds or loop.num_rounds
-        return cosine_prune_rate(min(round_idx, total), total, self.alpha0)
+        return self.rule.rate(loop, round_idx)
 
     def drop_score(self, loop: FederatedLoop, update: ClientUpdate, name: str, weight: Tensor) -> Tensor:
         """Score of keeping each entry; the lowest active ones are dropped (default |w|, all papers)."""
@@ -97,12 +131,8 @@ class MaskPruneRegrow(SparseMask):
         if update.kind != "train" or rate <= 0 or not masks:
             return None
         grow = self.grow_scores(loop, module, update)
-        out = {}
-        for name, mask in masks.items():
-            k = prune_regrow_count(mask, rate)
-            out[name] = drop_and_grow(mask, self.drop_score(loop, update, name, update.state[name]).cpu(),
-                                      grow[name].cpu(), k)
-        return out
+        drop = {name: self.drop_score(loop, update, name, update.state[name]) for name in masks}
+        return prune_regrow(masks, drop, grow, rate)
 
 
 class RandomRegrow(MaskPruneRegrow):
@@ -112,9 +142,7 @@ class RandomRegrow(MaskPruneRegrow):
     @override
     def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
                     update: ClientUpdate) -> dict[str, Tensor]:
-        from pl_fedsparse.loop import stream_seed
-
-        gen = torch.Generator().manual_seed(stream_seed(loop.seed, _STREAM_GROW, update.round_idx, update.client_idx))
+        gen = loop.streams.generator("grow", update.round_idx, update.client_idx)
         return {name: torch.rand(m.shape, generator=gen) for name, m in (update.masks or {}).items()}
 
 
@@ -138,27 +166,4 @@ class GradientRegrow(MaskPruneRegrow):
     @override
     def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
                     update: ClientUpdate) -> dict[str, Tensor]:
-        from pl_fedsparse.loop import stream_seed
-
-        device = loop.device
-        module.to(device).train()
-        params = dict(module.named_parameters())
-        grads = {name: torch.zeros_like(params[name]) for name in (update.masks or {}) if name in params}
-        loader = loop.datamodule.train_loader(
-            update.client_idx, seed=stream_seed(loop.seed, _STREAM_GROW, update.round_idx, update.client_idx))
-        seen = 0
-        for i, (x, y) in enumerate(loader):
-            if i >= self.grow_batches:
-                break
-            x, y = x.to(device), y.to(device)
-            module.zero_grad(set_to_none=True)
-            loss = module.loss(module(x), y) if hasattr(module, "loss") else torch.nn.functional.cross_entropy(
-                module(x), y)
-            loss.backward()
-            for name, g in grads.items():
-                if params[name].grad is not None:
-                    g.add_(params[name].grad)
-            seen += int(y.shape[0])
-        module.zero_grad(set_to_none=True)
-        loop.add_flops(update, seen * loop.dense_flops_per_sample())
-        return {name: g.abs() for name, g in grads.items()}
+        return gradient_scores(loop, update, list(update.masks or {}), self.grow_batches)

@@ -97,6 +97,12 @@ class ShiftEvaluation(FederatedCallback):
         return self.views() if self._due(loop) else []
 
     @override
+    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+        return [("personal acc @ 100 % shift", "shift100/acc_mean"), ("global acc @ 100 % shift", "shift100/global_acc"),
+                ("personal acc, mean over shifts", "shift_avg/acc_mean"),
+                ("personal acc, mean over corruptions", "corruption_avg/acc_mean")]
+
+    @override
     def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
         views = self.views()
         if not views or f"{views[0].name}/acc_mean" not in metrics:  # not evaluated under shift this round

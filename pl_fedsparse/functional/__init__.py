@@ -4,8 +4,8 @@ from pl_fedsparse.functional.aggregation import masked_weighted_average, weighte
 from pl_fedsparse.functional.accounting import message_nbytes, sparse_nbytes, tensor_nbytes
 from pl_fedsparse.functional.inference import adaptive_choice, entropy, output_cosine
 from pl_fedsparse.functional.masks import (
-    apply_masks, check_density, erk_densities, layer_densities, mask_density, masks_from_densities, random_mask,
-    uniform_densities,
+    apply_masks, check_density, erk_densities, layer_densities, mask_density, masks_from_densities,
+    permutation_scores, random_mask, topk_mask, uniform_densities,
 )
 from pl_fedsparse.functional.sparse import (
     cosine_prune_rate, drop_and_grow, pack_mask, pack_masks, prune_regrow_count, unpack_mask, unpack_masks,
@@ -13,7 +13,7 @@ from pl_fedsparse.functional.sparse import (
 
 __all__ = [
     "masked_weighted_average", "weighted_average", "message_nbytes", "sparse_nbytes", "tensor_nbytes",
-    "apply_masks", "check_density", "random_mask", "uniform_densities",
+    "apply_masks", "check_density", "topk_mask", "permutation_scores", "random_mask", "uniform_densities",
     "erk_densities", "layer_densities", "masks_from_densities", "mask_density",
     "cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
     "unpack_masks", "adaptive_choice", "entropy", "output_cosine",

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pl_fedsparse.errors import check
 
-__all__ = ["random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
+__all__ = ["topk_mask", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
            "masks_from_densities", "mask_density"]
 
 
@@ -215,3 +215,34 @@ def mask_density(masks: Mapping[str, Tensor]) -> float:
     total = sum(m.numel() for m in masks.values())
     check(total > 0, "masks", f"{len(masks)} masks with 0 entries", "at least one masked entry")
     return sum(int(torch.count_nonzero(m)) for m in masks.values()) / total
+
+
+def topk_mask(scores: Tensor, k: int) -> Tensor:
+    """A bool mask of ``scores``' shape with exactly ``k`` ones at the ``k`` highest scores (ties: lower flat index
+    first, so the result is deterministic).
+
+    Example:
+        >>> topk_mask(torch.tensor([[0.1, 0.9], [0.5, 0.5]]), 2).tolist()
+        [[False, True], [True, False]]
+    """
+    n = scores.numel()
+    check(isinstance(k, int) and 0 <= k <= n, "k", k, f"an int in [0, {n}]")
+    flat = torch.zeros(n, dtype=torch.bool)
+    flat[torch.argsort(scores.detach().flatten().cpu(), descending=True, stable=True)[:k]] = True
+    return flat.view(scores.shape)
+
+
+def permutation_scores(shape: torch.Size | tuple[int, ...], generator: torch.Generator) -> Tensor:
+    """Random scores whose top-k is the first k entries of one ``torch.randperm`` draw: ``topk_mask`` of them equals
+    :func:`random_mask` with the same generator state (the random initial mask as a score).
+
+    Example:
+        >>> a = topk_mask(permutation_scores((4, 5), torch.Generator().manual_seed(0)), 10)
+        >>> b = random_mask((4, 5), 0.5, torch.Generator().manual_seed(0))
+        >>> bool(torch.equal(a, b))
+        True
+    """
+    n = math.prod(shape)
+    scores = torch.empty(n, dtype=torch.float64)  # exact ranks for any layer size
+    scores[torch.randperm(n, generator=generator)] = torch.arange(n, 0, -1, dtype=torch.float64)
+    return scores.view(tuple(shape))

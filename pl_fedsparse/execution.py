@@ -1,0 +1,171 @@
+"""Client execution: the seam between the federation's orchestration and the local fits.
+
+The loop hands every fit of a stage to a :class:`ClientExecutor` as a list of :class:`FitRequest` s and gets one
+:class:`~pl_fedsparse.client.ClientUpdate` per request back. Everything a fit needs travels in the request — the
+:class:`~pl_fedsparse.context.FitContext` (client, round, kind, stream and seed, learning-rate round, epochs), the
+start tensors and that client's declared state — and everything it produces comes back in the update (trained
+state, upload, masks, metrics, FLOPs, the client's state after the fit). An out-of-process executor (Ray workers,
+one process per GPU) is therefore a second implementation of :meth:`ClientExecutor.run` that ships the requests to
+workers holding a replica of the module and the callbacks; :class:`InProcessExecutor` runs them here, in order, on
+the loop's working module.
+
+Fits are order-independent: each seeds the torch RNG, the shuffling and the augmentation from its own stream, so
+running the requests in another order or in parallel gives the same updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
+from pl_fedsparse.context import FitContext, fit_scope
+from pl_fedsparse.module import FederatedModule
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning"]
+
+
+@dataclass
+class FitRequest:
+    """One local fit to run.
+
+    Attributes:
+        context: client, round, kind, stream/seed, learning-rate round, epochs.
+        start: the full state dict the fit starts from.
+        client_state: the client's declared state (``ClientStateStore.export_client``).
+    """
+
+    context: FitContext
+    start: Mapping[str, Tensor]
+    client_state: dict[str, TensorTree]
+
+
+class ClientExecutor(ABC):
+    """Runs local fits: ``run(requests) -> updates`` (one update per request, same order)."""
+
+    def setup(self, loop: FederatedLoop) -> None:
+        """Called once when the federation is set up (the loop's module, data and callbacks are ready)."""
+
+    @abstractmethod
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        """Run ``requests`` and return their updates, in the order of ``requests``."""
+
+    def teardown(self) -> None:
+        """Called when the federation ends."""
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's per-Trainer info lines and per-fit warnings (one Trainer per client fit)."""
+    names = ["lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
+             "lightning.pytorch.accelerators.cuda"]
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"lightning\..*")
+        warnings.filterwarnings("ignore", message=r".*(num_workers|log_every_n_steps|does not have many workers).*")
+        try:
+            yield
+        finally:
+            for n, lv in levels.items():
+                logging.getLogger(n).setLevel(lv)
+
+
+def load_state(module: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Copy a (full or partial) state dict into ``module`` in place (no re-allocation, any device/dtype)."""
+    with torch.no_grad():
+        own = module.state_dict(keep_vars=True)
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: Iterable[str], device: torch.device,
+                    max_batches: int) -> tuple[dict[str, Tensor], int]:
+    """Sum of the dense gradients of ``names`` over the first ``max_batches`` batches, at the module's current
+    weights, in training mode; returns the gradients (on ``device``) and the number of samples used.
+
+    The loss is the module's ``loss`` (cross-entropy for a plain module). Gradients of other parameters are
+    discarded; the module's ``.grad`` fields are left empty.
+    """
+    module.to(device).train()
+    params = dict(module.named_parameters())
+    grads = {n: torch.zeros_like(params[n]) for n in names if n in params}
+    seen = 0
+    for i, (x, y) in enumerate(batches):
+        if i >= max_batches:
+            break
+        x, y = x.to(device), y.to(device)
+        module.zero_grad(set_to_none=True)
+        out = module(x)
+        loss = module.loss(out, y) if isinstance(module, FederatedModule) else torch.nn.functional.cross_entropy(
+            out, y)
+        loss.backward()
+        for n, g in grads.items():
+            if params[n].grad is not None:
+                g.add_(params[n].grad)
+        seen += int(y.shape[0])
+    module.zero_grad(set_to_none=True)
+    return grads, seen
+
+
+class InProcessExecutor(ClientExecutor):
+    """Run fits one after another in this process, each through a fresh Lightning ``Trainer`` on the loop's working
+    module (``docs/design-notes.md``: a fresh Trainer cannot leak state between clients; its cost is measured by
+    ``benchmarks/overhead.py``)."""
+
+    def __init__(self) -> None:
+        self.loop: FederatedLoop | None = None
+
+    def setup(self, loop: FederatedLoop) -> None:
+        self.loop = loop
+
+    def make_trainer(self, epochs: int | None) -> pl.Trainer:
+        loop = self.loop
+        assert loop is not None
+        steps = loop.local_steps if epochs is None else None
+        return pl.Trainer(
+            accelerator=loop.accelerator, devices=1, precision=loop.precision,  # type: ignore[arg-type]
+            max_epochs=-1 if steps else (epochs or loop.local_epochs), max_steps=steps or -1,
+            callbacks=loop.callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            gradient_clip_val=loop.gradient_clip_val, default_root_dir=str(loop.run_dir or "."),
+        )
+
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        return [self.run_one(r) for r in requests]
+
+    def run_one(self, request: FitRequest) -> ClientUpdate:
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        ctx, module, k = request.context, loop.model, request.context.client_idx
+        loop.client_store.import_client(k, request.client_state)  # no-op here: the same objects
+        load_state(module, request.start)
+        torch.manual_seed(ctx.seed)
+        with fit_scope(ctx):
+            loop.call("on_client_fit_start", module, ctx)
+            loader = loop.datamodule.train_loader(k, seed=ctx.seed)
+            with quiet_lightning():
+                self.make_trainer(ctx.epochs).fit(module, train_dataloaders=loader)
+            state = to_cpu_state(module.state_dict())
+            metrics = module.fit_metrics() if isinstance(module, FederatedModule) else {}
+            update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx,
+                                  n_samples=int(loop.datamodule.num_samples(k, "train")), state=state,
+                                  message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+            loop.call("on_client_fit_end", module, update)
+        samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
+        loop.accounting.charge_training(update, samples)
+        update.client_state = loop.client_store.export_client(k)
+        return update
