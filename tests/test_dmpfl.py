@@ -208,8 +208,8 @@ def test_phase1_start_and_upload(tmp_path: Path) -> None:
                 expected[k] = {n: compose_personal(loop.global_state[n], dm.global_mask[n], w_c[n], m)
                                for n, m in m_c.items()}
 
-        def on_client_fit_start(self, loop, module, client_idx):  # type: ignore[no-untyped-def]
-            seen[client_idx] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        def on_client_fit_start(self, loop, module, context):  # type: ignore[no-untyped-def]
+            seen[context.client_idx] = {n: p.detach().clone() for n, p in module.named_parameters()}
 
     rec = _Record()
     dm = DualMask(density=0.5, iterations=0, alpha0=0.3)

@@ -103,7 +103,7 @@ def test_gradient_regrow_charges_its_dense_batch(tmp_path: Path) -> None:
     grad = tiny_loop(tmp_path / "g", num_rounds=1, callbacks=[GradientRegrow(density=0.4)])
     g = grad.fit(tiny_module(), tiny_datamodule())
     extra = g["flops_train_cum"] - s["flops_train_cum"]
-    assert extra == pytest.approx(4 * 16 * grad.dense_flops_per_sample())  # 4 clients x one batch of 16
+    assert extra == pytest.approx(4 * 16 * grad.accounting.flops_per_sample())  # 4 clients x one batch of 16
 
 
 def test_dst_resume_is_identical(tmp_path: Path) -> None:

@@ -148,9 +148,9 @@ def test_dpsgd_clients_start_from_the_neighbourhood_average(tmp_path: Path) -> N
     from pl_fedsparse import FederatedCallback
 
     class Grab(FederatedCallback):
-        def on_client_fit_start(self, loop, module, client_idx):  # type: ignore[no-untyped-def]
-            if loop.round_idx == 1:
-                starts[client_idx] = {n: t.detach().clone() for n, t in module.state_dict().items()}
+        def on_client_fit_start(self, loop, module, context):  # type: ignore[no-untyped-def]
+            if context.round_idx == 1:
+                starts[context.client_idx] = {n: t.detach().clone() for n, t in module.state_dict().items()}
 
     g = Gossip()
     loop = _loop(tmp_path / "g", Ring(), [g, Grab()], rounds=2)

@@ -28,8 +28,8 @@ class Recorder(FederatedCallback):
     def on_round_start(self, loop, round_idx):  # type: ignore[no-untyped-def]
         self.events.append(f"round_start:{round_idx}")
 
-    def on_client_fit_start(self, loop, module, client_idx):  # type: ignore[no-untyped-def]
-        self.events.append(f"client_fit_start:{client_idx}")
+    def on_client_fit_start(self, loop, module, context):  # type: ignore[no-untyped-def]
+        self.events.append(f"client_fit_start:{context.client_idx}")
 
     def on_fit_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]  (Lightning)
         self.events.append("fit_start")
@@ -109,7 +109,8 @@ def test_single_client_fedavg_equals_its_local_fit(tmp_path: Path) -> None:
     loop.fit(tiny_module(), dm)
     again = tiny_loop(tmp_path / "b", num_rounds=1)
     again.fit(tiny_module(), tiny_datamodule(num_clients=1))
-    up = again.fit_client(0, again.initial_state, 0)
+    again.round_idx = 0
+    up = again.run_fits([again.fit_request(0, again.initial_state)])[0]
     for k, v in up.state.items():
         torch.testing.assert_close(v, loop.global_state[k])  # type: ignore[index]
 
@@ -118,8 +119,9 @@ def test_client_order_does_not_change_results(tmp_path: Path) -> None:
     loop = tiny_loop(tmp_path, num_rounds=1)
     loop.fit(tiny_module(), tiny_datamodule())
     start = dict(loop.global_state)  # type: ignore[arg-type]
-    a = {k: loop.fit_client(k, start, 3).state for k in (0, 1, 2)}
-    b = {k: loop.fit_client(k, start, 3).state for k in (2, 0, 1)}
+    loop.round_idx = 3
+    a = {u.client_idx: u.state for u in loop.run_fits([loop.fit_request(k, start) for k in (0, 1, 2)])}
+    b = {u.client_idx: u.state for u in loop.run_fits([loop.fit_request(k, start) for k in (2, 0, 1)])}
     for k in a:
         for name in a[k]:
             assert torch.equal(a[k][name], b[k][name])
