@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pl_fedsparse import FederatedLoop, FederatedModule
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.functional import weighted_average
-from pl_fedsparse.loop import stream_seed
+from pl_fedsparse.streams import stream_seed
 from pl_fedsparse.models import LeNetCIFAR
 
 
@@ -90,7 +90,7 @@ def main() -> None:
                          accelerator=args.accelerator, precision=args.precision, logger=False,
                          enable_progress_bar=False, checkpoint_every=0, default_root_dir="benchmarks/_runs/overhead",
                          overwrite=True)
-    loop._setup(module, dm, None, stage="fit")
+    loop.setup(module, dm)
     device = loop.device
     print(f"device={device} precision={args.precision} threads={torch.get_num_threads()} "
           f"data={'cifar10' if args.data_root else 'synthetic'} samples/client={dm.num_samples(0)}")
@@ -113,7 +113,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
         tf = time.perf_counter() - t
-        loop.comm.end_round()
+        loop.accounting.end_round(len(clients))
         loop.global_state = start
         if rep > 0:
             plain_times.append(tp)

@@ -346,7 +346,7 @@ class FederatedLoop:
     # ------------------------------------------------------------------------------------------------ entry points
     def fit(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
         """Run the federation (resuming from ``ckpt_path`` when given) and return the final summary."""
-        self._setup(model, datamodule, ckpt_path, stage="fit")
+        self.setup(model, datamodule, ckpt_path, stage="fit")
         self.call("on_federation_start")
         rounds = self.reporter.progress(range(self.round_idx, self.num_rounds), "rounds", leave=True)
         for r in rounds:
@@ -376,7 +376,7 @@ class FederatedLoop:
                        split: str) -> dict[str, Any]:
         if ckpt_path is None:
             log.warning("no --ckpt_path given: evaluating the freshly initialised model")
-        self._setup(model, datamodule, ckpt_path, stage=split)
+        self.setup(model, datamodule, ckpt_path, stage=split)
         if split == "val" and sum(datamodule.num_samples(k, "val") for k in range(self.num_clients)) == 0:
             raise ConfigError("data.split_ratios is invalid for validate: expected a non-zero validation share "
                               "(e.g. [0.6, 0.2, 0.2]); use `pl-fed test` to evaluate on the test split")
@@ -393,7 +393,9 @@ class FederatedLoop:
         return path
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None, stage: str) -> None:
+    def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
+        """Set the federation up (data, policies, accounting, client state, checkpoint restore, run directory)
+        without running a round; `fit`, `validate` and `test` call it."""
         self.model, self.datamodule = model, datamodule
         datamodule.setup("fit")
         self._check_environment()

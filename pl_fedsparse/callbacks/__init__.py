@@ -2,7 +2,7 @@
 
 from pl_fedsparse.callbacks.base import POLICIES, FederatedCallback
 from pl_fedsparse.callbacks.baselines import Ditto, FineTune, LocalTraining
-from pl_fedsparse.callbacks.masking import SparseMask
+from pl_fedsparse.callbacks.masking import MaskedTraining, SparseMask
 from pl_fedsparse.callbacks.optimizer_state import KeepOptimizerState
 from pl_fedsparse.callbacks.prune_regrow import GradientRegrow, MaskPruneRegrow, RandomRegrow
 from pl_fedsparse.callbacks.fedspa import FedSpaAggregation
@@ -11,6 +11,6 @@ from pl_fedsparse.callbacks.dmpfl import DualMask, FedDST
 from pl_fedsparse.callbacks.shift_eval import ShiftEvaluation
 from pl_fedsparse.callbacks.adaptive_inference import AdaptiveInference
 
-__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "KeepOptimizerState",
+__all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "MaskedTraining", "KeepOptimizerState",
            "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation", "Gossip",
            "ShiftEvaluation", "AdaptiveInference", "Ditto", "DualMask", "FedDST"]
