@@ -29,12 +29,14 @@ from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext, fit_scope
+from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.module import FederatedModule
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning"]
+__all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning",
+           "check_environment"]
 
 
 @dataclass
@@ -169,3 +171,26 @@ class InProcessExecutor(ClientExecutor):
         loop.accounting.charge_training(update, samples)
         update.client_state = loop.client_store.export_client(k)
         return update
+
+
+def check_environment(loop: FederatedLoop) -> None:
+    """Validate the device, the precision and that the model accepts the data (one-line ConfigErrors)."""
+    if loop.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={loop.accelerator!r} is invalid: expected cpu or auto "
+                          "(no CUDA device is available)")
+    if loop.device.type == "cpu" and loop.precision == "16-mixed":
+        raise ConfigError("trainer.precision='16-mixed' is invalid on CPU: expected 32-true or bf16-mixed")
+    assert loop.model is not None
+    x = loop.datamodule.example_input(2)
+    try:
+        with torch.no_grad():
+            out = loop.model(x)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"model.backbone={type(getattr(loop.model, 'backbone', loop.model)).__name__} is invalid: expected a "
+            f"network accepting inputs of shape {tuple(x.shape[1:])} from data.name="
+            f"{loop.datamodule.name!r} ({str(e).splitlines()[0][:120]})") from None
+    nc = int(loop.datamodule.num_classes)
+    if out.ndim != 2 or out.shape[1] != nc:
+        raise ConfigError(f"model.backbone.init_args.num_classes={out.shape[-1]} is invalid: expected "
+                          f"{nc} (the number of classes of data.name={loop.datamodule.name!r})")

@@ -31,15 +31,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pl_fedsparse import policies
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.checkpoint import federation_state, load_checkpoint, restore_federation, save_checkpoint
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.evaluation import Evaluator, logits_metrics
-from pl_fedsparse.execution import (ClientExecutor, FitRequest, InProcessExecutor, load_state, local_gradients,
-                                    quiet_lightning)
-from pl_fedsparse.functional.aggregation import weighted_average
+from pl_fedsparse.evaluation import Evaluator
+from pl_fedsparse.execution import (
+    ClientExecutor,
+    FitRequest,
+    InProcessExecutor,
+    check_environment,
+    load_state,
+    local_gradients,
+    quiet_lightning,
+)
 from pl_fedsparse.metrics import SERVER, Accounting, TrainFlops
 from pl_fedsparse.reporting import RunReporter, results_table
 from pl_fedsparse.streams import Streams, stream_seed
@@ -189,53 +196,33 @@ class FederatedLoop:
                 self._owners[p] = cb
 
     # ------------------------------------------------------------------------------------------------ policies
+    def policy(self, name: str, *args: Any) -> Any:
+        """Call policy ``name`` on its owner, or the loop's default (:mod:`pl_fedsparse.policies`)."""
+        owner = self._owners.get(name)
+        return getattr(owner, name)(self, *args) if owner is not None else getattr(policies, name)(self, *args)
+
     def select_clients(self, round_idx: int) -> list[int]:
-        """Participants of ``round_idx`` (policy; default: uniform without replacement among the clients the
-        topology has not dropped this round)."""
-        ids = list(range(self.num_clients))
-        if "select_clients" in self._owners:
-            return sorted(self._owners["select_clients"].select_clients(self, round_idx, ids))
-        ids = [k for k in ids if k not in self.topology.dropped(round_idx, len(ids), self.seed)]
-        m = self.clients_per_round or max(1, int(self.join_ratio * self.num_clients + 1e-9))
-        if m >= len(ids):
-            return ids
-        rng = self.streams.numpy("sample", round_idx)
-        return sorted(int(i) for i in rng.choice(len(ids), size=m, replace=False))
+        """Participants of ``round_idx`` (sorted)."""
+        return sorted(self.policy("select_clients", round_idx, list(range(self.num_clients))))
 
     def client_message(self, client_idx: int) -> Message | None:
-        """What the server sends ``client_idx`` (policy; default: the dense global model); then
-        ``on_client_message`` may edit it."""
-        if "client_message" in self._owners:
-            message = self._owners["client_message"].client_message(self, client_idx)
-        else:
-            message = None if self.global_state is None else Message(self.global_state)
+        """What the server sends ``client_idx``, after every callback's ``on_client_message`` edited it."""
+        message = self.policy("client_message", client_idx)
         if message is not None:
             self.call("on_client_message", client_idx, message)
         return message
 
     def aggregate(self, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
-        """New global state (policy; default: FedAvg weighted by training samples, McMahan et al. 2017)."""
-        if "aggregate" in self._owners:
-            return self._owners["aggregate"].aggregate(self, updates)
-        sent = [u for u in updates if u.message is not None]
-        if self.global_state is None or not sent:
-            return self.global_state
-        merged = weighted_average([u.message.tensors for u in sent], [u.n_samples for u in sent])  # type: ignore[union-attr]
-        return {**self.global_state, **merged}
+        """The new global state from the round's updates."""
+        return self.policy("aggregate", updates)
 
     def personal_state(self, client_idx: int) -> dict[str, Tensor]:
-        """State of the client's personal model (policy; default: the global model)."""
-        if "personal_state" in self._owners:
-            return self._owners["personal_state"].personal_state(self, client_idx)
-        if self.global_state is None:
-            raise ConfigError("trainer.callbacks is invalid: the method keeps no global model, so a callback must "
-                              "own the 'personal_state' policy")
-        return self.global_state
+        """State of the client's personal model (what is evaluated as ``"personal"``)."""
+        return self.policy("personal_state", client_idx)
 
     def client_masks(self, client_idx: int) -> dict[str, Tensor] | None:
-        """The client's current masks (policy; default: none, the model is dense)."""
-        owner = self._owners.get("client_masks")
-        return owner.client_masks(self, client_idx) if owner is not None else None
+        """The client's current masks (``None``: dense)."""
+        return self.policy("client_masks", client_idx)
 
     # ------------------------------------------------------------------------------------------------ client work
     def load_state(self, state: Mapping[str, Tensor]) -> None:
@@ -289,10 +276,6 @@ class FederatedLoop:
                 severity: int = 0) -> tuple[Tensor, Tensor]:
         """CPU logits and labels of the working module on one client's ``split`` data (optionally shifted/corrupted)."""
         return self.evaluator.logits(self.evaluator.loader(client_idx, split, shift, corruption, severity))
-
-    def evaluate_module(self, client_idx: int, split: str = "test", shift: float = 0.0) -> dict[str, float]:
-        """Accuracy and loss of the working module on one client's ``split`` data."""
-        return logits_metrics(*self.predict(client_idx, split, shift))
 
     def evaluate(self, split: str | None = None) -> dict[str, Any]:
         """Every client's personal (and the global) model on every view (:class:`~pl_fedsparse.evaluation.Evaluator`)."""
@@ -398,7 +381,7 @@ class FederatedLoop:
         without running a round; `fit`, `validate` and `test` call it."""
         self.model, self.datamodule = model, datamodule
         datamodule.setup("fit")
-        self._check_environment()
+        check_environment(self)
         self._resolve_policies()
         self.streams = Streams(self.seed)
         self.client_store = ClientStateStore()
@@ -418,24 +401,3 @@ class FederatedLoop:
         self.client_store.materialize(range(self.num_clients))
         if stage == "fit":
             self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history)
-
-    def _check_environment(self) -> None:
-        if self.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"trainer.accelerator={self.accelerator!r} is invalid: expected cpu or auto "
-                              "(no CUDA device is available)")
-        if self.device.type == "cpu" and self.precision == "16-mixed":
-            raise ConfigError("trainer.precision='16-mixed' is invalid on CPU: expected 32-true or bf16-mixed")
-        assert self.model is not None
-        x = self.datamodule.example_input(2)
-        try:
-            with torch.no_grad():
-                out = self.model(x)
-        except RuntimeError as e:
-            raise ConfigError(
-                f"model.backbone={type(getattr(self.model, 'backbone', self.model)).__name__} is invalid: expected a "
-                f"network accepting inputs of shape {tuple(x.shape[1:])} from data.name="
-                f"{self.datamodule.name!r} ({str(e).splitlines()[0][:120]})") from None
-        nc = int(self.datamodule.num_classes)
-        if out.ndim != 2 or out.shape[1] != nc:
-            raise ConfigError(f"model.backbone.init_args.num_classes={out.shape[-1]} is invalid: expected "
-                              f"{nc} (the number of classes of data.name={self.datamodule.name!r})")

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
+import torch  # noqa: F401 - used by the doctests
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -98,11 +98,11 @@ def test_fedprox_mu_zero_is_fedavg_exactly(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_fedprox_regularises_only_training_fits(tmp_path: Path) -> None:
+    from conftest import tiny_datamodule, tiny_loop, tiny_module
+
     from callbacks.fedprox import FedProx
     from pl_fedsparse import current_fit
     from pl_fedsparse.callbacks import FineTune
-
-    from conftest import tiny_datamodule, tiny_loop, tiny_module
 
     kinds: list[str] = []
 
@@ -120,10 +120,10 @@ def test_fedprox_regularises_only_training_fits(tmp_path: Path) -> None:
 def test_snip_masks_are_the_saliency_top_k_at_the_initial_weights(tmp_path: Path) -> None:
     """Every client's mask — also of clients never sampled — is the top |g ⊙ w| of one local batch at the initial
     weights, computed independently here; its gradient pass is charged."""
+    from conftest import tiny_datamodule, tiny_loop, tiny_module
+
     from callbacks.snip import SnipMask
     from pl_fedsparse.functional import layer_densities
-
-    from conftest import tiny_datamodule, tiny_loop, tiny_module
 
     cb = SnipMask(density=0.5)
     loop = tiny_loop(tmp_path, num_rounds=1, clients_per_round=1, callbacks=[cb])

@@ -31,8 +31,7 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
-from pl_fedsparse.functional.masks import (apply_masks, check_density, layer_densities, permutation_scores,
-                                           topk_mask)
+from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 
 if TYPE_CHECKING:
@@ -51,7 +50,7 @@ def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], 
 
 def top_masks(scores: dict[str, Tensor], densities: dict[str, float]) -> dict[str, Tensor]:
     """Per tensor with density < 1, the top ``floor(d · n)`` positions of its scores."""
-    return {k: topk_mask(scores[k], int(math.floor(d * scores[k].numel()))) for k, d in densities.items() if d < 1.0}
+    return {k: topk_mask(scores[k], math.floor(d * scores[k].numel())) for k, d in densities.items() if d < 1.0}
 
 
 class MaskedTraining:

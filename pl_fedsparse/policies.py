@@ -1,0 +1,62 @@
+"""The loop's default policies — what runs when no callback owns a policy (Flower's default strategy idea).
+
+=====================  ========================================================================================
+policy                 default
+=====================  ========================================================================================
+``select_clients``     uniform without replacement (``join_ratio`` / ``clients_per_round``) among the clients the
+                       topology has not dropped this round, from the ``sample`` stream of the round
+``client_message``     the dense global model (nothing without one)
+``aggregate``          FedAvg: the uploads averaged with the clients' training-sample counts as weights
+                       (McMahan et al. 2017)
+``personal_state``     the global model (a method without one must own this policy)
+``client_masks``       ``None``: the model is dense
+=====================  ========================================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.functional.aggregation import weighted_average
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["select_clients", "client_message", "aggregate", "personal_state", "client_masks"]
+
+
+def select_clients(loop: FederatedLoop, round_idx: int, client_ids: Sequence[int]) -> list[int]:
+    ids = [k for k in client_ids if k not in loop.topology.dropped(round_idx, len(client_ids), loop.seed)]
+    m = loop.clients_per_round or max(1, int(loop.join_ratio * loop.num_clients + 1e-9))
+    if m >= len(ids):
+        return ids
+    rng = loop.streams.numpy("sample", round_idx)
+    return sorted(int(i) for i in rng.choice(len(ids), size=m, replace=False))
+
+
+def client_message(loop: FederatedLoop, client_idx: int) -> Message | None:
+    return None if loop.global_state is None else Message(loop.global_state)
+
+
+def aggregate(loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    sent = [u for u in updates if u.message is not None]
+    if loop.global_state is None or not sent:
+        return loop.global_state
+    merged = weighted_average([u.message.tensors for u in sent], [u.n_samples for u in sent])  # type: ignore[union-attr]
+    return {**loop.global_state, **merged}
+
+
+def personal_state(loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    if loop.global_state is None:
+        raise ConfigError("trainer.callbacks is invalid: the method keeps no global model, so a callback must "
+                          "own the 'personal_state' policy")
+    return loop.global_state
+
+
+def client_masks(loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+    return None
