@@ -162,11 +162,6 @@ class FederatedLoop:
         return int(self.datamodule.num_clients)
 
     @property
-    def comm(self) -> Any:
-        """The communication ledger (``accounting.comm``)."""
-        return self.accounting.comm
-
-    @property
     def device(self) -> torch.device:
         """Device of local fits and evaluation."""
         if self.accelerator in ("gpu", "cuda") or (self.accelerator == "auto" and torch.cuda.is_available()):

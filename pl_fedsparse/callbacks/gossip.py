@@ -85,7 +85,7 @@ class Gossip(FederatedCallback):
         neighbours = topo.neighbors(r, client_idx, range(n), loop.seed)
         sent = [self.sender_message(j) for j in neighbours]
         for j, msg in zip(neighbours, sent):
-            loop.comm.record(j, client_idx, msg.nbytes())
+            loop.accounting.send(j, client_idx, msg)
         group = [own, *sent]
         avg = weighted_average([m.tensors for m in group], [1.0] * len(group), [m.masks or None for m in group])
         return Message(avg)
