@@ -116,8 +116,9 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
             out, y)
         loss.backward()
         for n, g in grads.items():
-            if params[n].grad is not None:
-                g.add_(params[n].grad)
+            grad = params[n].grad
+            if grad is not None:
+                g.add_(grad)
         seen += int(y.shape[0])
     module.zero_grad(set_to_none=True)
     return grads, seen

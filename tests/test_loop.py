@@ -76,8 +76,7 @@ def test_hook_order_two_clients_two_rounds(tmp_path: Path) -> None:
         for k in range(2):
             expected += [f"client_fit_start:{k}", *client, f"client_fit_end:{k}"]
         expected += ["before_aggregate:[0, 1]", "after_aggregate"]
-        # FedAvg: the personal model is the global model; since this callback could edit the loaded model in
-        # on_client_evaluate_start, the global model is evaluated separately
+        # both model kinds get their evaluate hooks (FedAvg's global logits are reused: the weights are identical)
         for k in range(2):
             expected += [f"evaluate_start:{k}:personal", f"evaluate_end:{k}:personal",
                          f"evaluate_start:{k}:global", f"evaluate_end:{k}:global"]
