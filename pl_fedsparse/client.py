@@ -72,6 +72,7 @@ class ClientUpdate:
             ``"finetune"``, ``"personal"``, ``"personal_refine"`` (fits requested by callbacks).
         context: the fit's :class:`~pl_fedsparse.context.FitContext` (client, round, kind, stream, seed).
         client_state: the client's declared state after the fit (what an executor hands back to the loop).
+        flop_charges: FLOPs charged during the fit, in order, not yet booked by the loop's accounting.
     """
 
     client_idx: int
@@ -86,6 +87,7 @@ class ClientUpdate:
     kind: str = "train"
     context: FitContext | None = None
     client_state: dict[str, TensorTree] | None = None
+    flop_charges: list[float] = field(default_factory=list)
 
 
 def _compact(value: TensorTree) -> TensorTree:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
 if TYPE_CHECKING:
@@ -89,7 +89,6 @@ class FitSpec:
     lr_round: int | None = None
     download: Message | None = None
     stream: str | None = None
-    extras: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in FIT_KINDS or self.kind == "train":

@@ -240,6 +240,7 @@ class FederatedLoop:
         for u in updates:
             if u.client_state is not None:
                 self.client_store.import_client(u.client_idx, u.client_state)
+            self.accounting.book(u)
         return updates
 
     def _requested_fits(self, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:

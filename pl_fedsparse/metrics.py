@@ -237,9 +237,24 @@ class Accounting:
         self.comm.record(src, dst, int(message) if isinstance(message, (int, np.integer)) else message.nbytes())
 
     def charge_flops(self, client_idx: int, flops: float, update: Any = None) -> None:
-        """Charge ``flops`` of training compute to ``client_idx`` (and to ``update.flops`` when given)."""
+        """Charge ``flops`` of training compute to ``client_idx``.
+
+        With an ``update`` (compute spent during that client's fit, e.g. a gradient pass for regrowth), the charge
+        is added to ``update.flops`` and booked when the update reaches the loop (:meth:`book`) — so a fit that ran
+        in another process is charged the same way. Without one it is booked now."""
         if update is not None:
             update.flops += flops
+            update.flop_charges.append(flops)
+            return
+        self._book(client_idx, flops)
+
+    def book(self, update: Any) -> None:
+        """Book the charges made during one fit (in the order they were made)."""
+        for flops in update.flop_charges:
+            self._book(update.client_idx, flops)
+        update.flop_charges = []
+
+    def _book(self, client_idx: int, flops: float) -> None:
         self.flops_cum += flops
         self.client_flops[client_idx] = self.client_flops.get(client_idx, 0.0) + flops
         self.round_flops += flops
