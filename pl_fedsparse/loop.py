@@ -84,6 +84,11 @@ class FederatedLoop:
         topology: communication graph (default :class:`~pl_fedsparse.topology.Star`).
         callbacks: the method, as a list of (federated) callbacks.
         executor: runs the client fits (default :class:`~pl_fedsparse.execution.InProcessExecutor`).
+        on_client_fault: ``"skip"``: a fit that raises or yields a non-finite loss, gradient, weight or upload is
+            left out of aggregation and gossip, the client keeps its previous state and the fault is reported;
+            ``"raise"``: stop the run with the fault.
+        keep_checkpoints: keep the last this many round checkpoints (``checkpoints/round-<r>.ckpt``, besides
+            ``last.ckpt``) so a run can be restarted from before a problem.
         seed: federation seed (``pl-fed`` sets it from ``--seed_everything``).
 
     Example:
@@ -106,7 +111,8 @@ class FederatedLoop:
         devices: int | str = 1, precision: str = "32-true", gradient_clip_val: float | None = None,
         default_root_dir: str | None = None, overwrite: bool = False, checkpoint_every: int = 1, logger: bool = True,
         enable_progress_bar: bool | None = None, topology: Topology | None = None,
-        callbacks: list[pl.Callback] | None = None, executor: ClientExecutor | None = None, seed: int = 0,
+        callbacks: list[pl.Callback] | None = None, executor: ClientExecutor | None = None,
+        on_client_fault: Literal["skip", "raise"] = "skip", keep_checkpoints: int = 2, seed: int = 0,
     ) -> None:
         check(isinstance(num_rounds, int) and num_rounds >= 1, "trainer.num_rounds", num_rounds, "an int >= 1")
         check(0 < join_ratio <= 1, "trainer.join_ratio", join_ratio, "a number in (0, 1]")
@@ -123,12 +129,16 @@ class FederatedLoop:
         check(gradient_clip_val is None or gradient_clip_val > 0, "trainer.gradient_clip_val", gradient_clip_val,
               "a number > 0 or null")
         check(checkpoint_every >= 0, "trainer.checkpoint_every", checkpoint_every, "an int >= 0")
+        check(on_client_fault in ("skip", "raise"), "trainer.on_client_fault", on_client_fault, "one of skip, raise")
+        check(isinstance(keep_checkpoints, int) and keep_checkpoints >= 1, "trainer.keep_checkpoints",
+              keep_checkpoints, "an int >= 1")
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global
         self.accelerator, self.precision, self.gradient_clip_val = accelerator, precision, gradient_clip_val
         self.default_root_dir, self.overwrite, self.checkpoint_every = default_root_dir, overwrite, checkpoint_every
         self.logger, self.enable_progress_bar = logger, enable_progress_bar
+        self.on_client_fault, self.keep_checkpoints = on_client_fault, keep_checkpoints
         self.topology = topology if topology is not None else Star()
         self.callbacks: list[pl.Callback] = list(callbacks or [])
         self.executor: ClientExecutor = executor if executor is not None else InProcessExecutor()
@@ -325,23 +335,28 @@ class FederatedLoop:
     # ------------------------------------------------------------------------------------------------ entry points
     def fit(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
         """Run the federation (resuming from ``ckpt_path`` when given) and return the final summary."""
-        self.setup(model, datamodule, ckpt_path, stage="fit")
-        self.call("on_federation_start")
-        rounds = self.reporter.progress(range(self.round_idx, self.num_rounds), "rounds", leave=True)
-        for r in rounds:
-            row = self.run_round(r)
-            self.history.append(row)
-            self.reporter.log_row(row)
-            if hasattr(rounds, "set_postfix") and row.get("acc_mean") is not None:
-                rounds.set_postfix(acc=f"{row['acc_mean']:.3f}")
-            self.round_idx = r + 1
-            if self.checkpoint_every and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.num_rounds):
+        try:
+            self.setup(model, datamodule, ckpt_path, stage="fit")
+            self.call("on_federation_start")
+            if self.round_idx == 0 and self.checkpoint_every:
+                self.save_checkpoint()  # "no round completed yet": a kill from here on is resumable
+            rounds = self.reporter.progress(range(self.round_idx, self.num_rounds), "rounds", leave=True)
+            for r in rounds:
+                row = self.run_round(r)
+                self.history.append(row)
+                self.reporter.log_row(row)
+                if hasattr(rounds, "set_postfix") and row.get("acc_mean") is not None:
+                    rounds.set_postfix(acc=f"{row['acc_mean']:.3f}")
+                self.round_idx = r + 1
+                if self.checkpoint_every and ((r + 1) % self.checkpoint_every == 0 or r + 1 == self.num_rounds):
+                    self.save_checkpoint()
+            self.call("on_federation_end")
+            if self.checkpoint_every == 0:
                 self.save_checkpoint()
-        self.call("on_federation_end")
-        if self.checkpoint_every == 0:
-            self.save_checkpoint()
-        self.executor.teardown()
-        return self.reporter.finish()
+            self.executor.teardown()
+            return self.reporter.finish()
+        finally:
+            self.reporter.release()
 
     def validate(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
         """Evaluate every client's personal (and the global) model on its validation split."""
@@ -366,10 +381,9 @@ class FederatedLoop:
         return out
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """Write everything needed to continue the federation, atomically."""
-        path = Path(path) if path is not None else self.reporter.path("checkpoints") / "last.ckpt"
-        save_checkpoint(path, federation_state(self))
-        return path
+        """Write everything needed to continue the federation, atomically (by default ``checkpoints/last.ckpt``
+        and the round's copy, of which the last ``keep_checkpoints`` are kept)."""
+        return self.reporter.save_checkpoint(federation_state(self), path)
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
@@ -396,4 +410,4 @@ class FederatedLoop:
         self.load_state(self.initial_state)
         self.client_store.materialize(range(self.num_clients))
         if stage == "fit":
-            self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history)
+            self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history, checkpoint=ckpt)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pl_fedsparse.checkpoint import atomic_write_text, dumps_json
+from pl_fedsparse.checkpoint import atomic_write_text, dumps_json, save_checkpoint
 from pl_fedsparse.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ class RunReporter:
         assert self.run_dir is not None
         return self.run_dir / name
 
-    def open(self, resuming: bool, history: Sequence[Mapping[str, Any]]) -> Path:
+    def open(self, resuming: bool, history: Sequence[Mapping[str, Any]], checkpoint: Mapping[str, Any] | None = None
+             ) -> Path:
         """Create (or reopen, when resuming) the run directory, write the config and the rows of ``history``."""
         loop = self.loop
         root = loop.default_root_dir or f"runs/run-{datetime.now():%Y%m%d-%H%M%S}"
@@ -154,6 +155,16 @@ class RunReporter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+    def save_checkpoint(self, state: dict[str, Any], path: str | Path | None = None) -> Path:
+        """Write a federation checkpoint atomically (default: ``checkpoints/last.ckpt``)."""
+        target = Path(path) if path is not None else self.path("checkpoints") / "last.ckpt"
+        save_checkpoint(target, state)
+        return target
+
+    def release(self) -> None:
+        """Give the run directory up (end of the run, or an error): close TensorBoard."""
+        self.close()
 
     def progress(self, it: Any, desc: str, leave: bool) -> Any:
         show = self.loop.enable_progress_bar if self.loop.enable_progress_bar is not None else sys.stderr.isatty()

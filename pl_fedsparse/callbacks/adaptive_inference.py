@@ -74,8 +74,8 @@ class AdaptiveInference(FederatedCallback):
                               "personal ones (a server method, with trainer.eval_global: true)")
 
     @override
-    def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
-        self._require_global(loop)  # before any training (every method has set up its global model by now)
+    def on_federation_start(self, loop: FederatedLoop) -> None:
+        self._require_global(loop)  # before anything is trained or checkpointed
 
     @override
     def eval_views(self, loop: FederatedLoop) -> list[EvalView]:

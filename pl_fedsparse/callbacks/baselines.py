@@ -43,10 +43,7 @@ class LocalTraining(FederatedCallback):
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
         self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
-
-    @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
-        loop.global_state = None
+        loop.global_state = None  # no global model (set here, so other callbacks see it from the start)
 
     @override
     def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
