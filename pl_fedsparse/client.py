@@ -73,6 +73,10 @@ class ClientUpdate:
         context: the fit's :class:`~pl_fedsparse.context.FitContext` (client, round, kind, stream, seed).
         client_state: the client's declared state after the fit (what an executor hands back to the loop).
         flop_charges: FLOPs charged during the fit, in order, not yet booked by the loop's accounting.
+        fault: why the fit is unusable (``"exception"``, ``"no_data"``, ``"nonfinite_loss"``,
+            ``"nonfinite_weights"``, ``"nonfinite_upload"``), ``None`` when healthy; a faulty update is left out of
+            aggregation and gossip and the client keeps its previous state (``trainer.on_client_fault``).
+        fault_detail: a short description (the exception, the tensor).
     """
 
     client_idx: int
@@ -88,6 +92,8 @@ class ClientUpdate:
     context: FitContext | None = None
     client_state: dict[str, TensorTree] | None = None
     flop_charges: list[float] = field(default_factory=list)
+    fault: str | None = None
+    fault_detail: str | None = None
 
 
 def _compact(value: TensorTree) -> TensorTree:

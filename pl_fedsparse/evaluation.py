@@ -222,13 +222,15 @@ class Evaluator:
             if not v.report:
                 continue
             prefix = view_metric_prefix(name)
-            nv = [int(pc[name]["personal"]["n"]) for pc in per_client]
+            with_data = [pc for pc in per_client if pc[name]["personal"]["n"] > 0]  # clients without data: no say
+            nv = [int(pc[name]["personal"]["n"]) for pc in with_data]
             for kind in per_client[0][name] if per_client else []:
-                s = summarize_accuracies([pc[name][kind]["acc"] for pc in per_client], nv)
+                s = summarize_accuracies([pc[name][kind]["acc"] for pc in with_data], nv)
                 if kind == "personal":
                     out.update({f"{prefix}{key}": val for key, val in s.items()})
                     if name == CLEAN.name:
-                        out["loss_mean"] = float(np.mean([pc[name][kind]["loss"] for pc in per_client]))
+                        out["loss_mean"] = (float(np.mean([pc[name][kind]["loss"] for pc in with_data])) if with_data
+                                            else None)
                 else:
                     out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
                     out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]

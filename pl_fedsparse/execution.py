@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import signal
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
 __all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning",
-           "check_environment"]
+           "check_environment", "find_fault", "ClientFaultError"]
 
 
 @dataclass
@@ -52,6 +54,10 @@ class FitRequest:
     context: FitContext
     start: Mapping[str, Tensor]
     client_state: dict[str, TensorTree]
+
+
+class ClientFaultError(RuntimeError):
+    """A client's fit failed and ``trainer.on_client_fault`` is ``"raise"``."""
 
 
 class ClientExecutor(ABC):
@@ -151,27 +157,76 @@ class InProcessExecutor(ClientExecutor):
         return [self.run_one(r) for r in requests]
 
     def run_one(self, request: FitRequest) -> ClientUpdate:
+        """Run one fit. A fit that raises (with ``trainer.on_client_fault: skip``) or produces a non-finite loss,
+        weight or upload comes back with ``update.fault`` set and the client's state as it was before the fit."""
         loop = self.loop
         assert loop is not None and loop.model is not None
         ctx, module, k = request.context, loop.model, request.context.client_idx
         loop.client_store.import_client(k, request.client_state)  # no-op here: the same objects
         load_state(module, request.start)
         torch.manual_seed(ctx.seed)
-        with fit_scope(ctx):
-            loop.call("on_client_fit_start", module, ctx)
-            loader = loop.datamodule.train_loader(k, seed=ctx.seed)
-            with quiet_lightning():
-                self.make_trainer(ctx.epochs).fit(module, train_dataloaders=loader)
-            state = to_cpu_state(module.state_dict())
-            metrics = module.fit_metrics() if isinstance(module, FederatedModule) else {}
-            update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx,
-                                  n_samples=int(loop.datamodule.num_samples(k, "train")), state=state,
-                                  message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
-            loop.call("on_client_fit_end", module, update)
-        samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
-        loop.accounting.charge_training(update, samples)
-        update.client_state = loop.client_store.export_client(k)
+        n_samples = int(loop.datamodule.num_samples(k, "train"))
+        try:
+            with fit_scope(ctx):
+                loop.call("on_client_fit_start", module, ctx)
+                loader = loop.datamodule.train_loader(k, seed=ctx.seed)
+                self._fit(self.make_trainer(ctx.epochs), module, loader)
+                state = to_cpu_state(module.state_dict())
+                metrics = module.fit_metrics() if isinstance(module, FederatedModule) else {}
+                update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
+                                      message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+                loop.call("on_client_fit_end", module, update)
+        except Exception as e:  # a failing client must not stop the federation (KeyboardInterrupt is not caught)
+            if loop.on_client_fault == "raise":
+                raise
+            update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
+                                  kind=ctx.kind, context=ctx, fault="exception",
+                                  fault_detail=f"{type(e).__name__}: {e}")
+        else:
+            samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
+            loop.accounting.charge_training(update, samples)
+            update.fault, update.fault_detail = find_fault(update)
+        update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
         return update
+
+    @staticmethod
+    def _fit(trainer: pl.Trainer, module: pl.LightningModule, loader: Any) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            with quiet_lightning():
+                trainer.fit(module, train_dataloaders=loader)
+        except SystemExit:
+            # Lightning turns Ctrl-C during a fit into a graceful shutdown and sys.exit(1), ignoring further SIGINTs:
+            # give the interrupt back (and the handler), so that the run stops with its resume message
+            if trainer.interrupted:
+                signal.signal(signal.SIGINT, handler)
+                raise KeyboardInterrupt from None
+            raise
+
+
+def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:
+    """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_data`` (it
+    trained on no sample), ``nonfinite_loss``, ``nonfinite_weights`` (also what NaN gradients lead to) or
+    ``nonfinite_upload``.
+
+    Example:
+        >>> u = ClientUpdate(0, 0, 1, {"w": torch.tensor([1.0, float("nan")])}, metrics={"train_loss": 0.5})
+        >>> find_fault(u)
+        ('nonfinite_weights', 'w')
+    """
+    seen = update.metrics.get("samples_seen")
+    if seen is not None and seen == 0:
+        return "no_data", "no training sample"
+    loss = update.metrics.get("train_loss")
+    if loss is not None and not math.isfinite(loss):
+        return "nonfinite_loss", f"train_loss={loss}"
+    for name, t in update.state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return "nonfinite_weights", name
+    for name, t in (update.message.tensors.items() if update.message is not None else []):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return "nonfinite_upload", name
+    return None, None
 
 
 def check_environment(loop: FederatedLoop) -> None:
@@ -190,7 +245,7 @@ def check_environment(loop: FederatedLoop) -> None:
         raise ConfigError(
             f"model.backbone={type(getattr(loop.model, 'backbone', loop.model)).__name__} is invalid: expected a "
             f"network accepting inputs of shape {tuple(x.shape[1:])} from data.name="
-            f"{loop.datamodule.name!r} ({str(e).splitlines()[0][:120]})") from None
+            f"{loop.datamodule.name!r} ({str(e).splitlines()[0]})") from None
     nc = int(loop.datamodule.num_classes)
     if out.ndim != 2 or out.shape[1] != nc:
         raise ConfigError(f"model.backbone.init_args.num_classes={out.shape[-1]} is invalid: expected "

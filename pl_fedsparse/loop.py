@@ -40,6 +40,7 @@ from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.execution import (
     ClientExecutor,
+    ClientFaultError,
     FitRequest,
     InProcessExecutor,
     check_environment,
@@ -155,6 +156,8 @@ class FederatedLoop:
         self.round_idx = 0
         self.history: list[dict[str, Any]] = []
         self.last_client_acc: list[float] = []
+        #: the current round's failed fits: ``{"client", "kind", "fit"}`` each
+        self.round_faults: list[dict[str, Any]] = []
         self.time_cum = 0.0
         self.model: pl.LightningModule | None = None
         self.datamodule: Any = None
@@ -245,13 +248,23 @@ class FederatedLoop:
         return FitRequest(ctx, start, self.client_store.export_client(client_idx))
 
     def run_fits(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
-        """Run fits through the executor and take the clients' state back into the store."""
-        updates = self.executor.run(requests)
-        for u in updates:
+        """Run fits through the executor, take the clients' state back into the store, book their compute, and
+        return the healthy updates (faulty ones are recorded in ``round_faults`` and left out)."""
+        healthy = []
+        for u in self.executor.run(requests):
             if u.client_state is not None:
                 self.client_store.import_client(u.client_idx, u.client_state)
             self.accounting.book(u)
-        return updates
+            if u.fault is None:
+                healthy.append(u)
+                continue
+            self.round_faults.append({"client": u.client_idx, "kind": u.fault, "fit": u.kind})
+            log.warning("round %d: client %d's %s fit failed (%s: %s); it is left out and keeps its previous state",
+                        u.round_idx, u.client_idx, u.kind, u.fault, u.fault_detail)
+            if self.on_client_fault == "raise":
+                raise ClientFaultError(f"round {u.round_idx}: client {u.client_idx}'s {u.kind} fit failed "
+                                       f"({u.fault}: {u.fault_detail}); trainer.on_client_fault=raise")
+        return healthy
 
     def _requested_fits(self, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
         for cb in self.fed_callbacks:
@@ -292,6 +305,7 @@ class FederatedLoop:
         """Run one round and return its metrics row."""
         t0 = time.perf_counter()
         self.round_idx = round_idx
+        self.round_faults = []
         self.accounting.start_round()
         self.call("on_round_start", round_idx)
         participants = self.select_clients(round_idx)
@@ -311,7 +325,10 @@ class FederatedLoop:
                 self.accounting.send(u.client_idx, SERVER, u.message)
         self.call("on_before_aggregate", updates)
         self._requested_fits("before_aggregate", updates)
-        self.global_state = self.aggregate(updates)
+        if updates or not participants:
+            self.global_state = self.aggregate(updates)
+        else:
+            log.warning("round %d: every participant's fit failed; the global state is unchanged", round_idx)
         self.call("on_after_aggregate")
         self._requested_fits("after_aggregate", updates)
         t_train = time.perf_counter() - t0
@@ -322,8 +339,13 @@ class FederatedLoop:
             self.last_client_acc = ev.pop("client_acc")
             row.update(ev)
         row.update(self.accounting.end_round(len(participants)))
-        row["train_loss"] = float(np.mean([u.metrics.get("train_loss", np.nan) for u in updates])) if updates else None
+        losses = [u.metrics["train_loss"] for u in updates if u.metrics.get("samples_seen", 1) > 0
+                  and "train_loss" in u.metrics]
+        row["train_loss"] = float(np.mean(losses)) if losses else None
         row["num_participants"] = len(participants)
+        row["client_faults"] = len(self.round_faults)
+        if self.round_faults:
+            row["client_fault_kinds"] = list(self.round_faults)
         self.call("on_round_end", round_idx, row)
         row["time_train_s"] = t_train
         row["time_s"] = time.perf_counter() - t0

@@ -213,6 +213,7 @@ class Ditto(FederatedCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ref_dev = []  # (also after a fit that failed before on_train_end)
         if self._ref and self._is_personal_fit():
             self._ref_dev = [(p, self._ref[n].to(p.device, p.dtype)) for n, p in pl_module.named_parameters()
                              if n in self._ref]
