@@ -170,7 +170,7 @@ class InProcessExecutor(ClientExecutor):
             with fit_scope(ctx):
                 loop.call("on_client_fit_start", module, ctx)
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
-                self._fit(self.make_trainer(ctx.epochs), module, loader)
+                self._fit(ctx.epochs, module, loader)
                 state = to_cpu_state(module.state_dict())
                 metrics = module.fit_metrics() if isinstance(module, FederatedModule) else {}
                 update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
@@ -189,9 +189,10 @@ class InProcessExecutor(ClientExecutor):
         update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
         return update
 
-    @staticmethod
-    def _fit(trainer: pl.Trainer, module: pl.LightningModule, loader: Any) -> None:
+    def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any) -> None:
         handler = signal.getsignal(signal.SIGINT)
+        with quiet_lightning():
+            trainer = self.make_trainer(epochs)
         try:
             with quiet_lightning():
                 trainer.fit(module, train_dataloaders=loader)
@@ -245,7 +246,7 @@ def check_environment(loop: FederatedLoop) -> None:
         raise ConfigError(
             f"model.backbone={type(getattr(loop.model, 'backbone', loop.model)).__name__} is invalid: expected a "
             f"network accepting inputs of shape {tuple(x.shape[1:])} from data.name="
-            f"{loop.datamodule.name!r} ({str(e).splitlines()[0]})") from None
+            f"{loop.datamodule.name!r} ({' '.join(str(e).split())})") from None
     nc = int(loop.datamodule.num_classes)
     if out.ndim != 2 or out.shape[1] != nc:
         raise ConfigError(f"model.backbone.init_args.num_classes={out.shape[-1]} is invalid: expected "

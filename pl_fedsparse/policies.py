@@ -4,7 +4,8 @@
 policy                 default
 =====================  ========================================================================================
 ``select_clients``     uniform without replacement (``join_ratio`` / ``clients_per_round``) among the clients the
-                       topology has not dropped this round, from the ``sample`` stream of the round
+                       topology has not dropped this round, from the ``sample`` stream of the round (a
+                       ``clients_per_round`` above the number of clients takes every client, with one warning)
 ``client_message``     the dense global model (nothing without one)
 ``aggregate``          FedAvg: the uploads averaged with the clients' training-sample counts as weights
                        (McMahan et al. 2017)
@@ -15,6 +16,7 @@ policy                 default
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -29,10 +31,19 @@ if TYPE_CHECKING:
 
 __all__ = ["select_clients", "client_message", "aggregate", "personal_state", "client_masks"]
 
+log = logging.getLogger(__name__)
+
+#: attribute set on a loop once its ``clients_per_round`` clamp was reported
+_WARNED_CLAMP = "_policies_warned_clients_per_round"
+
 
 def select_clients(loop: FederatedLoop, round_idx: int, client_ids: Sequence[int]) -> list[int]:
     ids = [k for k in client_ids if k not in loop.topology.dropped(round_idx, len(client_ids), loop.seed)]
     m = loop.clients_per_round or max(1, int(loop.join_ratio * loop.num_clients + 1e-9))
+    if loop.clients_per_round and loop.clients_per_round > loop.num_clients and not getattr(loop, _WARNED_CLAMP, False):
+        setattr(loop, _WARNED_CLAMP, True)  # once per run, not every round
+        log.warning("trainer.clients_per_round=%d is more than the %d clients of the federation: every available client "
+                    "is selected each round", loop.clients_per_round, loop.num_clients)
     if m >= len(ids):
         return ids
     rng = loop.streams.numpy("sample", round_idx)

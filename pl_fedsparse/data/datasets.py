@@ -309,7 +309,7 @@ def _decode_files(files: list[str], root: str) -> torch.Tensor:
             try:
                 imgs.append(decode_image(data, mode=ImageReadMode.RGB))
             except (RuntimeError, ValueError) as exc:
-                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                why = ' '.join(str(exc).split()) or type(exc).__name__
                 raise fail(i, f"cannot be decoded ({why})") from None
         return imgs
 
@@ -391,7 +391,7 @@ def _from_torchvision(name: str, tv_cls: Any, root: str, download: bool, num_cla
     try:
         splits = [tv_cls(root, train=train, download=download, **kwargs) for train in (True, False)]
     except (RuntimeError, OSError) as exc:
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        why = ' '.join(str(exc).split()) or type(exc).__name__
         raise _missing(name, root, download, why, kwargs.get("split", "balanced")) from None
     blob: dict[str, torch.Tensor] = {}
     for split, ds in zip(("train", "test"), splits):
@@ -434,7 +434,7 @@ def read_idx(path: str | os.PathLike) -> torch.Tensor:
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
     except (OSError, EOFError, zlib.error) as exc:
-        raise bad(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'}") from None
+        raise bad(f"{type(exc).__name__}: {' '.join(str(exc).split()) or 'unreadable'}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise bad(f"bad magic number {raw[:4].hex() or 'none'}")
     ndim = raw[3]
