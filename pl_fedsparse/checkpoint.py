@@ -1,16 +1,20 @@
 """Atomic writes and safe loads of federation checkpoints and run files.
 
-A checkpoint is written to a temporary file in the target directory, flushed to disk and renamed over the target
-(``os.replace`` is atomic on POSIX), so a crash leaves either the old or the new file, never half of one. Loading
-uses ``torch.load(weights_only=True)``: only tensors and plain containers are unpickled, never arbitrary objects.
+A checkpoint is written to a temporary file in the target directory (``.<name>.<random>.tmp``), flushed to disk,
+given the permissions the process umask asks for and renamed over the target (``os.replace`` is atomic on POSIX), so
+a crash leaves either the old or the new file, never half of one (and at worst a stale ``.*.tmp`` file, which the
+next run in the directory removes). Loading uses ``torch.load(weights_only=True)``: only tensors and plain
+containers are unpickled, never arbitrary objects.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
 import random
+import secrets
 import tempfile
 import zipfile
 from pathlib import Path
@@ -24,10 +28,52 @@ from pl_fedsparse.errors import CheckpointError
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "save_checkpoint", "load_checkpoint", "FORMAT", "fingerprint",
-           "federation_state", "restore_federation"]
+__all__ = ["FORMAT", "atomic_link", "atomic_write_bytes", "atomic_write_text", "federation_state", "fingerprint",
+           "load_checkpoint", "refresh_umask", "restore_federation", "save_checkpoint"]
 
 FORMAT = "pl_fedsparse.checkpoint/2"  # 2: accounting in one entry, every client state created at start
+
+
+_UMASK: int | None = None
+
+
+def _read_umask() -> int:
+    try:  # Linux: read it without changing it (os.umask is process-wide: no window with another umask)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def refresh_umask() -> int:
+    """Read the process umask again (a run reads it once when it opens its directory) and return it."""
+    global _UMASK
+    _UMASK = _read_umask()
+    return _UMASK
+
+
+def _file_mode() -> int:
+    """The mode ``open()`` would give a new file: 0o666 less the umask (``mkstemp`` creates files 0o600)."""
+    return 0o666 & ~(_UMASK if _UMASK is not None else refresh_umask())
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _atomic(path: Path, write: Any) -> None:
@@ -37,11 +83,37 @@ def _atomic(path: Path, write: Any) -> None:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), _file_mode())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def atomic_link(source: str | Path, path: str | Path) -> None:
+    """Make ``path`` name the same file as ``source``, atomically: a hard link under a temporary name renamed over
+    ``path`` (a reader sees the old or the new file, never none); a copy where hard links are not supported."""
+    source, path = Path(source), Path(path)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.link(source, tmp)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            atomic_write_bytes(path, source.read_bytes())  # no hard links here: a second atomic write
+            return
+        try:
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)  # rename() leaves both names when they already were one file
+        _fsync_dir(path.parent)
+        return
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -62,6 +134,8 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint`, without executing code.
 
+    The returned state also holds ``loaded_from`` (:data:`LOADED_FROM`): the path it was read from.
+
     Raises:
         CheckpointError: one line naming ``param`` and the path, when the file is missing, corrupted, not a
             pl_fedsparse checkpoint, or holds objects other than tensors and plain containers.
@@ -72,17 +146,27 @@ def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{param}={str(path)!r} is invalid: expected a readable pl_fedsparse checkpoint "
-            f"(the file is corrupted or unsafe: {first[:160]})"
+            f"(the file is corrupted or unsafe: {_first_line(e)})"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(
             f"{param}={str(path)!r} is invalid: expected a {FORMAT} checkpoint, found {found!r}"
         )
+    state[LOADED_FROM] = str(path)
     return state
+
+
+#: key :func:`load_checkpoint` adds to the state it returns: the path it was read from (never saved)
+LOADED_FROM = "loaded_from"
+
+
+def _first_line(e: BaseException) -> str:
+    """The whole first non-empty line of an exception's message (or its type)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def dumps_json(obj: Any) -> str:
@@ -116,8 +200,15 @@ def fingerprint(loop: FederatedLoop) -> dict[str, Any]:
 
 def federation_state(loop: FederatedLoop) -> dict[str, Any]:
     """Everything needed to continue the federation: round, global state, every client's declared state, callback
-    state, accounting, history and the global RNG states (tensors and plain containers only)."""
+    state, accounting, history and the global RNG states (tensors and plain containers only); and what makes it
+    *this run*: the run id, the run directory, the resolved configuration and the resumes so far."""
+    reporter = getattr(loop, "reporter", None)
+    run_dir = getattr(reporter, "run_dir", None)
     return {
+        "run_id": getattr(reporter, "run_id", None),
+        "run_dir": str(run_dir) if run_dir is not None else None,
+        "config": loop.config_text,
+        "resumes": dumps_json(list(getattr(reporter, "resumes", []))),
         "round": loop.round_idx,
         "fingerprint": dumps_json(fingerprint(loop)),
         "global_state": loop.global_state,
@@ -168,7 +259,7 @@ def restore_federation(loop: FederatedLoop, ckpt: dict[str, Any], ckpt_path: str
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"ckpt_path={ckpt_path!r} is invalid: expected a complete pl_fedsparse "
-                              f"checkpoint ({type(e).__name__}: {str(e)[:120]})") from None
+                              f"checkpoint ({type(e).__name__}: {_first_line(e)})") from None
     if loop.round_idx > loop.num_rounds:
         raise CheckpointError(f"trainer.num_rounds={loop.num_rounds} is invalid: expected >= the checkpoint's "
                               f"completed rounds ({loop.round_idx})")

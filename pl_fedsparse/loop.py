@@ -432,4 +432,5 @@ class FederatedLoop:
         self.load_state(self.initial_state)
         self.client_store.materialize(range(self.num_clients))
         if stage == "fit":
-            self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history, checkpoint=ckpt)
+            self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history, checkpoint=ckpt,
+                                              ckpt_path=ckpt_path)

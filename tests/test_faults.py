@@ -96,6 +96,8 @@ def test_a_faulty_client_is_left_out(tmp_path: Path, method: str, kind: str, cap
             va, vb = a.get(key), b.get(key)
             assert (va is None and vb is None) or va == vb, (a["round"], key, va, vb)
             assert va is None or math.isfinite(va)
+    summary = json.loads((faulty / "summary.json").read_text())
+    assert summary["client_faults_total"] == 1 and summary["client_faults"] == {str(CLIENT): {expected_kind: 1}}
     ckpt = load_checkpoint(faulty / "checkpoints" / "last.ckpt")
     assert _all_finite(ckpt["global_state"] or {}) and _all_finite(ckpt["client_store"])
 

@@ -62,6 +62,10 @@ POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "p
 class FederatedCallback(pl.Callback):
     """Base class of every federated technique (see the module docstring for the hooks)."""
 
+    #: constructor arguments that may differ when a run is resumed (they cannot change the rounds already run);
+    #: any other difference from the checkpoint's configuration is refused
+    resume_may_change: tuple[str, ...] = ()
+
     # ---- per-client state -------------------------------------------------------------------------------------
     @property
     def client_state_prefix(self) -> str:

@@ -52,6 +52,9 @@ class ShiftEvaluation(FederatedCallback):
                   init_args: {shifts: [0, 0.5, 1.0], corruptions: [gaussian_noise, contrast], severities: [3, 5]}
     """
 
+    #: arguments that may change when a run is resumed (they only change what is evaluated, and when)
+    resume_may_change: tuple[str, ...] = ("when",)
+
     def __init__(self, *, shifts: list[float] | None = None, corruptions: list[str] | str | None = None,
                  severities: list[int] | None = None, when: Literal["last", "every"] = "last") -> None:
         shifts = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0] if shifts is None else shifts

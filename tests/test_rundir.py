@@ -1,0 +1,489 @@
+"""The run directory: one run per directory (a lock), run ids, a resume is the same run (configuration), kept round
+checkpoints, hygiene (stale temporary files, umask, TensorBoard on resume) and one-line file-system errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from conftest import TINY_CLI, tiny_datamodule, tiny_loop, tiny_module
+
+from pl_fedsparse import ConfigError, FederatedCallback
+from pl_fedsparse.checkpoint import load_checkpoint
+from pl_fedsparse.cli import main
+from pl_fedsparse.errors import CheckpointError
+from pl_fedsparse.reporting import config_changes
+
+REPO = Path(__file__).resolve().parents[1]
+
+# a callback that blocks a run in round 0 (after the start checkpoint) until a file appears
+BLOCKER = '''
+import os, time
+from pl_fedsparse import FederatedCallback
+
+class Block(FederatedCallback):
+    def on_round_start(self, loop, round_idx):
+        go = os.environ.get("GO_FILE")
+        if go and round_idx == 0:
+            open(os.environ["BLOCKED_FILE"], "w").close()
+            t = time.time()
+            while not os.path.exists(go) and time.time() - t < 240:
+                time.sleep(0.05)
+'''
+
+
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err
+    return lines[0]
+
+
+def digest(root: Path) -> dict[str, str]:
+    """md5 of every file below ``root`` (hidden ones included)."""
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def rows(run: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time")}
+            for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_id(run: Path) -> str:
+    return json.loads((run / "run.json").read_text())["run_id"]
+
+
+def cli_fit(run: Path, *extra: str) -> list[str]:
+    return ["fit", *TINY_CLI, "--trainer.default_root_dir", str(run), *extra]
+
+
+def spawn(run: Path, tmp: Path, *extra: str, go: Path | None = None, blocked: Path | None = None
+          ) -> subprocess.Popen[str]:
+    (tmp / "blockcb.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
+    if go is not None and blocked is not None:
+        env.update(GO_FILE=str(go), BLOCKED_FILE=str(blocked))
+    return subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", *cli_fit(run, "--trainer.callbacks+",
+                                                                                 "blockcb.Block", *extra)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def wait_for(cond: Any, what: str, timeout: float = 240) -> None:
+    t = time.time()
+    while not cond():
+        assert time.time() - t < timeout, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------------ one run per dir
+def test_two_concurrent_starts_into_one_directory_exactly_one_runs(tmp_path: Path) -> None:
+    run, go = tmp_path / "run", tmp_path / "go"
+    procs = [spawn(run, tmp_path, "--trainer.num_rounds", "2", go=go, blocked=tmp_path / f"blocked{i}")
+             for i in range(2)]
+    try:
+        # the process that holds the directory waits in round 0 until the other one has ended
+        wait_for(lambda: any(p.poll() is not None for p in procs), "one of the two runs to end")
+        loser = next(p for p in procs if p.poll() is not None)
+        winner = next(p for p in procs if p is not loser)
+        _, err = loser.communicate()
+        assert loser.returncode == 2, err
+        assert "Traceback" not in err
+        errors = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err
+        line = errors[0]
+        assert f"trainer.default_root_dir='{run}' is invalid: another run (pid {winner.pid} " in line, line
+        go.touch()
+        _, err = winner.communicate(timeout=240)
+        assert winner.returncode == 0, err
+    finally:
+        go.touch()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [r["round"] for r in rows(run)] == [0, 1]  # one run's rows, not interleaved
+    assert not (run / ".lock").exists()  # released at the end
+
+
+def test_a_held_directory_is_refused_and_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
+    holder = tiny_loop(run, num_rounds=2)
+    holder.reporter.open(resuming=True, history=[], checkpoint=load_checkpoint(run / "checkpoints/last.ckpt"))
+    try:
+        before = {k: v for k, v in digest(run).items() if k != ".lock"}
+        code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2", "--ckpt_path",
+                                        str(run / "checkpoints/last.ckpt")), capsys)
+        assert code == 2
+        assert f"another run (pid {os.getpid()} " in one_line(err)
+        assert {k: v for k, v in digest(run).items() if k != ".lock"} == before
+        assert (run / ".lock").exists()  # still the holder's
+    finally:
+        holder.reporter.release()
+    assert not (run / ".lock").exists()
+    # once released, the directory can be resumed
+    code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2", "--ckpt_path",
+                                    str(run / "checkpoints/last.ckpt")), capsys)
+    assert code == 0, err
+
+
+def test_release_is_idempotent_and_safe_before_open(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path / "r")
+    loop.reporter.release()  # never opened
+    loop.reporter.open(resuming=False, history=[])
+    assert (tmp_path / "r" / ".lock").exists()
+    loop.reporter.release()
+    loop.reporter.release()
+    assert not (tmp_path / "r" / ".lock").exists()
+
+
+def test_default_directories_of_runs_started_in_the_same_second_differ(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    a, b = tiny_loop(tmp_path), tiny_loop(tmp_path)
+    a.default_root_dir = b.default_root_dir = None
+    try:
+        da = a.reporter.open(resuming=False, history=[])
+        db = b.reporter.open(resuming=False, history=[])
+        assert da != db and da.parent == db.parent == Path("runs")
+    finally:
+        a.reporter.release()
+        b.reporter.release()
+
+
+def test_stale_lock_of_a_killed_run_is_taken_over_and_its_directory_reused(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
+    run, go, blocked = tmp_path / "run", tmp_path / "go", tmp_path / "blocked"
+    proc = spawn(run, tmp_path, "--trainer.num_rounds", "2", go=go, blocked=blocked)
+    try:
+        wait_for(lambda: blocked.exists() or proc.poll() is not None, "the run to reach round 0")
+        assert proc.poll() is None, proc.communicate()[1]
+        killed_id = run_id(run)
+        os.kill(proc.pid, signal.SIGKILL)  # killed right after the start: no round completed
+        proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert json.loads((run / ".lock").read_text())["pid"] == proc.pid  # left behind
+    assert (run / "checkpoints" / "round-000000.ckpt").is_file()
+    assert (run / "metrics.jsonl").read_text() == ""
+    with caplog.at_level(logging.INFO, logger="pl_fedsparse.reporting"):
+        code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2"), capsys)  # a plain rerun
+    assert code == 0, err
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("stale lock" in m and f"pid {proc.pid} " in m for m in warnings), warnings
+    assert any("no round completed" in m for m in infos), infos
+    assert [r["round"] for r in rows(run)] == [0, 1]
+    assert run_id(run) != killed_id
+    assert not (run / ".lock").exists()
+
+
+def test_rerun_allowed_only_where_no_round_completed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def interrupted(run: Path, at: int) -> None:
+        loop = tiny_loop(run, num_rounds=3, eval_every=2)
+        real = loop.run_round
+
+        def stop(r: int) -> dict[str, Any]:
+            if r == at:
+                raise KeyboardInterrupt
+            return real(r)
+
+        loop.run_round = stop  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            loop.fit(tiny_module(), tiny_datamodule())
+
+    interrupted(tmp_path / "none", 0)
+    with caplog.at_level(logging.INFO, logger="pl_fedsparse.reporting"):
+        tiny_loop(tmp_path / "none", num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    assert any("no round completed" in r.getMessage() for r in caplog.records)
+    # the previous run's checkpoints do not mix with the new run's
+    assert sorted(p.name for p in (tmp_path / "none/checkpoints").iterdir()) == [
+        "last.ckpt", "round-000000.ckpt", "round-000001.ckpt"]
+    assert load_checkpoint(tmp_path / "none/checkpoints/round-000000.ckpt")["run_id"] == run_id(tmp_path / "none")
+
+    interrupted(tmp_path / "one", 1)  # round 0 completed (not evaluated: metrics.jsonl is empty, its checkpoint is)
+    assert (tmp_path / "one" / "metrics.jsonl").read_text() == ""
+    before = digest(tmp_path / "one")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        tiny_loop(tmp_path / "one", num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    assert digest(tmp_path / "one") == before
+
+
+# ------------------------------------------------------------------------------------------------ run ids
+def test_resume_into_another_runs_directory_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    tiny_loop(a, num_rounds=1, logger=True).fit(tiny_module(), tiny_datamodule())
+    tiny_loop(b, num_rounds=1, logger=True).fit(tiny_module(), tiny_datamodule())
+    id_a, id_b = run_id(a), run_id(b)
+    assert id_a != id_b
+    ckpt = a / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(ckpt)["run_id"] == id_a
+    (b / "checkpoints" / ".last.ckpt.junk.tmp").write_bytes(b"x")  # would be removed by a run that took b
+    before = digest(b)
+    with pytest.raises(ConfigError) as e:
+        tiny_loop(b, num_rounds=2, logger=True).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(ckpt))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert id_a in msg and id_b in msg and str(ckpt) in msg and str(b) in msg and repr(str(a)) in msg
+    assert digest(b) == before
+    # into a new directory, the checkpoint's run continues there
+    tiny_loop(tmp_path / "c", num_rounds=2).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(ckpt))
+    assert run_id(tmp_path / "c") == id_a
+    assert load_checkpoint(tmp_path / "c/checkpoints/last.ckpt")["run_id"] == id_a
+
+
+def test_fresh_runs_get_distinct_ids_kept_in_every_checkpoint(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path / "r", num_rounds=2, keep_checkpoints=5)
+    summary = loop.fit(tiny_module(), tiny_datamodule())
+    rid = run_id(tmp_path / "r")
+    assert len(rid) == 32 and summary["run_id"] == rid and summary["resumes"] == []
+    for p in (tmp_path / "r/checkpoints").iterdir():
+        assert load_checkpoint(p)["run_id"] == rid
+    tiny_loop(tmp_path / "s", num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    assert run_id(tmp_path / "s") != rid
+
+
+# ------------------------------------------------------------------------------------------------ same configuration
+def test_resume_with_a_changed_learning_rate_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
+    before = digest(run)
+    code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2", "--model.lr", "0.5", "--data.batch_size", "8",
+                                    "--ckpt_path", str(run / "checkpoints/last.ckpt")), capsys)
+    assert code == 2
+    line = one_line(err)
+    assert "ckpt_path=" in line and "keys that change results: data.batch_size 16 -> 8, model.lr 0.01 -> 0.5;" in line
+    assert "num_rounds" not in line  # allowed
+    assert "resume with the run's config.yaml" in line
+    assert digest(run) == before
+
+
+def test_resume_with_more_rounds_is_allowed_and_recorded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
+    rid = run_id(run)
+    code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "3", "--trainer.keep_checkpoints", "5",
+                                    "--ckpt_path", str(run / "checkpoints/last.ckpt")), capsys)
+    assert code == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    changed = {"trainer.num_rounds": [1, 3], "trainer.keep_checkpoints": [2, 5]}
+    assert summary["resumes"] == [{"round": 1, "changed": changed}]
+    assert summary["run_id"] == rid == run_id(run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["trainer"]["num_rounds"] == 3 and cfg["trainer"]["keep_checkpoints"] == 5
+    # the record survives a further resume (from the round-2 checkpoint)
+    code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "3", "--trainer.keep_checkpoints", "5",
+                                    "--ckpt_path", str(run / "checkpoints/round-000002.ckpt")), capsys)
+    assert code == 0, err
+    assert json.loads((run / "summary.json").read_text())["resumes"] == [
+        {"round": 1, "changed": changed}, {"round": 2, "changed": {}}]
+
+
+class EvaluationOnly(FederatedCallback):
+    """Declares an argument a resume may change (as an evaluation-only callback's schedule would)."""
+
+    resume_may_change = ("when",)
+
+    def __init__(self, when: str = "last", shifts: list[int] | None = None) -> None:
+        self.when, self.shifts = when, shifts
+
+
+def test_config_changes_allows_only_the_listed_keys() -> None:
+    def cfg(lr: float, when: str, rounds: int, cb: str = "test_rundir.EvaluationOnly") -> str:
+        return yaml.safe_dump({"model": {"lr": lr}, "trainer": {"num_rounds": rounds, "callbacks": [
+            {"class_path": cb, "init_args": {"when": when, "shifts": [0, 50]}}]}})
+
+    allowed, refused = config_changes(cfg(0.1, "last", 2), cfg(0.1, "every", 4))
+    assert allowed == {"trainer.callbacks.0.init_args.when": ["last", "every"], "trainer.num_rounds": [2, 4]}
+    assert refused == {}
+    other = "pl_fedsparse.callbacks.FineTune"  # declares nothing
+    allowed, refused = config_changes(cfg(0.1, "last", 2, other), cfg(0.5, "every", 2, other))
+    assert allowed == {}
+    assert refused == {"model.lr": [0.1, 0.5], "trainer.callbacks.0.init_args.when": ["last", "every"]}
+    allowed, refused = config_changes(cfg(0.1, "last", 2, "no.such.Module"), cfg(0.1, "every", 2, "no.such.Module"))
+    assert refused == {"trainer.callbacks.0.init_args.when": ["last", "every"]}
+    assert config_changes(None, cfg(0.1, "last", 2)) == ({}, {})
+    assert config_changes("a: [1, 2]", "a: [1]") == ({}, {"a.1": [2, "(absent)"]})
+    assert config_changes("a: 1", "a: 1.0") == ({}, {})
+    assert config_changes("a: 1", "a: true") == ({}, {"a": [1, True]})
+
+
+# ------------------------------------------------------------------------------------------------ kept checkpoints
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_keep_checkpoints_leaves_exactly_that_many_round_files(tmp_path: Path, keep: int) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=4, keep_checkpoints=keep)
+    loop.fit(tiny_module(), tiny_datamodule())
+    ckpts = tmp_path / "checkpoints"
+    names = sorted(p.name for p in ckpts.iterdir())
+    assert names == ["last.ckpt", *[f"round-{r:06d}.ckpt" for r in range(5 - keep, 5)]]
+    assert (ckpts / "last.ckpt").samefile(ckpts / "round-000004.ckpt")
+    assert load_checkpoint(ckpts / "last.ckpt")["round"] == 4
+
+
+def test_resume_from_a_kept_round_file_gives_the_uninterrupted_run(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    loop = tiny_loop(run, num_rounds=3, keep_checkpoints=4, clients_per_round=2, logger=True)
+    loop.fit(tiny_module(), tiny_datamodule())
+    full = rows(run)
+    assert [r["round"] for r in full] == [0, 1, 2]
+    ckpt = run / "checkpoints" / "round-000001.ckpt"
+    assert load_checkpoint(ckpt)["round"] == 1
+    time.sleep(1.1)  # TensorBoard orders event files by their names' whole-second timestamp
+    resumed = tiny_loop(run, num_rounds=3, keep_checkpoints=4, clients_per_round=2, logger=True)
+    summary = resumed.fit(tiny_module(seed=7), tiny_datamodule(), ckpt_path=str(ckpt))
+    assert rows(run) == full
+    assert summary["resumes"] == [{"round": 1, "changed": {}}]
+    for k, v in loop.global_state.items():  # type: ignore[union-attr]
+        assert torch.equal(v, resumed.global_state[k])  # type: ignore[index]
+    # TensorBoard: the rounds run again replace the first run's events (no step twice)
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("acc_mean")] == [0, 1, 2]
+
+
+def test_a_kill_between_the_round_file_and_last_leaves_a_consistent_pair(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from pl_fedsparse import reporting
+
+    real = reporting.atomic_link
+
+    def link(src: Path, dst: Path) -> None:
+        if src.name == "round-000002.ckpt":
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(reporting, "atomic_link", link)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_loop(tmp_path / "r", num_rounds=3).fit(tiny_module(), tiny_datamodule())
+    ckpts = tmp_path / "r" / "checkpoints"
+    assert load_checkpoint(ckpts / "last.ckpt")["round"] == 1
+    assert load_checkpoint(ckpts / "round-000002.ckpt")["round"] == 2
+    monkeypatch.setattr(reporting, "atomic_link", real)
+    tiny_loop(tmp_path / "r", num_rounds=3).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(ckpts / "last.ckpt"))
+    tiny_loop(tmp_path / "full", num_rounds=3).fit(tiny_module(), tiny_datamodule())
+    assert rows(tmp_path / "r") == rows(tmp_path / "full")
+
+
+# ------------------------------------------------------------------------------------------------ hygiene
+def test_stale_temporary_files_are_removed(tmp_path: Path) -> None:
+    tiny_loop(tmp_path, num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    stale = [tmp_path / ".metrics.jsonl.abc123.tmp", tmp_path / "checkpoints" / ".round-000002.ckpt.x1y2.tmp",
+             tmp_path / "checkpoints" / ".last.ckpt.0a1b2c3d.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a file")
+    (tmp_path / "notes.tmp").write_text("mine")  # not one of ours
+    tiny_loop(tmp_path, num_rounds=2).fit(tiny_module(), tiny_datamodule(),
+                                          ckpt_path=str(tmp_path / "checkpoints/last.ckpt"))
+    assert not any(p.exists() for p in stale)
+    assert (tmp_path / "notes.tmp").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == ["notes.tmp"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    old = os.umask(umask)
+    try:
+        loop = tiny_loop(tmp_path / "r", num_rounds=1)
+        loop.config_text = "trainer:\n  num_rounds: 1\n"
+        loop.fit(tiny_module(), tiny_datamodule())
+    finally:
+        os.umask(old)
+    run = tmp_path / "r"
+    files = [run / n for n in ("config.yaml", "metrics.jsonl", "summary.json", "run.json")]
+    files += list((run / "checkpoints").iterdir())
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, p
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def _ignores_permissions(tmp: Path) -> bool:
+    probe = tmp / "probe"
+    probe.mkdir()
+    probe.chmod(0o555)
+    try:
+        (probe / "x").touch()
+        return True
+    except PermissionError:
+        return False
+    finally:
+        probe.chmod(0o755)
+
+
+@pytest.mark.parametrize("case", ["file", "below_file", "read_only_parent", "read_only_dir"])
+def test_unusable_root_is_one_line_and_nothing_is_written(tmp_path: Path, case: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "f").write_text("a file")
+    if case == "file":
+        root, problem = base / "f", f"Not a directory: '{base / 'f'}'"
+    elif case == "below_file":
+        root, problem = base / "f" / "run", "Not a directory: "
+    else:
+        if _ignores_permissions(tmp_path):
+            pytest.skip("this process writes into read-only directories (root with CAP_DAC_OVERRIDE)")
+        if case == "read_only_parent":
+            root, problem = base / "run", f"Permission denied: '{base / 'run'}'"
+            base.chmod(0o555)
+        else:
+            root, problem = base, f"Permission denied: '{base / '.lock'}'"
+            base.chmod(0o555)
+    try:
+        before = digest(base), sorted(os.listdir(base))
+        code, _, err = run_main(cli_fit(root, "--trainer.num_rounds", "1"), capsys)
+        assert code == 2
+        line = one_line(err)
+        assert f"trainer.default_root_dir='{root}' is invalid: expected a writable directory ({problem}" in line, line
+        assert (digest(base), sorted(os.listdir(base))) == before
+    finally:
+        base.chmod(0o755)
+
+
+def test_unwritable_checkpoint_is_one_line(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path / "r", num_rounds=1)
+    loop.fit(tiny_module(), tiny_datamodule())
+    (tmp_path / "blocker").write_text("a file")
+    with pytest.raises(ConfigError, match=r"path='.*blocker/x.ckpt' is invalid: .*\(Not a directory"):
+        loop.save_checkpoint(tmp_path / "blocker" / "x.ckpt")
+
+
+def test_load_checkpoint_gives_the_whole_first_line_of_the_cause(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "x.ckpt"
+    path.write_bytes(b"whatever")
+    cause = "PytorchStreamReader failed " + "x" * 300 + " END"
+
+    def fail(*a: Any, **k: Any) -> None:
+        raise RuntimeError(cause + "\nsecond line")
+
+    monkeypatch.setattr(torch, "load", fail)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    assert cause + ")" in str(e.value) and "second line" not in str(e.value)
