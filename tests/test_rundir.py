@@ -487,3 +487,18 @@ def test_load_checkpoint_gives_the_whole_first_line_of_the_cause(tmp_path: Path,
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(path)
     assert cause + ")" in str(e.value) and "second line" not in str(e.value)
+
+
+def test_overwrite_does_not_break_into_a_running_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--trainer.overwrite true` while another run holds the directory: refused, nothing changed."""
+    run = tmp_path / "run"
+    assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
+    holder = tiny_loop(run, num_rounds=2)
+    holder.reporter.open(resuming=True, history=[], checkpoint=load_checkpoint(run / "checkpoints/last.ckpt"))
+    try:
+        before = {k: v for k, v in digest(run).items() if k != ".lock"}
+        code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "1", "--trainer.overwrite", "true"), capsys)
+        assert code == 2 and "another run" in one_line(err)
+        assert {k: v for k, v in digest(run).items() if k != ".lock"} == before
+    finally:
+        holder.reporter.release()
