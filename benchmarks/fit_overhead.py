@@ -41,6 +41,7 @@ def main(rounds: int = 9, clients: int = 20) -> None:
         loop.run_round(r)
         if r:
             times.append((time.perf_counter() - t) / clients)
+    loop.reporter.release()
     print(f"median per client fit: {1000 * statistics.median(times):.1f} ms ({clients} clients x {rounds} rounds)")
 
 

@@ -129,6 +129,7 @@ def main() -> None:
             plain_times.append(tp)
             fed_times.append(tf)
         print(f"round {rep}{' (warm-up)' if rep == 0 else ''}: plain {tp:.3f} s  pl_fedsparse {tf:.3f} s")
+    loop.reporter.release()
     p, f = statistics.median(plain_times), statistics.median(fed_times)
     print(f"median plain loop   : {p:.3f} s/round")
     print(f"median pl_fedsparse : {f:.3f} s/round")
