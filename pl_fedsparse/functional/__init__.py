@@ -7,6 +7,9 @@ from pl_fedsparse.functional.masks import (
     apply_masks, check_density, erk_densities, layer_densities, mask_density, masks_from_densities,
     permutation_scores, random_mask, topk_mask, uniform_densities,
 )
+from pl_fedsparse.functional.pse import (
+    correlation_distance, elementwise_average, error_feedback_topk, personalized_mask, topk_sparsify,
+)
 from pl_fedsparse.functional.sparse import (
     cosine_prune_rate, drop_and_grow, pack_mask, pack_masks, prune_regrow_count, unpack_mask, unpack_masks,
 )
@@ -17,4 +20,5 @@ __all__ = [
     "erk_densities", "layer_densities", "masks_from_densities", "mask_density",
     "cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
     "unpack_masks", "adaptive_choice", "entropy", "output_cosine",
+    "topk_sparsify", "error_feedback_topk", "elementwise_average", "correlation_distance", "personalized_mask",
 ]
