@@ -156,6 +156,9 @@ class FederatedLoop:
         self.round_idx = 0
         self.history: list[dict[str, Any]] = []
         self.last_client_acc: list[float] = []
+        #: the aggregated update of the current round, for aggregation policies that compute one (``ΔW_s``; the
+        #: downstream policy may use it), else ``None``
+        self.server_update: dict[str, Tensor] | None = None
         #: the current round's failed fits: ``{"client", "kind", "fit"}`` each
         self.round_faults: list[dict[str, Any]] = []
         self.time_cum = 0.0
@@ -305,7 +308,7 @@ class FederatedLoop:
         """Run one round and return its metrics row."""
         t0 = time.perf_counter()
         self.round_idx = round_idx
-        self.round_faults = []
+        self.round_faults, self.server_update = [], None
         self.accounting.start_round()
         self.call("on_round_start", round_idx)
         participants = self.select_clients(round_idx)

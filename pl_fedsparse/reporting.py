@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -355,6 +356,11 @@ class RunReporter:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _read_fd(fd)
+                for _ in range(50):  # the holder writes who it is right after locking: give it a moment
+                    if _describe_holder(holder) != "pid unknown":
+                        break
+                    time.sleep(0.01)
+                    holder = _read_fd(fd)
                 os.close(fd)
                 raise ConfigError(
                     f"{self._root_param} is invalid: another run ({_describe_holder(holder)}) is using it; expected "

@@ -10,7 +10,9 @@ from pl_fedsparse.callbacks.gossip import Gossip
 from pl_fedsparse.callbacks.dmpfl import DualMask, FedDST
 from pl_fedsparse.callbacks.shift_eval import ShiftEvaluation
 from pl_fedsparse.callbacks.adaptive_inference import AdaptiveInference
+from pl_fedsparse.callbacks.fedpse import ElementwiseAggregation, PersonalizedDownstream, TopKUpload
 
 __all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "MaskedTraining", "KeepOptimizerState",
            "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation", "Gossip",
-           "ShiftEvaluation", "AdaptiveInference", "Ditto", "DualMask", "FedDST"]
+           "ShiftEvaluation", "AdaptiveInference", "Ditto", "DualMask", "FedDST", "TopKUpload", "ElementwiseAggregation",
+           "PersonalizedDownstream"]

@@ -1,0 +1,233 @@
+"""FedPSE's three parts as reusable callbacks (``../shared/papers/002_4df165fcd9405f7c.txt``, Alg. 1-4):
+
+* :class:`TopKUpload` (UPS, Alg. 1 lines 9-11) — the client uploads ``Top-K(W^{r,T} − W^{r,0} + e)`` and keeps the
+  rest as its error residual ``e`` (client state). Any delta-aware aggregation can use it (a FedAvg with top-k uploads).
+* :class:`ElementwiseAggregation` (EWA, Alg. 2) — the aggregation policy: ``ΔW_s = Σ nᵢΔŴᵢ ⊘ Σ nᵢ1[ΔŴᵢ ≠ 0]``
+  (:func:`~pl_fedsparse.functional.elementwise_average`; ``mode: mean`` = the paper's "without EWA" ablation, a
+  sample-weighted mean in which zeros count). The server's model moves by ``ΔW_s``; ``ΔW_s`` is published as
+  ``loop.server_update`` for the downstream policy.
+* :class:`PersonalizedDownstream` (DPS, Alg. 3) — owns the downstream message and the personal model. Each client
+  keeps its last start ``W_i^{r−1,0}`` and the downstream update not yet applied; its next start is their sum (Alg. 1
+  line 1: the locally trained weights are not kept, as the paper's example code). After aggregation, every participant
+  ``i`` gets ``M_{s,i} ⊙ ΔW_s``: ``M_{s,i}`` keeps ``nz(ΔŴ_s) ∩ nz(ΔŴ_i)`` and fills the rest of ``k = |nz(ΔŴ_s)|``
+  from the client's own and the server's indices in proportion to the correlation distance ``d`` (per tensor,
+  :func:`~pl_fedsparse.functional.personalized_mask`, seeded per round and client); ``ΔŴ_s = Top-K(ΔW_s, p)``.
+  ``personalized: false`` broadcasts ``ΔŴ_s`` instead (the "without DPS" ablation).
+
+**Partial participation** (App. D.2 does not say how): a client that did not take part in round ``r`` has no upload
+to personalise against, so it is given the round's global sparse update ``ΔŴ_s``; these accumulate until it is next
+sampled, when it receives them all at once (counted as one sparse download) — it catches up with every global step it
+missed, and is personalised in the rounds it takes part in. With full participation (the paper's tables) this never
+happens.
+
+FedPSE = the three together (``configs/synthetic_fedpse.yaml``)::
+
+    trainer:
+      callbacks:
+        - {class_path: pl_fedsparse.callbacks.TopKUpload, init_args: {sparsity: 0.9}}
+        - {class_path: pl_fedsparse.callbacks.ElementwiseAggregation}
+        - {class_path: pl_fedsparse.callbacks.PersonalizedDownstream, init_args: {sparsity: 0.9}}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.context import FitContext
+from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.functional.pse import (correlation_distance, elementwise_average, error_feedback_topk,
+                                         personalized_mask, topk_sparsify)
+from pl_fedsparse.streams import register_stream
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["TopKUpload", "ElementwiseAggregation", "PersonalizedDownstream", "DELTA"]
+
+#: ``update.extras[DELTA]`` is true when ``update.message`` holds an update (a difference), not weights
+DELTA = "upload_is_delta"
+register_stream("dps")  # DPS's random index choice, keyed by (round, client)
+
+
+def _float_names(state: dict[str, Tensor]) -> list[str]:
+    return [n for n, t in state.items() if t.is_floating_point()]
+
+
+def _check_sparsity(owner: str, sparsity: float) -> None:
+    check(isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool) and 0 <= sparsity < 1,
+          f"{owner}.sparsity", sparsity, "a number in [0, 1) (the share of entries dropped: 0.9 keeps 10 %)")
+
+
+class TopKUpload(FederatedCallback):
+    """UPS: upload the top-k of the round's update plus the error residual, keep the rest (Alg. 1 lines 9-11).
+
+    Args:
+        sparsity: ``p``, the share of entries *not* sent (paper: 0.9).
+        scope: ``"layer"`` (top-k per tensor, the paper's example code) or ``"model"`` (one top-k over all tensors).
+    """
+
+    def __init__(self, *, sparsity: float = 0.9, scope: Literal["layer", "model"] = "layer") -> None:
+        _check_sparsity("TopKUpload", sparsity)
+        check(scope in ("layer", "model"), "TopKUpload.scope", scope, "one of layer, model")
+        self.sparsity, self.scope = float(sparsity), scope
+        self._start: dict[str, Tensor] = {}
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        names = _float_names(loop.initial_state)
+        self.add_client_state(loop, "residual", lambda k: {n: torch.zeros_like(loop.initial_state[n]) for n in names})
+
+    @override
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
+                       if t.is_floating_point()}
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        start, self._start = self._start, {}
+        if update.kind != "train" or update.message is None:
+            return
+        residual = self.get_client_state(loop, update.client_idx, "residual")
+        raw = {n: update.state[n] - start[n] for n in start}  # W^{r,T} − W^{r,0}
+        if self.scope == "layer":
+            pairs = {n: error_feedback_topk(raw[n], residual[n], self.sparsity) for n in raw}
+            sent, new_res = {n: p[0] for n, p in pairs.items()}, {n: p[1] for n, p in pairs.items()}
+        else:
+            flat = torch.cat([raw[n].flatten() for n in raw])
+            s, e = error_feedback_topk(flat, torch.cat([residual[n].flatten() for n in raw]), self.sparsity)
+            sent, new_res, i = {}, {}, 0
+            for n in raw:
+                j = i + raw[n].numel()
+                sent[n], new_res[n], i = s[i:j].view_as(raw[n]), e[i:j].view_as(raw[n]), j
+        self.set_client_state(loop, update.client_idx, "residual", new_res)
+        update.message = Message(sent, {n: t != 0 for n, t in sent.items()})
+        update.extras[DELTA] = True
+
+
+class ElementwiseAggregation(FederatedCallback):
+    """EWA: aggregate uploaded updates element-wise (Alg. 2); the server's model moves by ``ΔW_s``.
+
+    Args:
+        mode: ``"elementwise"`` (EWA) or ``"mean"`` (the sample-weighted mean of the sparse updates, zeros included:
+            the paper's "without EWA").
+
+    The weights ``nᵢ`` are the samples each client trained on this round (Alg. 1 line 7).
+    """
+
+    def __init__(self, *, mode: Literal["elementwise", "mean"] = "elementwise") -> None:
+        check(mode in ("elementwise", "mean"), "ElementwiseAggregation.mode", mode, "one of elementwise, mean")
+        self.mode = mode
+
+    @override
+    def on_federation_start(self, loop: FederatedLoop) -> None:
+        if loop.global_state is None:
+            raise ConfigError("trainer.topology is invalid for ElementwiseAggregation: expected a server (Star)")
+
+    @override
+    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+        glob = loop.global_state
+        sent = [u for u in updates if u.message is not None]
+        loop.server_update = None
+        if glob is None or not sent:
+            return glob
+        if not all(u.extras.get(DELTA) for u in sent):
+            raise ConfigError("trainer.callbacks is invalid: ElementwiseAggregation aggregates updates; expected an "
+                              "upload callback that sends them (e.g. pl_fedsparse.callbacks.TopKUpload)")
+        weights = [float(u.metrics.get("samples_seen", u.n_samples)) for u in sent]
+        server_update: dict[str, Tensor] = {}
+        for name in sent[0].message.tensors:  # type: ignore[union-attr]
+            values = [u.message.tensors[name] for u in sent]  # type: ignore[union-attr]
+            if self.mode == "elementwise":
+                server_update[name] = elementwise_average(values, weights)
+            else:
+                total = sum(weights)
+                server_update[name] = sum((v.double() * (w / total) for v, w in zip(values, weights)),
+                                          torch.zeros_like(values[0], dtype=torch.float64)).to(values[0].dtype)
+        loop.server_update = server_update
+        return {n: (t + server_update[n] if n in server_update else t) for n, t in glob.items()}
+
+
+class PersonalizedDownstream(FederatedCallback):
+    """DPS: every client's downstream update, personalised by the correlation of its upload with the server's
+    (Alg. 3); owns ``client_message`` and ``personal_state``.
+
+    Args:
+        sparsity: ``p`` of the server's top-k ``ΔŴ_s`` (paper: 0.9, as upstream).
+        personalized: ``false`` broadcasts ``ΔŴ_s`` to every client (the "without DPS" ablation).
+    """
+
+    def __init__(self, *, sparsity: float = 0.9, personalized: bool = True) -> None:
+        _check_sparsity("PersonalizedDownstream", sparsity)
+        self.sparsity, self.personalized = float(sparsity), bool(personalized)
+        self._uploads: dict[int, dict[str, Tensor]] = {}
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        init, names = loop.initial_state, _float_names(loop.initial_state)
+        self.add_client_state(loop, "start", lambda k: dict(init))  # W_i^{r−1,0}: the start of its last round
+        self.add_client_state(loop, "pending", lambda k: {n: torch.zeros_like(init[n]) for n in names})
+
+    def _next_start(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        start = self.get_client_state(loop, client_idx, "start")
+        pending = self.get_client_state(loop, client_idx, "pending")
+        return {n: (t + pending[n] if n in pending else t) for n, t in start.items()}
+
+    @override
+    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+        # Alg. 1 line 1: W^{r,0} = W^{r−1,0} + ΔŴ_{s,i}; only the pending update's non-zeros travel
+        pending = self.get_client_state(loop, client_idx, "pending")
+        return Message(self._next_start(loop, client_idx), {n: t != 0 for n, t in pending.items()})
+
+    @override
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        return self._next_start(loop, client_idx)
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        if update.kind != "train":
+            return
+        k = update.client_idx  # the pending update was applied at this fit's start
+        self.set_client_state(loop, k, "start", self._next_start(loop, k))
+        self.set_client_state(loop, k, "pending", {n: torch.zeros_like(t) for n, t in
+                                                   self.get_client_state(loop, k, "pending").items()})
+
+    @override
+    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+        self._uploads = {u.client_idx: u.message.tensors for u in updates
+                         if u.message is not None and u.extras.get(DELTA)}
+
+    @override
+    def on_after_aggregate(self, loop: FederatedLoop) -> None:
+        dense = loop.server_update
+        uploads, self._uploads = self._uploads, {}
+        if dense is None:
+            if uploads:
+                raise ConfigError("trainer.callbacks is invalid: PersonalizedDownstream needs an aggregation that "
+                                  "publishes its update (e.g. pl_fedsparse.callbacks.ElementwiseAggregation)")
+            return
+        sparse = {n: topk_sparsify(t, self.sparsity) for n, t in dense.items()}  # ΔŴ_s (Alg. 4 line 9)
+        for k in range(loop.num_clients):
+            pending = self.get_client_state(loop, k, "pending")
+            if k in uploads and self.personalized:  # Alg. 3
+                gen = loop.streams.generator("dps", loop.round_idx, k)
+                new = {}
+                for n, t in dense.items():
+                    d = correlation_distance(sparse[n], uploads[k][n])
+                    new[n] = t * personalized_mask(sparse[n] != 0, uploads[k][n] != 0, d, gen).to(t.dtype)
+            elif k in uploads:
+                new = dict(sparse)  # without DPS: the same ΔŴ_s for everyone
+            else:
+                new = {n: pending[n] + sparse[n] for n in sparse}  # missed the round: catch up when next sampled
+            self.set_client_state(loop, k, "pending", new)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {}
