@@ -447,3 +447,19 @@ def test_cifar10_jpeg_copy(cifar_root: Path) -> None:
     if counts[0] == 5000:
         assert d.test_x.shape == (10000, 3, 32, 32)
         assert abs(d.train_x.float().mean().item() / 255 - 0.473) < 0.01
+
+
+def test_partition_test_mode_builds_test_sets_like_the_training_sets() -> None:
+    """FedPSE App. C.1: with lambda = 1 every client's test data has the labels of its training data, drawn from the
+    base test split, which the clients' test sets cover exactly once."""
+    dm = FederatedDataModule(name="synthetic", num_clients=4, partition="noniid_ratio", noniid_ratio=1.0,
+                             test_mode="partition", batch_size=16,
+                             synthetic={"num_train": 400, "num_test": 200, "size": 8, "channels": 1, "num_classes": 4})
+    dm.setup()
+    tests = [dm.client_indices(k, "test") for k in range(4)]
+    assert sorted(np.concatenate(tests).tolist()) == list(range(200))
+    for k in range(4):
+        train_labels = set(np.nonzero(dm.client_label_counts(k, "train"))[0].tolist())
+        test_labels = set(np.nonzero(dm.client_label_counts(k, "test"))[0].tolist())
+        assert test_labels <= train_labels | {min(train_labels) - 1, max(train_labels) + 1}  # chunk borders
+    assert dm.fingerprint()["test_mode"] == "partition"

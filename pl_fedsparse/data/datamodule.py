@@ -11,6 +11,9 @@ Two ways to build personal test sets:
 * ``test_mode="global"`` (FedSpa, DisPFL): a client trains on its whole partition (minus an optional validation
   share) and is tested on samples of the base test split that follow its train label distribution
   (:func:`~pl_fedsparse.data.partition.client_test_from_global`).
+* ``test_mode="partition"`` (FedPSE, App. C.1: "test sets are built the same way"): the base test split is
+  partitioned with the same scheme and parameters as the training data (another seed), client ``k`` is tested on its
+  part; training uses the whole training partition (minus an optional validation share).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         shards_per_client: shards per client for ``partition="shards"``.
         noniid_ratio: FedPSE's λ for ``partition="noniid_ratio"``.
         min_samples: least number of samples per client (Dirichlet).
-        test_mode: ``"split"`` or ``"global"`` (see the module docstring).
+        test_mode: ``"split"``, ``"global"`` or ``"partition"`` (see the module docstring).
         split_ratios: train/val/test fractions of each client's data (``"split"``); in ``"global"`` mode only the
             validation share ``val / (train + val)`` is used.
         test_per_client: personal test-set size in ``"global"`` mode (default ``ceil(|test| / K)``).
@@ -78,7 +81,7 @@ class FederatedDataModule(lightning.LightningDataModule):
                  partition: Literal["iid", "dirichlet", "pathological", "shards", "noniid_ratio"] = "dirichlet",
                  alpha: float = 0.3, quantity_skew: bool = False, classes_per_client: int = 2,
                  shards_per_client: int = 2, noniid_ratio: float = 1.0, min_samples: int = 1,
-                 test_mode: Literal["split", "global"] = "split",
+                 test_mode: Literal["split", "global", "partition"] = "split",
                  split_ratios: tuple[float, float, float] = (0.75, 0.0, 0.25),
                  test_per_client: int | None = None, max_train_samples: int | None = None,
                  batch_size: int = 64, eval_batch_size: int = 512, augment: bool = False,
@@ -97,7 +100,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         check(_is_num(noniid_ratio) and 0 <= noniid_ratio <= 1, "data.noniid_ratio", noniid_ratio,
               "a number in [0, 1]")
         check(_is_int(min_samples) and min_samples >= 0, "data.min_samples", min_samples, "an int >= 0")
-        check(test_mode in ("split", "global"), "data.test_mode", test_mode, "'split' or 'global'")
+        check(test_mode in ("split", "global", "partition"), "data.test_mode", test_mode,
+              "'split', 'global' or 'partition'")
         ratios = tuple(split_ratios) if isinstance(split_ratios, (tuple, list)) else ()
         check(len(ratios) == 3 and all(_is_num(r) and r >= 0 for r in ratios) and abs(sum(ratios) - 1) < 1e-6
               and ratios[0] > 0, "data.split_ratios", split_ratios,
@@ -175,6 +179,10 @@ class FederatedDataModule(lightning.LightningDataModule):
             splits["test"].append(np.sort(perm[:n_test]))
             splits["val"].append(np.sort(perm[n_test:n_test + n_val]))
             splits["train"].append(np.sort(perm[n_test + n_val:]))
+        if self.test_mode == "partition":  # the base test split, partitioned like the training data (FedPSE App. C.1)
+            test_y = base.test_y.numpy()
+            splits["test"] = [np.sort(p) for p in partition(test_y, self.partition, self._num_clients, self.seed + 1,
+                                                            **kw)]
         if self.test_mode == "global":
             splits["test"] = client_test_from_global(base.test_y.numpy(), [train_y[p] for p in parts],
                                                      base.num_classes, self.test_per_client, self.seed)
@@ -225,12 +233,12 @@ class FederatedDataModule(lightning.LightningDataModule):
 
     def client_indices(self, client_idx: int, split: Literal["train", "val", "test"] = "train") -> np.ndarray:
         """Read-only indices of a client's split into the base train arrays (the base *test* arrays for the test
-        split when ``test_mode="global"``)."""
+        split when ``test_mode`` is ``"global"`` or ``"partition"``)."""
         self._check_client(client_idx, split)
         return self._splits[split][client_idx]
 
     def _source(self, split: str) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        if split == "test" and self.test_mode == "global":
+        if split == "test" and self.test_mode in ("global", "partition"):
             return self._test_x, self._test_y, self._test_y_np
         return self._train_x, self._train_y, self._train_y_np
 
