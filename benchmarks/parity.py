@@ -36,7 +36,7 @@ _SYNTH = ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients
 #: (name, config, extra args)
 RUNS: list[tuple[str, str, list[str]]] = [
     (p.stem, str(p), []) for p in sorted(Path("configs").glob("synthetic_*.yaml")) if p.stem not in (
-        "synthetic_fedprox", "synthetic_snip_fedspa")  # added by the refactor (no "before")
+        "synthetic_fedprox", "synthetic_snip_fedspa", "synthetic_fedpse")  # added since (no "before")
 ] + [("quickstart", "configs/quickstart.yaml", [])] + [
     (f"mini_{name}", f"configs/cifar10_{name}_cpu.yaml", _SYNTH + ["--trainer.num_rounds", rounds,
                                                                    "--trainer.eval_every", "2"])

@@ -202,13 +202,12 @@ def federation_state(loop: FederatedLoop) -> dict[str, Any]:
     """Everything needed to continue the federation: round, global state, every client's declared state, callback
     state, accounting, history and the global RNG states (tensors and plain containers only); and what makes it
     *this run*: the run id, the run directory, the resolved configuration and the resumes so far."""
-    reporter = getattr(loop, "reporter", None)
-    run_dir = getattr(reporter, "run_dir", None)
+    reporter = loop.reporter
     return {
-        "run_id": getattr(reporter, "run_id", None),
-        "run_dir": str(run_dir) if run_dir is not None else None,
+        "run_id": reporter.run_id,
+        "run_dir": str(reporter.run_dir) if reporter.run_dir is not None else None,
         "config": loop.config_text,
-        "resumes": dumps_json(list(getattr(reporter, "resumes", []))),
+        "resumes": dumps_json(reporter.resumes),
         "round": loop.round_idx,
         "fingerprint": dumps_json(fingerprint(loop)),
         "global_state": loop.global_state,

@@ -134,8 +134,9 @@ class Evaluator:
     For each client: one loader per distinct view (shifted / corrupted once, shared by every model kind); for each
     model kind, its state is loaded into the working module, ``on_client_evaluate_start`` lets callbacks adjust it
     (e.g. apply a mask), the logits of every view are computed (mixed precision as in training) and
-    ``on_client_evaluate_end`` sees the clean metrics. When the global model, after those hooks, holds exactly the
-    weights the personal one held, its logits are reused instead of recomputed. Then ``on_client_predictions`` may add
+    ``on_client_evaluate_end`` sees the clean metrics. When the personal model is the global model and, after those
+    hooks, the module holds exactly the weights it held for the personal kind, the logits are reused instead of
+    recomputed (the weights are compared only in that case). Then ``on_client_predictions`` may add
     kinds built from the logits (e.g. an adaptive choice), and every kind is reported on every reported view.
     """
 
@@ -187,7 +188,10 @@ class Evaluator:
             if v.key not in loaders:
                 loaders[v.key] = self.loader(k, "train" if v.split == "train" else split, v.shift, v.corruption,
                                              v.severity)
-        kinds = [("personal", loop.personal_state(k))] + ([("global", loop.global_state)] if has_global else [])
+        personal = loop.personal_state(k)
+        kinds = [("personal", personal)] + ([("global", loop.global_state)] if has_global else [])
+        # the global logits can only be the personal ones when both kinds start from the same state
+        may_reuse = has_global and personal is loop.global_state
         outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
         labels: dict[str, Tensor] = {}
         evaluated: dict[str, Tensor] | None = None  # the weights the personal logits were computed with
@@ -195,7 +199,7 @@ class Evaluator:
         for kind, st in kinds:
             load_state(loop.model, st)  # type: ignore[arg-type]
             loop.call("on_client_evaluate_start", loop.model, k, kind)
-            current = ({n: t.detach().clone() for n, t in loop.model.state_dict().items()} if has_global
+            current = ({n: t.detach().clone() for n, t in loop.model.state_dict().items()} if may_reuse
                        else None)
             if kind == "global" and evaluated is not None and current is not None and _same_state(evaluated, current):
                 results = personal_results  # the same weights give the same logits

@@ -47,7 +47,7 @@ def select_clients(loop: FederatedLoop, round_idx: int, client_ids: Sequence[int
     if m >= len(ids):
         return ids
     rng = loop.streams.numpy("sample", round_idx)
-    return sorted(int(i) for i in rng.choice(len(ids), size=m, replace=False))
+    return sorted(ids[int(i)] for i in rng.choice(len(ids), size=m, replace=False))  # (ids, not positions)
 
 
 def client_message(loop: FederatedLoop, client_idx: int) -> Message | None:

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
-from pl_fedsparse.context import current_fit
+from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
 
 if TYPE_CHECKING:
@@ -58,8 +58,9 @@ class FaultInjection(FederatedCallback):
     def state_key(self) -> str:
         return self._generate_state_key(client=self.client, rounds=self.rounds, kind=self.kind)
 
-    def _target(self) -> bool:
-        ctx = current_fit()
+    def _target(self, ctx: FitContext | None = None) -> bool:
+        """Whether ``ctx`` (default: the running fit) is the round's training fit of the faulty client."""
+        ctx = ctx if ctx is not None else current_fit()
         return ctx is not None and ctx.kind == "train" and ctx.client_idx == self.client and ctx.round_idx in self.rounds
 
     @override
@@ -89,11 +90,10 @@ class FaultInjection(FederatedCallback):
 
     @override
     def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        ctx = update.context
-        if ctx is None or ctx.kind != "train" or ctx.client_idx != self.client or ctx.round_idx not in self.rounds:
+        if update.context is None or not self._target(update.context):
             return
         if self.kind != "exception":
-            self.injected.append(ctx.round_idx)
+            self.injected.append(update.round_idx)
         if self.kind == "inf_upload" and update.message is not None:
             tensors = dict(update.message.tensors)
             name = next(n for n, t in tensors.items() if t.is_floating_point())

@@ -46,6 +46,38 @@ TINY_CLI = [
 ]
 
 
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``pl-fed`` in-process: ``(exit code, stdout, stderr)`` (parse errors exit through SystemExit)."""
+    from pl_fedsparse.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def one_line(err: str, prefix: str = "error:") -> str:
+    """The single line ``pl-fed`` wrote to stderr, starting with ``prefix`` (fails on more lines or a traceback)."""
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(prefix) and "Traceback" not in err, err
+    return lines[0]
+
+
+def fit_rows(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    """Run ``pl-fed fit <args>`` (which must name ``--trainer.default_root_dir``), expect exit 0, return the rows of
+    its metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    code, _, err = run_main(["fit", *args], capsys)
+    assert code == 0, err
+    run = Path(args[args.index("--trainer.default_root_dir") + 1])
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.fixture(autouse=True)
 def _quiet_logs() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from conftest import TINY_CLI
+from conftest import TINY_CLI, one_line, run_main
 
 from pl_fedsparse import policies
 from pl_fedsparse.cli import main
@@ -25,20 +25,8 @@ from pl_fedsparse.topology import Star
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(args)
-    except SystemExit as e:  # jsonargparse exits on parse errors
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
-def one_line(err: str) -> str:
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def _ours(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -149,21 +137,28 @@ def tiny(run: Path, *extra: str, rounds: int = 2) -> list[str]:
     return ["fit", *TINY_CLI, "--trainer.num_rounds", str(rounds), "--trainer.default_root_dir", str(run), *extra]
 
 
+def shadowing_project(folder: Path, package_init: bool) -> Path:
+    """A project folder with a ``tensorboard.py`` that would shadow the installed package (it writes the returned
+    marker file when imported) and a ``callbacks/usercb.py`` user callback; returns the marker's path."""
+    marker = folder / "shadow-was-imported"
+    (folder / "tensorboard.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (folder / "callbacks").mkdir()
+    if package_init:
+        (folder / "callbacks" / "__init__.py").write_text("")
+    (folder / "callbacks" / "usercb.py").write_text(
+        "from pl_fedsparse import FederatedCallback\n"
+        "class Hello(FederatedCallback):\n"
+        "    def on_federation_end(self, loop):\n"
+        "        print('hello from callbacks/ in the project folder')\n")
+    return marker
+
+
 # ------------------------------------------------------------------------------------------------ 1. imports
 @pytest.mark.parametrize("package_init", [True, False], ids=["package", "namespace-folder"])
 def test_working_dir_modules_import_but_never_shadow_installed_ones(
         package_init: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         user_modules: list[str]) -> None:
-    marker = tmp_path / "shadow-was-imported"
-    (tmp_path / "tensorboard.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    (tmp_path / "callbacks").mkdir()
-    if package_init:
-        (tmp_path / "callbacks" / "__init__.py").write_text("")
-    (tmp_path / "callbacks" / "usercb.py").write_text(
-        "from pl_fedsparse import FederatedCallback\n"
-        "class Hello(FederatedCallback):\n"
-        "    def on_federation_end(self, loop):\n"
-        "        print('hello from callbacks/ in the project folder')\n")
+    marker = shadowing_project(tmp_path, package_init)
     user_modules.append("callbacks")
     hide_modules(monkeypatch, "callbacks")  # the repository's own callbacks/ may be imported by other tests
     # the real tensorboard must be imported *during* the run, so that a shadowing file would be picked up
@@ -190,15 +185,7 @@ PL_FED = Path(sys.executable).parent / "pl-fed"
 def test_console_script_from_a_project_folder(tmp_path: Path) -> None:
     """The real thing: a fresh `pl-fed` process in a folder with a `tensorboard.py` and a `callbacks/` package; and
     a configuration error there is exactly one line on stderr (no "Seed set to" line before it)."""
-    marker = tmp_path / "shadow-was-imported"
-    (tmp_path / "tensorboard.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    (tmp_path / "callbacks").mkdir()
-    (tmp_path / "callbacks" / "__init__.py").write_text("")
-    (tmp_path / "callbacks" / "usercb.py").write_text(
-        "from pl_fedsparse import FederatedCallback\n"
-        "class Hello(FederatedCallback):\n"
-        "    def on_federation_end(self, loop):\n"
-        "        print('hello from callbacks/ in the project folder')\n")
+    marker = shadowing_project(tmp_path, package_init=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONWARNINGS"] = "ignore"
     proc = subprocess.run([str(PL_FED), *tiny(tmp_path / "run", "--trainer.logger", "true", "--trainer.callbacks+",
@@ -337,7 +324,7 @@ def test_ctrl_c_between_rounds_exits_130_and_the_hint_resumes(project: Path,
     handler = signal.getsignal(signal.SIGINT)
     code, _, err = run_main(tiny(run, "--trainer.callbacks+", "faultcb.InterruptAtRound"), capsys)
     assert code == 130, err
-    line = one_line(err)
+    line = one_line(err, "interrupted")
     ckpt = run / "checkpoints" / "last.ckpt"
     assert line.startswith("interrupted: resume with `pl-fed fit ") and f"--ckpt_path {ckpt}`" in line, line
     assert signal.getsignal(signal.SIGINT) is handler
@@ -355,7 +342,7 @@ def test_ctrl_c_inside_a_lightning_fit_exits_130(project: Path, capsys: pytest.C
     handler = signal.getsignal(signal.SIGINT)
     code, _, err = run_main(tiny(run, "--trainer.callbacks+", "faultcb.InterruptInBatch"), capsys)
     assert code == 130, err
-    assert f"--ckpt_path {run / 'checkpoints' / 'last.ckpt'}`" in one_line(err)
+    assert f"--ckpt_path {run / 'checkpoints' / 'last.ckpt'}`" in one_line(err, "interrupted")
     assert signal.getsignal(signal.SIGINT) is handler  # Lightning set SIG_IGN while shutting down
 
 
@@ -364,7 +351,7 @@ def test_lightnings_interrupt_exit_is_an_interrupt(project: Path, capsys: pytest
     run = project / "run"
     code, _, err = run_main(tiny(run, "--trainer.callbacks+", "faultcb.InterruptAtRound",
                                  "--trainer.callbacks.how", "lightning"), capsys)
-    assert code == 130 and one_line(err).startswith("interrupted: resume with"), err
+    assert code == 130 and one_line(err, "interrupted").startswith("interrupted: resume with"), err
 
 
 def test_other_exits_are_not_swallowed(project: Path) -> None:
@@ -379,7 +366,7 @@ def test_ctrl_c_without_a_checkpoint_says_so(project: Path, capsys: pytest.Captu
     code, _, err = run_main(tiny(run, "--trainer.checkpoint_every", "0", "--trainer.callbacks+",
                                  "faultcb.InterruptAtRound"), capsys)
     assert code == 130
-    assert one_line(err) == (f"interrupted: no checkpoint was written in {run} (trainer.checkpoint_every=0), "
+    assert one_line(err, "interrupted") == (f"interrupted: no checkpoint was written in {run} (trainer.checkpoint_every=0), "
                              "the run cannot be resumed")
 
 

@@ -3,20 +3,23 @@ a full run checked against a plain re-implementation of Alg. 4, the ablations, p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_datamodule, tiny_loop, tiny_module
+from conftest import fit_rows, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import ElementwiseAggregation, PersonalizedDownstream, TopKUpload
-from pl_fedsparse.cli import main
-from pl_fedsparse.functional import (correlation_distance, elementwise_average, error_feedback_topk,
-                                     personalized_mask, topk_sparsify)
+from pl_fedsparse.functional import (
+    correlation_distance,
+    elementwise_average,
+    error_feedback_topk,
+    personalized_mask,
+    topk_sparsify,
+)
 from pl_fedsparse.streams import Streams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,9 +129,6 @@ def test_ewa_needs_update_uploads(tmp_path: Path) -> None:
 def test_synthetic_fedpse_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
-    run = tmp_path / "run"
-    code = main(["fit", "--config", "configs/synthetic_fedpse.yaml", "--trainer.num_rounds", "2",
-                 "--data.num_clients", "6", "--trainer.default_root_dir", str(run)])
-    assert code == 0, capsys.readouterr().err
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = fit_rows(["--config", "configs/synthetic_fedpse.yaml", "--trainer.num_rounds", "2", "--data.num_clients",
+                     "6", "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
     assert rows[-1]["acc_mean"] > 0.3 and rows[-1]["comm_cum_bytes_total"] > 0

@@ -165,3 +165,18 @@ def test_dpsgd_clients_start_from_the_neighbourhood_average(tmp_path: Path) -> N
         group = [ref.personal_state(j) for j in (k, (k - 1) % 4, (k + 1) % 4)]
         for n in starts[k]:
             torch.testing.assert_close(starts[k][n], sum(s[n] for s in group) / 3)
+
+
+def test_partial_sampling_picks_only_clients_that_are_not_dropped(tmp_path: Path) -> None:
+    """Sampling draws among the available clients and returns their ids (not positions in the available list)."""
+    topo = RandomPeers(k=1, drop_prob=0.4)
+    loop = _loop(tmp_path, topo, [Gossip()])
+    loop.clients_per_round = 2
+    loop.setup(tiny_module(), tiny_datamodule(num_clients=8))
+    checked = 0
+    for r in range(20):
+        gone = topo.dropped(r, 8, seed=loop.seed)
+        picked = loop.select_clients(r)
+        assert len(picked) == min(2, 8 - len(gone)) and not set(picked) & gone, (r, picked, gone)
+        checked += bool(gone and picked)
+    assert checked > 5

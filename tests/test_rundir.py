@@ -18,11 +18,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import TINY_CLI, tiny_datamodule, tiny_loop, tiny_module
+from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.checkpoint import load_checkpoint
-from pl_fedsparse.cli import main
 from pl_fedsparse.errors import CheckpointError
 from pl_fedsparse.reporting import config_changes
 
@@ -44,20 +43,8 @@ class Block(FederatedCallback):
 '''
 
 
-def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
-def one_line(err: str) -> str:
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("error:") and "Traceback" not in err
-    return lines[0]
 
 
 def digest(root: Path) -> dict[str, str]:
@@ -128,11 +115,17 @@ def test_two_concurrent_starts_into_one_directory_exactly_one_runs(tmp_path: Pat
     assert not (run / ".lock").exists()  # released at the end
 
 
-def test_a_held_directory_is_refused_and_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run = tmp_path / "run"
+def held_run(run: Path, capsys: pytest.CaptureFixture[str]) -> Any:
+    """A finished 1-round run in ``run``, then held open by an in-process reporter (as a running process would)."""
     assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
     holder = tiny_loop(run, num_rounds=2)
     holder.reporter.open(resuming=True, history=[], checkpoint=load_checkpoint(run / "checkpoints/last.ckpt"))
+    return holder
+
+
+def test_a_held_directory_is_refused_and_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    holder = held_run(run, capsys)
     try:
         before = {k: v for k, v in digest(run).items() if k != ".lock"}
         code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2", "--ckpt_path",
@@ -492,9 +485,7 @@ def test_load_checkpoint_gives_the_whole_first_line_of_the_cause(tmp_path: Path,
 def test_overwrite_does_not_break_into_a_running_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`--trainer.overwrite true` while another run holds the directory: refused, nothing changed."""
     run = tmp_path / "run"
-    assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
-    holder = tiny_loop(run, num_rounds=2)
-    holder.reporter.open(resuming=True, history=[], checkpoint=load_checkpoint(run / "checkpoints/last.ckpt"))
+    holder = held_run(run, capsys)
     try:
         before = {k: v for k, v in digest(run).items() if k != ".lock"}
         code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "1", "--trainer.overwrite", "true"), capsys)

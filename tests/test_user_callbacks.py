@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fit_rows
 
 from pl_fedsparse.cli import main
 
@@ -28,11 +29,8 @@ def test_trimmed_mean_drops_outliers() -> None:
 def test_trimmed_mean_config_runs_from_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
-    run = tmp_path / "run"
-    code = main(["fit", "--config", "configs/synthetic_trimmed_mean.yaml", "--trainer.num_rounds", "2",
-                 "--data.num_clients", "10", "--trainer.default_root_dir", str(run)])
-    assert code == 0, capsys.readouterr().err
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = fit_rows(["--config", "configs/synthetic_trimmed_mean.yaml", "--trainer.num_rounds", "2",
+                     "--data.num_clients", "10", "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
     assert rows[-1]["round"] == 1 and rows[-1]["acc_mean"] > 0.1
 
 
@@ -73,10 +71,6 @@ def test_movement_prune_config_runs_from_repo_root(tmp_path: Path, monkeypatch: 
     assert s["comm_cum_bytes_total"] < 0.75 * dense_bytes  # sparse messages at density 0.5
 
 
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 _SMALL = ["--trainer.num_rounds", "2", "--data.num_clients", "8", "--trainer.enable_progress_bar", "false"]
 _COMPARED = ("acc_mean", "acc_weighted", "global_acc", "loss_mean", "train_loss", "comm_cum_bytes_total",
              "flops_train_cum")
@@ -89,9 +83,8 @@ def test_fedprox_mu_zero_is_fedavg_exactly(tmp_path: Path, monkeypatch: pytest.M
     for name, cfg, extra in [("avg", "configs/synthetic_fedavg.yaml", []),
                              ("prox0", "configs/synthetic_fedprox.yaml", ["--trainer.callbacks.init_args.mu", "0"]),
                              ("prox", "configs/synthetic_fedprox.yaml", ["--trainer.callbacks.init_args.mu", "0.5"])]:
-        code = main(["fit", "--config", cfg, *_SMALL, *extra, "--trainer.default_root_dir", str(tmp_path / name)])
-        assert code == 0, capsys.readouterr().err
-        runs[name] = _rows(tmp_path / name)
+        runs[name] = fit_rows(["--config", cfg, *_SMALL, *extra, "--trainer.default_root_dir", str(tmp_path / name)],
+                              capsys)
     for a, b in zip(runs["avg"], runs["prox0"]):
         assert {k: a[k] for k in _COMPARED} == {k: b[k] for k in _COMPARED}
     assert runs["prox"][-1]["loss_mean"] != runs["avg"][-1]["loss_mean"]  # μ > 0 changes training
@@ -152,10 +145,8 @@ def test_snip_masks_are_the_saliency_top_k_at_the_initial_weights(tmp_path: Path
 def test_snip_config_runs_from_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
-    code = main(["fit", "--config", "configs/synthetic_snip_fedspa.yaml", *_SMALL,
-                 "--trainer.default_root_dir", str(tmp_path / "run")])
-    assert code == 0, capsys.readouterr().err
-    rows = _rows(tmp_path / "run")
+    rows = fit_rows(["--config", "configs/synthetic_snip_fedspa.yaml", *_SMALL,
+                     "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
     assert rows[-1]["acc_mean"] > 0.1
 
 

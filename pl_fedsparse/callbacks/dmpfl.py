@@ -45,8 +45,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.callbacks.masking import MaskedTraining, random_mask_scores, top_masks
+from pl_fedsparse.callbacks.masking import MaskedTraining, UsesMaskedTraining, random_mask_scores, top_masks
 from pl_fedsparse.callbacks.prune_regrow import PruneRegrowSchedule, gradient_scores, prune_regrow
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
@@ -64,7 +63,7 @@ __all__ = ["DualMask", "FedDST"]
 Phase = Literal["mask", "global"]
 
 
-class DualMask(FederatedCallback):
+class DualMask(UsesMaskedTraining):
     """DM-PFL: dual masks, two-phase training (Alg. 1-3). Owns ``client_message``, ``aggregate``,
     ``personal_state`` and ``client_masks``. Add :class:`~pl_fedsparse.callbacks.AdaptiveInference` for DM-PFL+
     (Alg. 4).
@@ -336,24 +335,6 @@ class DualMask(FederatedCallback):
         start = {**loop.global_state, **message.tensors}
         return [FitSpec(k, "personal_refine", start, epochs=self.personal_epochs or loop.local_epochs,
                         download=message) for k in range(loop.num_clients)]
-
-    # ---- Lightning hooks (inside a client's local fit) -----------------------------------------------------------
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.training.on_train_start(pl_module)
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.training.on_before_optimizer_step()
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.training.on_train_batch_end()
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.training.on_train_end()
 
     # ---- evaluation and reporting --------------------------------------------------------------------------------
     @override

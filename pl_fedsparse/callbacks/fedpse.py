@@ -32,7 +32,7 @@ FedPSE = the three together (``configs/synthetic_fedpse.yaml``)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -43,8 +43,14 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.functional.pse import (correlation_distance, elementwise_average, error_feedback_topk,
-                                         personalized_mask, topk_sparsify)
+from pl_fedsparse.functional.aggregation import weighted_average
+from pl_fedsparse.functional.pse import (
+    correlation_distance,
+    elementwise_average,
+    error_feedback_topk,
+    personalized_mask,
+    topk_sparsify,
+)
 from pl_fedsparse.streams import register_stream
 
 if TYPE_CHECKING:
@@ -142,15 +148,11 @@ class ElementwiseAggregation(FederatedCallback):
             raise ConfigError("trainer.callbacks is invalid: ElementwiseAggregation aggregates updates; expected an "
                               "upload callback that sends them (e.g. pl_fedsparse.callbacks.TopKUpload)")
         weights = [float(u.metrics.get("samples_seen", u.n_samples)) for u in sent]
-        server_update: dict[str, Tensor] = {}
-        for name in sent[0].message.tensors:  # type: ignore[union-attr]
-            values = [u.message.tensors[name] for u in sent]  # type: ignore[union-attr]
-            if self.mode == "elementwise":
-                server_update[name] = elementwise_average(values, weights)
-            else:
-                total = sum(weights)
-                server_update[name] = sum((v.double() * (w / total) for v, w in zip(values, weights)),
-                                          torch.zeros_like(values[0], dtype=torch.float64)).to(values[0].dtype)
+        uploads = [u.message.tensors for u in sent]  # type: ignore[union-attr]
+        if self.mode == "elementwise":
+            server_update = {n: elementwise_average([t[n] for t in uploads], weights) for n in uploads[0]}
+        else:  # FedAvg's weighted mean, zeros included
+            server_update = weighted_average(uploads, weights)
         loop.server_update = server_update
         return {n: (t + server_update[n] if n in server_update else t) for n, t in glob.items()}
 
@@ -227,7 +229,3 @@ class PersonalizedDownstream(FederatedCallback):
             else:
                 new = {n: pending[n] + sparse[n] for n in sparse}  # missed the round: catch up when next sampled
             self.set_client_state(loop, k, "pending", new)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {}

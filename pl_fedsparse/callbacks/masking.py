@@ -37,7 +37,7 @@ from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["SparseMask", "MaskedTraining", "random_mask_scores", "top_masks"]
+__all__ = ["SparseMask", "MaskedTraining", "UsesMaskedTraining", "random_mask_scores", "top_masks"]
 
 
 def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], key: int,
@@ -117,7 +117,32 @@ class MaskedTraining:
         return masks
 
 
-class SparseMask(FederatedCallback):
+class UsesMaskedTraining(FederatedCallback):
+    """Base of callbacks that train through a :class:`MaskedTraining` part (``self.training``): forwards the four
+    Lightning hooks of a local fit to it. The subclass calls ``self.training.begin(...)`` in ``on_client_fit_start``
+    and ``self.training.end()`` in ``on_client_fit_end``."""
+
+    training: MaskedTraining
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.training.on_train_start(pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.training.on_before_optimizer_step()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.training.on_train_batch_end()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.training.on_train_end()
+
+
+class SparseMask(UsesMaskedTraining):
     """Keep every client's model sparse under its own mask.
 
     Args:
@@ -256,21 +281,3 @@ class SparseMask(FederatedCallback):
                 for name, mask in self.masks(loop, client_idx).items():
                     if name in params:
                         params[name].mul_(mask.to(params[name].device, params[name].dtype))
-
-    # ---- Lightning hooks (inside a client's local fit) -----------------------------------------------------------
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.training.on_train_start(pl_module)
-
-    @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.training.on_before_optimizer_step()
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        self.training.on_train_batch_end()
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.training.on_train_end()
