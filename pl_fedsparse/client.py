@@ -39,6 +39,8 @@ class Message:
         tensors: values by name (a full or partial state dict, an update, ...).
         masks: masks by name. A mask named like a tensor makes that tensor sparse on the wire; a mask with no
             tensor of that name is sent as a bitmap.
+        ternary: names of masked tensors whose sent values are ``±μ`` (FedSTC): each costs one float, a sign bit
+            per value and its positions.
 
     Example:
         >>> Message({"w": torch.ones(4)}).nbytes()
@@ -47,10 +49,11 @@ class Message:
 
     tensors: dict[str, Tensor]
     masks: dict[str, Tensor] = field(default_factory=dict)
+    ternary: frozenset[str] = frozenset()
 
     def nbytes(self) -> int:
         """Bytes on the wire (see :mod:`pl_fedsparse.functional.accounting`)."""
-        return message_nbytes(self.tensors, self.masks)
+        return message_nbytes(self.tensors, self.masks, self.ternary)
 
 
 @dataclass

@@ -11,8 +11,9 @@ from pl_fedsparse.callbacks.dmpfl import DualMask, FedDST
 from pl_fedsparse.callbacks.shift_eval import ShiftEvaluation
 from pl_fedsparse.callbacks.adaptive_inference import AdaptiveInference
 from pl_fedsparse.callbacks.fedpse import ElementwiseAggregation, PersonalizedDownstream, TopKUpload
+from pl_fedsparse.callbacks.compression import SparseDownstream, StructuredUpload
 
 __all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "MaskedTraining", "KeepOptimizerState",
            "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation", "Gossip",
            "ShiftEvaluation", "AdaptiveInference", "Ditto", "DualMask", "FedDST", "TopKUpload", "ElementwiseAggregation",
-           "PersonalizedDownstream"]
+           "PersonalizedDownstream", "SparseDownstream", "StructuredUpload"]

@@ -32,7 +32,7 @@ FedPSE = the three together (``configs/synthetic_fedpse.yaml``)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -44,6 +44,7 @@ from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.functional.aggregation import weighted_average
+from pl_fedsparse.functional.compression import ternarize
 from pl_fedsparse.functional.pse import (
     correlation_distance,
     elementwise_average,
@@ -67,6 +68,11 @@ def _float_names(state: dict[str, Tensor]) -> list[str]:
     return [n for n, t in state.items() if t.is_floating_point()]
 
 
+def _one_magnitude(t: Tensor) -> bool:
+    mags = t[t != 0].abs()
+    return bool(mags.numel()) and bool(mags.max() == mags.min())
+
+
 def _check_sparsity(owner: str, sparsity: float) -> None:
     check(isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool) and 0 <= sparsity < 1,
           f"{owner}.sparsity", sparsity, "a number in [0, 1) (the share of entries dropped: 0.9 keeps 10 %)")
@@ -78,12 +84,17 @@ class TopKUpload(FederatedCallback):
     Args:
         sparsity: ``p``, the share of entries *not* sent (paper: 0.9).
         scope: ``"layer"`` (top-k per tensor, the paper's example code) or ``"model"`` (one top-k over all tensors).
+        quantize: ``"none"`` (FedPSE) or ``"ternary"``: the kept values become ``μ · sign`` per tensor and the
+            quantisation error joins the residual (FedSTC's upload, Sattler et al. Alg. 1-2;
+            :func:`~pl_fedsparse.functional.compression.ternarize`).
     """
 
-    def __init__(self, *, sparsity: float = 0.9, scope: Literal["layer", "model"] = "layer") -> None:
+    def __init__(self, *, sparsity: float = 0.9, scope: Literal["layer", "model"] = "layer",
+                 quantize: Literal["none", "ternary"] = "none") -> None:
         _check_sparsity("TopKUpload", sparsity)
         check(scope in ("layer", "model"), "TopKUpload.scope", scope, "one of layer, model")
-        self.sparsity, self.scope = float(sparsity), scope
+        check(quantize in ("none", "ternary"), "TopKUpload.quantize", quantize, "one of none, ternary")
+        self.sparsity, self.scope, self.quantize = float(sparsity), scope, quantize
         self._start: dict[str, Tensor] = {}
 
     @override
@@ -113,8 +124,13 @@ class TopKUpload(FederatedCallback):
             for n in raw:
                 j = i + raw[n].numel()
                 sent[n], new_res[n], i = s[i:j].view_as(raw[n]), e[i:j].view_as(raw[n]), j
+        if self.quantize == "ternary":  # the quantisation error is fed back too (Sattler et al. Alg. 2)
+            ternary = {n: ternarize(t) for n, t in sent.items()}
+            new_res = {n: new_res[n] + sent[n] - ternary[n] for n in sent}
+            sent = ternary
         self.set_client_state(loop, update.client_idx, "residual", new_res)
-        update.message = Message(sent, {n: t != 0 for n, t in sent.items()})
+        update.message = Message(sent, {n: t != 0 for n, t in sent.items()},
+                                 frozenset(sent) if self.quantize == "ternary" else frozenset())
         update.extras[DELTA] = True
 
 
@@ -164,16 +180,41 @@ class PersonalizedDownstream(FederatedCallback):
     Args:
         sparsity: ``p`` of the server's top-k ``ΔŴ_s`` (paper: 0.9, as upstream).
         personalized: ``false`` broadcasts ``ΔŴ_s`` to every client (the "without DPS" ablation).
+        quantize: ``"ternary"`` makes the broadcast ``ΔŴ_s`` ternary (``μ · sign``, FedSTC's downstream); only
+            with ``personalized: false``.
+        error_feedback: keep the server's compression error ``R`` and add it to the next round's update before
+            compressing (FedSTC, Sattler et al. Alg. 2: ``ΔW = R + mean; ΔŴ = STC(ΔW); R = ΔW − ΔŴ``); only with
+            ``personalized: false``. ``R`` is saved in checkpoints.
     """
 
-    def __init__(self, *, sparsity: float = 0.9, personalized: bool = True) -> None:
-        _check_sparsity("PersonalizedDownstream", sparsity)
+    def __init__(self, *, sparsity: float = 0.9, personalized: bool = True,
+                 quantize: Literal["none", "ternary"] = "none", error_feedback: bool = False) -> None:
+        owner = type(self).__name__
+        _check_sparsity(owner, sparsity)
+        check(quantize in ("none", "ternary"), f"{owner}.quantize", quantize, "one of none, ternary")
+        if personalized and (quantize != "none" or error_feedback):
+            raise ConfigError(f"{owner}.personalized is invalid with quantize={quantize!r}, "
+                              f"error_feedback={error_feedback}: expected personalized: false (DPS personalises the "
+                              "dense EWA values; ternary values and a server residual belong to a broadcast)")
         self.sparsity, self.personalized = float(sparsity), bool(personalized)
+        self.quantize, self.error_feedback = quantize, bool(error_feedback)
         self._uploads: dict[int, dict[str, Tensor]] = {}
+        self.server_residual: dict[str, Tensor] = {}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"server_residual": self.server_residual} if self.error_feedback else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.error_feedback and "server_residual" in state_dict:
+            self.server_residual = {n: t.clone() for n, t in state_dict["server_residual"].items()}
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
         init, names = loop.initial_state, _float_names(loop.initial_state)
+        if self.error_feedback:
+            self.server_residual = {n: torch.zeros_like(init[n]) for n in names}
         self.add_client_state(loop, "start", lambda k: dict(init))  # W_i^{r−1,0}: the start of its last round
         self.add_client_state(loop, "pending", lambda k: {n: torch.zeros_like(init[n]) for n in names})
 
@@ -186,7 +227,10 @@ class PersonalizedDownstream(FederatedCallback):
     def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
         # Alg. 1 line 1: W^{r,0} = W^{r−1,0} + ΔŴ_{s,i}; only the pending update's non-zeros travel
         pending = self.get_client_state(loop, client_idx, "pending")
-        return Message(self._next_start(loop, client_idx), {n: t != 0 for n, t in pending.items()})
+        # a pending update made of one ternary broadcast travels as one; sums of several (a client that missed
+        # rounds) are sent as plain sparse values
+        ternary = frozenset(n for n, t in pending.items() if self.quantize == "ternary" and _one_magnitude(t))
+        return Message(self._next_start(loop, client_idx), {n: t != 0 for n, t in pending.items()}, ternary)
 
     @override
     def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
@@ -215,7 +259,13 @@ class PersonalizedDownstream(FederatedCallback):
                 raise ConfigError("trainer.callbacks is invalid: PersonalizedDownstream needs an aggregation that "
                                   "publishes its update (e.g. pl_fedsparse.callbacks.ElementwiseAggregation)")
             return
+        if self.error_feedback:  # FedSTC: compress R + ΔW_s, keep what was not sent
+            dense = {n: t + self.server_residual[n] for n, t in dense.items()}
         sparse = {n: topk_sparsify(t, self.sparsity) for n, t in dense.items()}  # ΔŴ_s (Alg. 4 line 9)
+        if self.quantize == "ternary":
+            sparse = {n: ternarize(t) for n, t in sparse.items()}
+        if self.error_feedback:
+            self.server_residual = {n: dense[n] - sparse[n] for n in dense}
         for k in range(loop.num_clients):
             pending = self.get_client_state(loop, k, "pending")
             if k in uploads and self.personalized:  # Alg. 3

@@ -1,7 +1,8 @@
 """Pure tensor maths: tensors in, tensors out, no Lightning imports, no hidden state."""
 
 from pl_fedsparse.functional.aggregation import masked_weighted_average, weighted_average
-from pl_fedsparse.functional.accounting import message_nbytes, sparse_nbytes, tensor_nbytes
+from pl_fedsparse.functional.accounting import message_nbytes, sparse_nbytes, tensor_nbytes, ternary_nbytes
+from pl_fedsparse.functional.compression import structured_mask, ternarize
 from pl_fedsparse.functional.inference import adaptive_choice, entropy, output_cosine
 from pl_fedsparse.functional.masks import (
     apply_masks, check_density, erk_densities, layer_densities, mask_density, masks_from_densities,
@@ -21,4 +22,5 @@ __all__ = [
     "cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
     "unpack_masks", "adaptive_choice", "entropy", "output_cosine",
     "topk_sparsify", "error_feedback_topk", "elementwise_average", "correlation_distance", "personalized_mask",
+    "ternary_nbytes", "ternarize", "structured_mask",
 ]

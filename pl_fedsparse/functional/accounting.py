@@ -8,16 +8,18 @@ Rules (documented in the README):
   index encodings: a bitmap of ``ceil(numel / 8)`` bytes or ``4 · nnz`` bytes of int32 indices. The mask itself
   therefore travels for free with the values: the receiver rebuilds it from the bitmap or the indices.
 * A mask sent on its own (no values) costs its bitmap, ``ceil(numel / 8)`` bytes.
+* A ternary sparse tensor (values ``{−μ, 0, μ}``, FedSTC) costs one float for ``μ``, one sign bit per non-zero
+  (``ceil(nnz / 8)`` bytes) and the same cheaper index encoding.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from torch import Tensor
 
-__all__ = ["tensor_nbytes", "sparse_nbytes", "bitmap_nbytes", "message_nbytes", "VALUE_BYTES"]
+__all__ = ["tensor_nbytes", "sparse_nbytes", "ternary_nbytes", "bitmap_nbytes", "message_nbytes", "VALUE_BYTES"]
 
 VALUE_BYTES = 4  # float32 on the wire
 
@@ -55,13 +57,27 @@ def sparse_nbytes(numel: int, nnz: int) -> int:
     return VALUE_BYTES * nnz + min(bitmap_nbytes(numel), 4 * nnz)
 
 
-def message_nbytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | None = None) -> int:
+def ternary_nbytes(numel: int, nnz: int) -> int:
+    """Bytes of a ternary sparse tensor: ``μ``, a sign bit per non-zero, and the cheaper of a bitmap or indices.
+
+    Example:
+        >>> ternary_nbytes(1000, 10)  # 4 B mu + 2 B signs + min(125 B bitmap, 40 B indices)
+        46
+    """
+    return VALUE_BYTES + math.ceil(nnz / 8) + min(bitmap_nbytes(numel), 4 * nnz)
+
+
+def message_nbytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | None = None,
+                   ternary: Collection[str] = ()) -> int:
     """Bytes of a message: dense tensors, sparse tensors (those with a mask) and bare masks.
 
     Args:
         tensors: the values sent, by name.
         masks: masks by name. A mask whose name is also in ``tensors`` makes that tensor sparse; a mask with no
             tensor of the same name is a bare mask and costs its bitmap.
+        ternary: names of sparse tensors whose sent values are ``±μ`` (one ``μ`` per tensor, FedSTC): they cost
+            :func:`ternary_nbytes`. The sender decides (a downstream message may carry the receiver's new weights
+            while what travels is a ternary update).
 
     Example:
         >>> import torch
@@ -74,7 +90,12 @@ def message_nbytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | 
     total = 0
     for name, t in tensors.items():
         m = masks.get(name)
-        total += tensor_nbytes(t) if m is None else sparse_nbytes(t.numel(), int(m.count_nonzero()))
+        if m is None:
+            total += tensor_nbytes(t)
+        elif name in ternary:
+            total += ternary_nbytes(t.numel(), int(m.count_nonzero()))
+        else:
+            total += sparse_nbytes(t.numel(), int(m.count_nonzero()))
     for name, m in masks.items():
         if name not in tensors:
             total += bitmap_nbytes(m.numel())

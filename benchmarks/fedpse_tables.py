@@ -1,0 +1,199 @@
+"""FedPSE's Fashion-MNIST tables (paper Table 1 FMNIST block, Table 2 FMNIST column) on this CPU.
+
+Three steps, each resumable (a finished run is never redone; two workers share a plan by claiming runs)::
+
+    # 1. the lr x batch sweep on validation data (5 clients, lambda = 0.5, 12k-image subset, 3 rounds)
+    OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run sweep &   # start two workers on two cores
+    OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run sweep &
+    python benchmarks/fedpse_tables.py choose          # best (lr, batch) per method -> sweep.json
+    # 2. the tables at the paper's scale (whole training split), with each method's chosen lr and batch
+    OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run tables &
+    OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run tables &
+    # 3. the markdown tables
+    python benchmarks/fedpse_tables.py report
+
+Each run is ``pl-fed fit --config configs/fmnist_<method>.yaml`` with command-line overrides (printed by
+``python benchmarks/fedpse_tables.py plan tables``). Run directories go to ``benchmarks/_runs/fedpse_tables/`` (not
+kept); ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` of every finished run are copied to
+``benchmarks/fedpse_tables/<run>/`` (kept in git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = ROOT / "benchmarks" / "fedpse_tables"
+RUNS = ROOT / "benchmarks" / "_runs" / "fedpse_tables"
+
+#: method -> (config, the method whose swept lr/batch it uses)
+METHODS = {
+    "fedavg": ("configs/fmnist_fedavg.yaml", "fedavg"),
+    "fedstc": ("configs/fmnist_fedstc.yaml", "fedstc"),
+    "fedscr": ("configs/fmnist_fedscr.yaml", "fedscr"),
+    "fedpse": ("configs/fmnist_fedpse.yaml", "fedpse"),
+    "fedpse_no_ewa": ("configs/fmnist_fedpse_no_ewa.yaml", "fedpse"),
+    "fedpse_no_dps": ("configs/fmnist_fedpse_no_dps.yaml", "fedpse"),
+}
+MAIN = ("fedavg", "fedstc", "fedscr", "fedpse")
+SWEEP_LR = (0.001, 0.003, 0.01)  # the paper's range 1e-3..1e-2 (App. C.3)
+SWEEP_BATCH = (64, 256)  # inside the paper's 64..512
+SWEEP = {"clients": 5, "lam": 0.5, "rounds": 3, "max_train_samples": 12000}
+ROUNDS = 5  # whole training split: ~50 s per round per core, ~50 runs on 2 cores in a session
+TABLE1 = [(n, lam) for n in (2, 5, 10) for lam in (1.0, 0.5, 0.0)]
+TABLE2_EXTRA = [(n, 1.0) for n in (25, 50, 100)]
+
+
+def _sweep_plan() -> list[dict]:
+    return [{"name": f"sweep/{m}_lr{lr:g}_b{b}", "method": m, "lr": lr, "batch": b, "clients": SWEEP["clients"],
+             "lam": SWEEP["lam"], "rounds": SWEEP["rounds"], "sweep": True}
+            for m in MAIN for lr in SWEEP_LR for b in SWEEP_BATCH]
+
+
+def _tables_plan() -> list[dict]:
+    runs = [{"method": m, "clients": n, "lam": lam} for n, lam in TABLE1 + TABLE2_EXTRA for m in MAIN]
+    runs += [{"method": m, "clients": 10, "lam": 1.0} for m in ("fedpse_no_ewa", "fedpse_no_dps")]
+    for r in runs:
+        r.update(name=f"{r['method']}_n{r['clients']}_lam{r['lam']:g}", rounds=ROUNDS, sweep=False)
+    return runs
+
+
+def plan(kind: str) -> list[dict]:
+    return _sweep_plan() if kind == "sweep" else _tables_plan()
+
+
+def _chosen() -> dict:
+    path = RECORD / "sweep.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def command(run: dict) -> list[str] | None:
+    """The ``pl-fed fit`` command of one run, or None while its config or its method's lr/batch is missing."""
+    config, family = METHODS[run["method"]]
+    if not (ROOT / config).exists():
+        return None
+    if run["sweep"]:
+        lr, batch = run["lr"], run["batch"]
+        data = ["--data.max_train_samples", str(SWEEP["max_train_samples"]), "--data.split_ratios", "[0.9, 0.1, 0.0]",
+                "--trainer.eval_split", "val", "--trainer.eval_every", str(run["rounds"])]
+    else:
+        choice = _chosen().get(family)
+        if choice is None:
+            return None
+        lr, batch = choice["lr"], choice["batch"]
+        data = ["--data.max_train_samples", "null", "--trainer.eval_every", "1"]
+    return [sys.executable, "-m", "pl_fedsparse.cli", "fit", "--config", config, *data,
+            "--data.num_clients", str(run["clients"]), "--data.noniid_ratio", str(run["lam"]),
+            "--trainer.num_rounds", str(run["rounds"]), "--model.lr", str(lr), "--data.batch_size", str(batch),
+            "--trainer.default_root_dir", str(RUNS / run["name"]), "--trainer.enable_progress_bar", "false"]
+
+
+def _claim(run: dict) -> bool:
+    marker = RUNS / (run["name"] + ".claim")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def run_plan(kind: str) -> None:
+    for run in plan(kind):
+        done = RECORD / run["name"] / "summary.json"
+        cmd = command(run)
+        if done.exists() or cmd is None or not _claim(run):
+            continue
+        print("running", run["name"], flush=True)
+        log = RUNS / (run["name"] + ".log")
+        with log.open("w") as fh:
+            rc = subprocess.call(cmd + ["--trainer.overwrite", "true"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+        if rc != 0:
+            print(f"FAILED {run['name']} (rc {rc}, log {log})", flush=True)
+            (RUNS / (run["name"] + ".claim")).unlink()  # a later worker may retry it
+            continue
+        out = RECORD / run["name"]
+        out.mkdir(parents=True, exist_ok=True)
+        for f in ("config.yaml", "metrics.jsonl", "summary.json"):
+            shutil.copy2(RUNS / run["name"] / f, out / f)
+
+
+def _summary(name: str) -> dict | None:
+    path = RECORD / name / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def choose() -> None:
+    """Best validation accuracy (mean over clients, last round) per method; ties -> the smaller lr, batch."""
+    chosen = {}
+    for m in MAIN:
+        scored = []
+        for run in _sweep_plan():
+            s = _summary(run["name"]) if run["method"] == m else None
+            if s is not None:
+                scored.append((-s["final"]["acc_mean"], run["lr"], run["batch"]))
+        if len(scored) == len(SWEEP_LR) * len(SWEEP_BATCH):
+            acc, lr, batch = min(scored)
+            chosen[m] = {"lr": lr, "batch": batch, "val_acc_mean": -acc}
+        print(m, "->", chosen.get(m, f"sweep incomplete ({len(scored)} runs)"))
+    RECORD.mkdir(parents=True, exist_ok=True)
+    (RECORD / "sweep.json").write_text(json.dumps(chosen, indent=1) + "\n")
+
+
+def report() -> None:
+    print("Sweep (validation accuracy, mean over clients):\n")
+    print("| method | " + " | ".join(f"lr {lr:g} b {b}" for lr in SWEEP_LR for b in SWEEP_BATCH) + " |")
+    print("|---|" + "---|" * (len(SWEEP_LR) * len(SWEEP_BATCH)))
+    for m in MAIN:
+        cells = []
+        for lr in SWEEP_LR:
+            for b in SWEEP_BATCH:
+                s = _summary(f"sweep/{m}_lr{lr:g}_b{b}")
+                cells.append("-" if s is None else f"{100 * s['final']['acc_mean']:.2f}")
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    fedavg_bytes = {}
+    print("\nTables (test accuracy of personal models, mean over clients, after the last round; bytes in total):\n")
+    print("| clients | λ | method | acc (mean) | best round acc | total MB | vs FedAvg bytes |")
+    print("|---|---|---|---|---|---|---|")
+    for run in _tables_plan():
+        s = _summary(run["name"])
+        if s is None:
+            continue
+        key = (run["clients"], run["lam"])
+        if run["method"] == "fedavg":
+            fedavg_bytes[key] = s["comm_cum_bytes_total"]
+        ref = fedavg_bytes.get(key)
+        rel = "-" if ref is None else f"{100 * s['comm_cum_bytes_total'] / ref:.1f} %"
+        print(f"| {run['clients']} | {run['lam']:g} | {run['method']} | {100 * s['final']['acc_mean']:.2f} "
+              f"| {100 * s['best_acc_mean']:.2f} | {s['comm_cum_bytes_total'] / 1e6:.1f} | {rel} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True)
+    for verb in ("run", "plan"):
+        p = sub.add_parser(verb)
+        p.add_argument("kind", choices=("sweep", "tables"))
+    sub.add_parser("choose")
+    sub.add_parser("report")
+    args = parser.parse_args()
+    if args.verb == "run":
+        run_plan(args.kind)
+    elif args.verb == "plan":
+        for run in plan(args.kind):
+            cmd = command(run)
+            print(run["name"], ":", "(lr/batch not chosen yet)" if cmd is None else " ".join(cmd[1:]))
+    elif args.verb == "choose":
+        choose()
+    else:
+        report()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""FedPSE's two baselines as callbacks on FedPSE's parts (``../shared/papers/002_4df165fcd9405f7c.txt`` §5.2;
+what was taken from where: ``docs/fedpse-baselines.md``).
+
+* **FedSTC** (Sattler et al. 2019) = :class:`~pl_fedsparse.callbacks.TopKUpload` with ``quantize: ternary`` +
+  :class:`~pl_fedsparse.callbacks.ElementwiseAggregation` with ``mode: mean`` + :class:`SparseDownstream` (ternary,
+  with the server's error feedback). Every client holds the same model, moved by the ternary broadcasts
+  (``configs/fmnist_fedstc.yaml``).
+* **FedSCR** (Wu et al. 2021) = :class:`StructuredUpload` + ``ElementwiseAggregation(mode: mean)``; the server sends
+  its dense model back, as FedSCR reduces only the upstream (``configs/fmnist_fedscr.yaml``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.fedpse import DELTA, PersonalizedDownstream
+from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.context import FitContext
+from pl_fedsparse.errors import check
+from pl_fedsparse.functional.compression import structured_mask
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["StructuredUpload", "SparseDownstream"]
+
+
+class SparseDownstream(PersonalizedDownstream):
+    """The same top-k server update ``ΔŴ_s`` for every client (no personalisation); FedSTC's downstream with
+    ``quantize: ternary`` and ``error_feedback: true`` (Sattler et al. Alg. 2). A client that missed rounds receives
+    their sum when next sampled (STC's caching).
+
+    Args:
+        sparsity: the share of the server update's entries not sent (FedPSE's comparison: 0.9 for every method).
+        quantize: ``"ternary"`` (STC) or ``"none"``.
+        error_feedback: keep the server's compression error for the next round (STC: true).
+    """
+
+    def __init__(self, *, sparsity: float = 0.9, quantize: Literal["none", "ternary"] = "ternary",
+                 error_feedback: bool = True) -> None:
+        super().__init__(sparsity=sparsity, personalized=False, quantize=quantize, error_feedback=error_feedback)
+
+
+class StructuredUpload(FederatedCallback):
+    """FedSCR's upload: the round's update plus the residual, with the filters and channels of small summed magnitude
+    dropped and kept as the residual (:func:`~pl_fedsparse.functional.compression.structured_mask`).
+
+    Tensors with fewer than two dimensions (biases) are sent whole: FedSCR prunes filters and channels only.
+
+    Args:
+        sparsity: per tensor, the smallest threshold that keeps at most ``1 − p`` of its entries (FedPSE's comparison
+            fixes p = 0.9 for every method). Give ``sparsity: null`` and a ``threshold`` for FedSCR's fixed one.
+        threshold: FedSCR's absolute threshold on the summed magnitudes of a filter or channel.
+    """
+
+    def __init__(self, *, sparsity: float | None = 0.9, threshold: float | None = None) -> None:
+        check((sparsity is None) != (threshold is None), "StructuredUpload.sparsity/threshold", (sparsity, threshold),
+              "exactly one of them (sparsity: null to use a threshold)")
+        check(sparsity is None or 0 <= sparsity < 1, "StructuredUpload.sparsity", sparsity,
+              "a number in [0, 1) (0.9 keeps at most 10 %) or null")
+        check(threshold is None or threshold >= 0, "StructuredUpload.threshold", threshold, "a number >= 0 or null")
+        self.sparsity, self.threshold = sparsity, threshold
+        self._start: dict[str, Tensor] = {}
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        init = loop.initial_state
+        names = [n for n, t in init.items() if t.is_floating_point() and t.dim() >= 2]
+        self.add_client_state(loop, "residual", lambda k: {n: torch.zeros_like(init[n]) for n in names})
+
+    @override
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
+                       if t.is_floating_point()}
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        start, self._start = self._start, {}
+        if update.kind != "train" or update.message is None:
+            return
+        residual = self.get_client_state(loop, update.client_idx, "residual")
+        sent, masks, new_res = {}, {}, {}
+        for n, s in start.items():
+            delta = update.state[n] - s
+            if n not in residual:  # a bias: sent whole
+                sent[n] = delta
+                continue
+            acc = delta + residual[n]
+            keep = structured_mask(acc, threshold=self.threshold, sparsity=self.sparsity)
+            sent[n], masks[n] = acc * keep, keep
+            new_res[n] = acc * ~keep
+        self.set_client_state(loop, update.client_idx, "residual", new_res)
+        update.message = Message(sent, masks)
+        update.extras[DELTA] = True
