@@ -12,6 +12,9 @@ Three steps, each resumable (a finished run is never redone; two workers share a
     # 3. the markdown tables
     python benchmarks/fedpse_tables.py report
 
+``FEDPSE_TABLES_CODE=<checkout>`` runs the CLI from another checkout (a worktree pinned at one commit) so that the
+runs keep one version of the code while this tree changes; the run logs name the commit.
+
 Each run is ``pl-fed fit --config configs/fmnist_<method>.yaml`` with command-line overrides (printed by
 ``python benchmarks/fedpse_tables.py plan tables``). Run directories go to ``benchmarks/_runs/fedpse_tables/`` (not
 kept); ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` of every finished run are copied to
@@ -31,6 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "fedpse_tables"
 RUNS = ROOT / "benchmarks" / "_runs" / "fedpse_tables"
+#: the code the runs use: a checkout pinned at one commit (``git worktree add ../bench <commit>``) keeps hours of runs
+#: on one version while this tree changes; default: this tree
+CODE = Path(os.environ.get("FEDPSE_TABLES_CODE", ROOT)).resolve()
 
 #: method -> (config, the method whose swept lr/batch it uses)
 METHODS = {
@@ -115,15 +121,38 @@ def run_plan(kind: str) -> None:
         print("running", run["name"], flush=True)
         log = RUNS / (run["name"] + ".log")
         with log.open("w") as fh:
-            rc = subprocess.call(cmd + ["--trainer.overwrite", "true"], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+            fh.write(f"# code: {CODE} at {_commit(CODE)}\n")
+            fh.flush()
+            rc = subprocess.call(cmd + ["--trainer.overwrite", "true"], cwd=CODE, stdout=fh, stderr=subprocess.STDOUT)
         if rc != 0:
             print(f"FAILED {run['name']} (rc {rc}, log {log})", flush=True)
             (RUNS / (run["name"] + ".claim")).unlink()  # a later worker may retry it
             continue
-        out = RECORD / run["name"]
-        out.mkdir(parents=True, exist_ok=True)
-        for f in ("config.yaml", "metrics.jsonl", "summary.json"):
-            shutil.copy2(RUNS / run["name"] / f, out / f)
+        _record(run["name"])
+
+
+def _commit(path: Path) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _record(name: str) -> None:
+    out = RECORD / name
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("config.yaml", "metrics.jsonl", "summary.json"):
+        shutil.copy2(RUNS / name / f, out / f)
+
+
+def collect() -> None:
+    """Record finished runs whose worker was stopped before it could copy them."""
+    for kind in ("sweep", "tables"):
+        for run in plan(kind):
+            if (RUNS / run["name"] / "summary.json").exists() and not (RECORD / run["name"] / "summary.json").exists():
+                _record(run["name"])
+                print("recorded", run["name"])
 
 
 def _summary(name: str) -> dict | None:
@@ -183,6 +212,7 @@ def main() -> None:
         p = sub.add_parser(verb)
         p.add_argument("kind", choices=("sweep", "tables"))
     sub.add_parser("choose")
+    sub.add_parser("collect")
     sub.add_parser("report")
     args = parser.parse_args()
     if args.verb == "run":
@@ -193,6 +223,8 @@ def main() -> None:
             print(run["name"], ":", "(lr/batch not chosen yet)" if cmd is None else " ".join(cmd[1:]))
     elif args.verb == "choose":
         choose()
+    elif args.verb == "collect":
+        collect()
     else:
         report()
 
