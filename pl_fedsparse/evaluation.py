@@ -17,12 +17,22 @@ metric                   meaning
 ``<view>/acc_mean`` …    personal model on a view (e.g. ``shift100/acc_mean``, ``contrast_s5/acc_mean``)
 ``<view>/global_acc``    global model on a view
 ``<view>/<kind>_acc``    an added kind on a view
+``f1_macro_mean`` …      with ``trainer.eval_metrics: [f1_macro, ece]``: per-client macro-F1 / expected
+                         calibration error of the personal model (mean / weighted / std / worst decile:
+                         ``f1_macro_bottom10``, ``ece_top10``); ``global_f1_macro``, ``<kind>_ece``, view prefixes
+                         as for the accuracy
 =======================  ===================================================================================
+
+The extra metrics are computed with torchmetrics' functional API on the per-client logits the evaluator already holds
+(one call per client, model kind and view; no per-batch state or sync). Macro-F1 averages over the classes present
+in the client's labels or predictions (torchmetrics ignores classes with no true or predicted sample); the
+calibration error is torchmetrics' top-label ECE with 15 equal-width bins (L1).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,7 +43,7 @@ from torch import Tensor
 from pl_fedsparse.data.corruptions import CORRUPTIONS
 from pl_fedsparse.errors import check
 from pl_fedsparse.execution import load_state
-from pl_fedsparse.metrics import summarize_accuracies
+from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -101,19 +111,37 @@ def kind_metric(kind: str) -> str:
     return {"personal": "acc_mean", "global": "global_acc"}.get(kind, f"{kind}_acc")
 
 
-def logits_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
-    """Accuracy, mean cross-entropy and sample count of a client's logits.
+#: bins of the expected calibration error
+ECE_BINS = 15
+
+
+def logits_metrics(logits: Tensor, labels: Tensor, extra: Sequence[str] = ()) -> dict[str, float]:
+    """Accuracy, mean cross-entropy and sample count of a client's logits, plus the ``extra`` metrics
+    (:data:`~pl_fedsparse.metrics.EVAL_METRICS`: ``f1_macro``, ``ece``).
 
     Example:
         >>> logits_metrics(torch.tensor([[2., 0.], [0., 1.]]), torch.tensor([0, 0]))["acc"]
         0.5
+        >>> m = logits_metrics(torch.tensor([[2., 0.], [0., 1.]]), torch.tensor([0, 0]), ["f1_macro"])
+        >>> round(m["f1_macro"], 4)  # class 0: precision 1, recall 0.5 -> 2/3; class 1: 0 (predicted, never true)
+        0.3333
     """
     n = int(labels.shape[0])
     if n == 0:
-        return {"acc": 0.0, "loss": 0.0, "n": 0.0}
+        return {"acc": 0.0, "loss": 0.0, "n": 0.0, **{name: float("nan") for name in extra}}
     acc = float((logits.argmax(1) == labels).sum()) / n
     loss = float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")) / n
-    return {"acc": acc, "loss": loss, "n": float(n)}
+    out = {"acc": acc, "loss": loss, "n": float(n)}
+    if extra:
+        from torchmetrics.functional.classification import multiclass_calibration_error, multiclass_f1_score
+
+        c = int(logits.shape[1])
+        if "f1_macro" in extra:
+            out["f1_macro"] = float(multiclass_f1_score(logits.argmax(1), labels, num_classes=c, average="macro"))
+        if "ece" in extra:
+            out["ece"] = float(multiclass_calibration_error(logits.float().softmax(1), labels, num_classes=c,
+                                                            n_bins=ECE_BINS, norm="l1"))
+    return out
 
 
 def merge_views(views: dict[str, EvalView], new: list[EvalView]) -> None:
@@ -211,7 +239,8 @@ class Evaluator:
             for name, v in views.items():
                 outputs[name][kind], labels[name] = results[v.key]
         loop.call("on_client_predictions", k, outputs, labels)
-        return {name: {kind: logits_metrics(lg, labels[name]) for kind, lg in kinds_out.items()}
+        extra = self.loop.eval_metrics
+        return {name: {kind: logits_metrics(lg, labels[name], extra) for kind, lg in kinds_out.items()}
                 for name, kinds_out in outputs.items() if views[name].report}
 
     def evaluate(self, split: str) -> dict[str, Any]:
@@ -238,6 +267,12 @@ class Evaluator:
                 else:
                     out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
                     out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]
+                for metric in loop.eval_metrics:
+                    m = summarize_metric(metric, [pc[name][kind][metric] for pc in with_data], nv)
+                    if kind == "personal":
+                        out.update({f"{prefix}{key}": val for key, val in m.items()})
+                    else:
+                        out[f"{prefix}{kind}_{metric}"] = m[f"{metric}_mean"]
         out.setdefault("global_acc", None)
         loop.call("on_evaluation_end", out)
         out["client_acc"] = [pc[CLEAN.name]["personal"]["acc"] for pc in per_client]

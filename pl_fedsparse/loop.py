@@ -48,7 +48,7 @@ from pl_fedsparse.execution import (
     local_gradients,
     quiet_lightning,
 )
-from pl_fedsparse.metrics import SERVER, Accounting, TrainFlops
+from pl_fedsparse.metrics import EVAL_METRICS, SERVER, Accounting, TrainFlops
 from pl_fedsparse.reporting import RunReporter, results_table
 from pl_fedsparse.streams import Streams, stream_seed
 from pl_fedsparse.topology import Star, Topology
@@ -72,6 +72,8 @@ class FederatedLoop:
         eval_every: evaluate every this many rounds (and always after the last round).
         eval_split: client split used for evaluation during ``fit``.
         eval_global: also evaluate the global model (when there is one) on every client's data.
+        eval_metrics: per-client metrics besides accuracy and loss, from
+            :data:`~pl_fedsparse.metrics.EVAL_METRICS` (``f1_macro``, ``ece``; see :mod:`pl_fedsparse.evaluation`).
         accelerator: Lightning accelerator (``"cpu"``, ``"gpu"``, ``"auto"``).
         devices: devices per client fit (one client fit runs on one device).
         precision: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"`` (Lightning's names).
@@ -108,7 +110,8 @@ class FederatedLoop:
     def __init__(
         self, *, num_rounds: int = 10, join_ratio: float = 1.0, clients_per_round: int | None = None,
         local_epochs: int = 1, local_steps: int | None = None, eval_every: int = 1,
-        eval_split: Literal["test", "val"] = "test", eval_global: bool = True, accelerator: str = "auto",
+        eval_split: Literal["test", "val"] = "test", eval_global: bool = True,
+        eval_metrics: list[Literal["f1_macro", "ece"]] | None = None, accelerator: str = "auto",
         devices: int | str = 1, precision: str = "32-true", gradient_clip_val: float | None = None,
         default_root_dir: str | None = None, overwrite: bool = False, checkpoint_every: int = 1, logger: bool = True,
         enable_progress_bar: bool | None = None, topology: Topology | None = None,
@@ -123,6 +126,8 @@ class FederatedLoop:
         check(local_steps is None or local_steps >= 1, "trainer.local_steps", local_steps, "an int >= 1 or null")
         check(eval_every >= 1, "trainer.eval_every", eval_every, "an int >= 1")
         check(eval_split in ("test", "val"), "trainer.eval_split", eval_split, "one of test, val")
+        for metric in eval_metrics or []:
+            check(metric in EVAL_METRICS, "trainer.eval_metrics", metric, "a list of " + ", ".join(EVAL_METRICS))
         check(precision in PRECISIONS, "trainer.precision", precision, "one of " + ", ".join(PRECISIONS))
         check(devices in (1, "1", "auto"), "trainer.devices", devices, "1 (one client fit runs on one device)")
         check(accelerator in ("auto", "cpu", "gpu", "cuda", "mps"), "trainer.accelerator", accelerator,
@@ -136,6 +141,7 @@ class FederatedLoop:
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global
+        self.eval_metrics: list[str] = list(dict.fromkeys(eval_metrics or []))
         self.accelerator, self.precision, self.gradient_clip_val = accelerator, precision, gradient_clip_val
         self.default_root_dir, self.overwrite, self.checkpoint_every = default_root_dir, overwrite, checkpoint_every
         self.logger, self.enable_progress_bar = logger, enable_progress_bar

@@ -72,6 +72,32 @@ def summarize_accuracies(accs: Sequence[float], n_samples: Sequence[int]) -> dic
     }
 
 
+#: per-client evaluation metrics beyond accuracy (``trainer.eval_metrics``): name -> whether higher is better
+EVAL_METRICS: dict[str, bool] = {"f1_macro": True, "ece": False}
+
+
+def summarize_metric(name: str, values: Sequence[float], n_samples: Sequence[int]) -> dict[str, float]:
+    """Federation-level statistics of a per-client metric, named like the accuracy's: ``<name>_mean``,
+    ``<name>_weighted`` (by test samples), ``<name>_std`` and the worst decile as :func:`bottom_decile` counts it
+    for accuracy — ``<name>_bottom10`` when higher is better (F1), ``<name>_top10`` (the ``⌊N/10⌋``-th largest)
+    when lower is better (calibration error).
+
+    Example:
+        >>> s = summarize_metric("ece", [0.1, 0.3], [1, 1])
+        >>> s["ece_mean"], s["ece_weighted"], s["ece_top10"]
+        (0.2, 0.2, 0.3)
+    """
+    higher = EVAL_METRICS[name]
+    if not values:
+        nan = float("nan")
+        return {f"{name}_mean": nan, f"{name}_weighted": nan, f"{name}_std": nan,
+                f"{name}_{'bottom10' if higher else 'top10'}": nan}
+    s = summarize_accuracies(values if higher else [-v for v in values], n_samples)
+    sign = 1.0 if higher else -1.0
+    return {f"{name}_mean": sign * s["acc_mean"], f"{name}_weighted": sign * s["acc_weighted"],
+            f"{name}_std": s["acc_std"], f"{name}_{'bottom10' if higher else 'top10'}": sign * s["acc_bottom10"]}
+
+
 class CommLedger:
     """Bytes sent over every link, per round and cumulative.
 

@@ -43,7 +43,8 @@ except ImportError:  # pragma: no cover - Windows
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["RESUME_MAY_CHANGE", "RunReporter", "config_changes", "results_table", "round_checkpoints"]
+__all__ = ["RESUME_MAY_CHANGE", "RunReporter", "config_changes", "results_table", "round_checkpoints",
+           "tensorboard_tag", "run_hparams"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def results_table(summary: Mapping[str, Any], rows: Sequence[tuple[str, str]] = 
 #: :func:`~pl_fedsparse.checkpoint.restore_federation` checks)
 RESUME_MAY_CHANGE = (
     "trainer.num_rounds", "trainer.default_root_dir", "trainer.enable_progress_bar", "trainer.logger",
-    "trainer.eval_every", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.overwrite", "ckpt_path",
+    "trainer.eval_every", "trainer.eval_metrics", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.overwrite", "ckpt_path",
 )
 #: the attribute by which a callback class lists the ``init_args`` a resume may change (``when`` of an evaluation-only
 #: callback, say): ``trainer.callbacks.<i>.init_args.<arg>`` of a callback of the same class in both configurations
@@ -125,6 +126,65 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 RUN_FORMAT = "pl_fedsparse.run/1"
 _ROUND_FILE = re.compile(r"^round-(\d+)\.ckpt$")
+
+
+_TRAIN_KEYS = ("train_loss", "num_participants", "client_faults")
+_ACCURACY_PREFIXES = ("acc_", "loss_", "global_", "f1_", "ece_")
+
+
+def tensorboard_tag(key: str) -> str:
+    """TensorBoard tag of a metric: grouped in sections that read like the metrics table — ``accuracy/``,
+    ``comm/``, ``flops/``, ``time/``, ``train/``, one section per evaluation view (``shift20/acc_mean`` stays as it
+    is), and ``method/`` for what a callback adds.
+
+    Example:
+        >>> [tensorboard_tag(k) for k in ("acc_mean", "comm_bytes_up", "shift20/acc_mean", "global_mask_density")]
+        ['accuracy/acc_mean', 'comm/comm_bytes_up', 'shift20/acc_mean', 'method/global_mask_density']
+    """
+    if "/" in key:
+        return key
+    for prefix, section in (("comm_", "comm"), ("flops_", "flops"), ("time_", "time")):
+        if key.startswith(prefix):
+            return f"{section}/{key}"
+    if key in _TRAIN_KEYS or key.startswith("client_faults"):
+        return f"train/{key}"
+    if key.startswith(_ACCURACY_PREFIXES) or key.endswith(("_acc", "_acc_weighted", "_f1_macro", "_ece")):
+        if not key.endswith(("_density", "_bytes")):
+            return f"accuracy/{key}"
+    return f"method/{key}"
+
+
+def _callback_name(entry: Any) -> str:
+    path = entry.get("class_path", "") if isinstance(entry, dict) else type(entry).__name__
+    return str(path).rsplit(".", 1)[-1]
+
+
+def run_hparams(loop: FederatedLoop) -> dict[str, Any]:
+    """The run's hyper-parameters for TensorBoard's HPARAMS view: ``method`` (the callbacks, ``FedAvg`` when none),
+    every scalar of the resolved config (``model.lr``, ``data.num_clients``, a callback's ``<Class>.<arg>``, …) or,
+    without a config (the Python API), the loop's own settings."""
+    hp: dict[str, Any] = {}
+    cfg = yaml.safe_load(loop.config_text) if loop.config_text else None
+    if isinstance(cfg, dict):
+        callbacks = (cfg.get("trainer") or {}).get("callbacks") or []
+        hp["method"] = " + ".join(_callback_name(c) for c in callbacks) or "FedAvg"
+        for cb in callbacks:
+            for k, v in (cb.get("init_args") or {}).items() if isinstance(cb, dict) else ():
+                if isinstance(v, (int, float, str, bool)):
+                    hp[f"{_callback_name(cb)}.{k}"] = v
+        for key, v in _flatten({k: v for k, v in cfg.items() if k not in ("trainer",)}).items():
+            if isinstance(v, (int, float, str, bool)) and not key.startswith("ckpt"):
+                hp[key] = v
+        for k, v in (cfg.get("trainer") or {}).items():
+            if isinstance(v, (int, float, str, bool)) and k not in ("default_root_dir", "enable_progress_bar"):
+                hp[f"trainer.{k}"] = v
+            elif k == "topology" and isinstance(v, dict):
+                hp["trainer.topology"] = _callback_name(v)
+    else:
+        hp["method"] = " + ".join(type(c).__name__ for c in loop.fed_callbacks) or "FedAvg"
+        hp.update({"trainer.num_rounds": loop.num_rounds, "trainer.join_ratio": loop.join_ratio,
+                   "trainer.local_epochs": loop.local_epochs, "data.num_clients": loop.num_clients})
+    return hp
 
 
 def round_checkpoint_name(completed_rounds: int) -> str:
@@ -503,6 +563,8 @@ class RunReporter:
             # a resumed run drops the events of the rounds it runs again
             purge = {"purge_step": completed} if checkpoint is not None else {}
             self._writer = SummaryWriter(log_dir=str(self.path("tensorboard")), **purge)
+            if loop.config_text is not None:
+                self._writer.add_text("config", "```yaml\n" + loop.config_text + "\n```", completed)
 
     def log_row(self, row: Mapping[str, Any]) -> None:
         """Append an evaluated row to ``metrics.jsonl``; every numeric entry to TensorBoard (step = round)."""
@@ -516,7 +578,10 @@ class RunReporter:
             for k, v in row.items():
                 if k not in ("round", "evaluated") and isinstance(v, (int, float)) and not isinstance(v, bool):
                     if not (isinstance(v, float) and math.isnan(v)):
-                        self._writer.add_scalar(k, v, row["round"])
+                        self._writer.add_scalar(tensorboard_tag(k), v, row["round"])
+            if row.get("evaluated") and self.loop.last_client_acc:  # the per-client accuracy distribution
+                self._writer.add_histogram("clients/acc", np.asarray(self.loop.last_client_acc, dtype=np.float64),
+                                           row["round"])
             self._writer.flush()
 
     def summary(self) -> dict[str, Any]:
@@ -557,9 +622,24 @@ class RunReporter:
             atomic_write_text(self.path("summary.json"), dumps_json(summary) + "\n")
         except OSError as e:
             raise self._unwritable(e) from None
+        self._write_hparams(summary)
         self.close()
         print(results_table(summary, self.extra_rows()))
         return summary
+
+    def _write_hparams(self, summary: Mapping[str, Any]) -> None:
+        """The run's hyper-parameters with its final metrics (``hparams/…``) for TensorBoard's HPARAMS view."""
+        if self._writer is None:
+            return
+        final = summary.get("final") or {}
+        metrics = {f"hparams/{k}": float(v) for k, v in final.items()
+                   if k not in ("round", "evaluated") and isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and not (isinstance(v, float) and math.isnan(v))
+                   and k.startswith(("acc_", "global_acc", "loss_mean", "f1_macro", "ece", "comm_cum_bytes_total"))}
+        metrics["hparams/comm_cum_bytes_total"] = float(summary.get("comm_cum_bytes_total", 0))
+        metrics["hparams/flops_train_cum"] = float(summary.get("flops_train_cum", 0.0))
+        self._writer.add_hparams(run_hparams(self.loop), metrics, run_name=".",
+                                 global_step=int(final.get("round", self.loop.num_rounds - 1)))
 
     def close(self) -> None:
         if self._writer is not None:

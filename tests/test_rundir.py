@@ -358,7 +358,7 @@ def test_resume_from_a_kept_round_file_gives_the_uninterrupted_run(tmp_path: Pat
     # TensorBoard: the rounds run again replace the first run's events (no step twice)
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("acc_mean")] == [0, 1, 2]
+    assert [e.step for e in acc.Scalars("accuracy/acc_mean")] == [0, 1, 2]
 
 
 def test_a_kill_between_the_round_file_and_last_leaves_a_consistent_pair(tmp_path: Path,
