@@ -1,0 +1,520 @@
+"""pFedGate's tensor maths (Chen et al., "Efficient Personalized Federated Learning via Sparse Model-Adaptation",
+ICML 2023; ``../shared/papers/000_5863d9cc8384cb45.txt``; the authors' code ``yxdyc/pFedGate@b8cfa156``, studied in
+``../shared/methods/pfedgate.md``): the operator-type-free block split (§5.2.2), the block-size look-up table ``W``,
+the knapsack that turns block importances ``G`` into the binary index ``I*`` under a density budget ``s`` (Eq. 6),
+the straight-through estimator ``M' = I_ST ⊙ M`` (App. A) and the sparse personalised parameters
+``θ' = θ ⊙ expand(M')`` for a functional forward (§5.1, Alg. 1 line 4). The gating layer itself (an ``nn.Module``
+with buffers) is :class:`pl_fedsparse.models.gate.GatingLayer`.
+
+Paper-vs-code choices (method notes §12), each an argument:
+
+* **Block split** (``split``): ``"equal"`` (default, the code's ``GatingLayer.__init__``, ``models/gating_layers.py``):
+  every flattened parameter tensor is cut into ``B`` equal chunks (the last one shorter) and the first chunk of every
+  tensor is always kept; ``"paper"`` (§5.2.2): a first block of ``⌊s_min · d_l⌋`` elements (at least 1), then ``B − 1``
+  equal blocks of the rest.
+* **Knapsack** (``solver``): ``"greedy"`` (default, the code's ``KnapsackSolver01.found_max_value_greedy`` called from
+  ``gated_learner.py:select_top_trans_weights``): blocks ranked by the integer value ``round(10·G)`` and taken while
+  they fit, solved separately for the blocks of ``nn.Linear`` parameters and for all other blocks, each with capacity
+  ``round(W_group · (s − s_min))`` over its non-first blocks; this reproduces the paper's achieved densities
+  s' = 0.43 / 0.25 at s = 0.5 / 0.3. ``"exact"``: the paper's Eq. 6, ``max I·G s.t. |I·W| ≤ s·d`` solved exactly
+  over all blocks at once (first blocks forced in). ``budget`` (``"group"`` / ``"global"``) decouples the capacity
+  rule from the solver when both are wanted separately.
+* **Straight-through** (``variant``): ``"paper"`` (default, App. A: ``I_ST = I* − G.detach() + G``; a dropped block
+  still passes ``M_j · ∂L/∂M'_j`` to ``G_j``) or ``"code"`` (``gated_learner.py:204-225``: ``(1 − G.detach() + G)``
+  with the dropped entries zeroed, so a dropped block passes no gradient; and at s = 1, ``M' = M`` with no
+  straight-through term at all).
+* **s < 1/B with the equal split** (the code keeps every tensor's first chunk, so its real density stays 1/B while the
+  knapsack capacity becomes 0): refused with a one-line error; use ``split="paper"`` with ``s_min ≤ s`` or a larger B.
+
+Choices made here where the code's behaviour depends on the platform: the greedy breaks ties between equal integer
+values by block index (the code uses numpy's unstable ``argsort``, whose tie order depends on the numpy version and
+CPU); the exact solver breaks ties towards the lighter, then the earlier-found selection. The paper split can give a
+tiny tensor fewer than ``B`` blocks, so ``L`` may differ from the equal split's (LeNet-CIFAR at s_min = 0.1: 49, not
+50). The exact solver's Pareto front is small for the paper's models (LeNet: ~1 ms per batch) but grows with many
+distinct block sizes (ResNet-18-GN, 310 blocks: ~0.2 s per batch on one CPU core).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from pl_fedsparse.errors import check
+from pl_fedsparse.functional.masks import check_density
+
+__all__ = [
+    "BlockTable",
+    "achieved_density",
+    "adapt_gated_weights",
+    "block_table",
+    "code_s_min",
+    "expand_block_weights",
+    "knapsack_exact",
+    "knapsack_greedy",
+    "make_block_table",
+    "personalized_params",
+    "select_blocks",
+    "sparse_gated_weights",
+    "split_sizes",
+    "straight_through",
+]
+
+Split = Literal["equal", "paper"]
+Solver = Literal["greedy", "exact"]
+Budget = Literal["group", "global"]
+Variant = Literal["paper", "code"]
+
+#: the code's ``gated_scores_scale_factor``: importances are ranked as the integers ``round(10 · G)``
+IMPORTANCE_LEVELS = 10
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_s_min(s_min: object, param: str = "s_min") -> None:
+    check(isinstance(s_min, (int, float)) and not isinstance(s_min, bool) and 0 < s_min < 1, param, s_min,
+          "a number in (0, 1)")
+
+
+def split_sizes(numel: int, num_splits: int = 5, *, split: Split = "equal", s_min: float | None = None) -> list[int]:
+    """The block sizes of one flattened tensor of ``numel`` elements (§5.2.2 "operator-type-free block splitting").
+
+    ``"equal"`` (the code, ``GatingLayer.__init__``): ``k = min(B, n)``, ``size = ⌈n/k⌉``, ``k = ⌈n/size⌉``, then
+    ``k − 1`` blocks of ``size`` and a last one of ``n − (k−1)·size``; a tensor may get fewer than ``B`` blocks
+    (16 elements at B = 5: four blocks of 4). ``"paper"``: a first block of ``max(1, ⌊s_min · n⌋)`` elements, then the
+    rest cut the same way into at most ``B − 1`` blocks (the last one may be shorter).
+
+    Args:
+        numel: elements of the tensor (>= 1).
+        num_splits: the split factor ``B`` (>= 2).
+        split: ``"equal"`` or ``"paper"``.
+        s_min: the paper's minimal density, the first block's share (``split="paper"`` only; default ``1/B``).
+
+    Returns:
+        The block sizes in the tensor's row-major order; they sum to ``numel``.
+
+    Example:
+        >>> split_sizes(32), split_sizes(16), split_sizes(3)
+        ([7, 7, 7, 7, 4], [4, 4, 4, 4], [1, 1, 1])
+        >>> split_sizes(100, split="paper", s_min=0.1), split_sizes(10, split="paper", s_min=0.3)
+        ([10, 23, 23, 23, 21], [3, 2, 2, 2, 1])
+    """
+    check(_is_int(numel) and numel >= 1, "numel", numel, "an int >= 1")
+    check(_is_int(num_splits) and num_splits >= 2, "num_splits", num_splits,
+          "an int >= 2 (the split factor B; B = 1 leaves no block to select)")
+    check(split in ("equal", "paper"), "split", split, "'equal' (the code) or 'paper' (§5.2.2)")
+
+    def equal(n: int, parts: int) -> list[int]:
+        k = min(parts, n)
+        size = -(-n // k)
+        k = -(-n // size)
+        return [size] * (k - 1) + [n - (k - 1) * size]
+
+    if split == "equal":
+        return equal(numel, num_splits)
+    s = 1.0 / num_splits if s_min is None else s_min
+    _check_s_min(s)
+    first = max(1, math.floor(s * numel))
+    rest = numel - first
+    return [first] + (equal(rest, num_splits - 1) if rest else [])
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """The block split of a model's parameters: which blocks each tensor has and how large they are.
+
+    Blocks are numbered ``0 … L−1`` in the order of ``model.named_parameters()`` and, inside a tensor, in the
+    row-major order of its flattened elements (a conv weight ``[out, in, kh, kw]`` is cut into contiguous groups of
+    output filters, a linear weight into groups of output rows).
+
+    Attributes:
+        names: parameter names, in model order.
+        shapes: parameter shapes.
+        spans: per parameter, its ``[begin, end)`` block indices (the code's ``para_name_to_block_split_info``).
+        sizes: the look-up table ``W``: elements per block, length ``L``.
+        starts: per block, the offset of its first element in its flattened tensor.
+        linear: per block, whether its tensor belongs to an ``nn.Linear`` (the code's "linear" knapsack group).
+        first: per block, whether it is the first block of its tensor (always kept).
+        num_splits: the split factor ``B``.
+        split: ``"equal"`` or ``"paper"``.
+        s_min: the first-block share of the ``"paper"`` split (``None`` for ``"equal"``).
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
+    starts: tuple[int, ...]
+    linear: tuple[bool, ...]
+    first: tuple[bool, ...]
+    num_splits: int
+    split: str
+    s_min: float | None
+
+    @property
+    def num_blocks(self) -> int:
+        """``L``, the number of blocks (the gating layer's output width)."""
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        """``d``, the number of split parameters."""
+        return sum(self.sizes)
+
+    @property
+    def kept_numel(self) -> int:
+        """Elements in the always-kept first blocks."""
+        return sum(w for w, f in zip(self.sizes, self.first) if f)
+
+    @property
+    def block_names(self) -> tuple[str, ...]:
+        """``"<param>.sub<j>"`` for every block, as the code names them."""
+        return tuple(f"{n}.sub{j}" for n, (b, e) in zip(self.names, self.spans) for j in range(e - b))
+
+    @property
+    def min_density(self) -> float:
+        """The smallest budget the split can honour: ``1/B`` for ``"equal"``, ``s_min`` for ``"paper"``."""
+        return 1.0 / self.num_splits if self.s_min is None else self.s_min
+
+
+def make_block_table(params: Sequence[tuple[str, Sequence[int], bool]], num_splits: int = 5, *,
+                     split: Split = "equal", s_min: float | None = None) -> BlockTable:
+    """Build a :class:`BlockTable` from ``(name, shape, is_linear)`` triples (see :func:`split_sizes`).
+
+    Example:
+        >>> t = make_block_table([("w", (4, 8), True), ("b", (4,), True)], num_splits=4)
+        >>> t.sizes, t.spans, t.first, t.num_blocks, t.numel
+        ((8, 8, 8, 8, 1, 1, 1, 1), ((0, 4), (4, 8)), (True, False, False, False, True, False, False, False), 8, 36)
+    """
+    check(len(params) > 0, "params", len(params), "at least one parameter tensor")
+    if split == "paper":
+        s_min = 1.0 / num_splits if s_min is None else s_min
+        _check_s_min(s_min)
+    else:
+        check(s_min is None, "s_min", s_min, "None with split='equal' (the code's first chunks are 1/B)")
+    names: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    spans: list[tuple[int, int]] = []
+    sizes: list[int] = []
+    starts: list[int] = []
+    linear: list[bool] = []
+    first: list[bool] = []
+    for name, shape, is_linear in params:
+        dims = tuple(int(s) for s in shape)
+        parts = split_sizes(math.prod(dims), num_splits, split=split, s_min=s_min)
+        spans.append((len(sizes), len(sizes) + len(parts)))
+        offset = 0
+        for j, w in enumerate(parts):
+            sizes.append(w)
+            starts.append(offset)
+            linear.append(bool(is_linear))
+            first.append(j == 0)
+            offset += w
+        names.append(name)
+        shapes.append(dims)
+    return BlockTable(tuple(names), tuple(shapes), tuple(spans), tuple(sizes), tuple(starts), tuple(linear),
+                      tuple(first), num_splits, split, s_min)
+
+
+def block_table(model: nn.Module, num_splits: int = 5, *, split: Split = "equal",
+                s_min: float | None = None) -> BlockTable:
+    """The :class:`BlockTable` of every tensor in ``model.named_parameters()`` (weights and biases, each split on its
+    own; buffers are not split), with the owning module's type deciding the group (``nn.Linear`` → linear, anything
+    else, convolutions included → non-linear), as the code's ``GatingLayer.__init__``. Works on ``meta`` models.
+
+    Args:
+        model: the global model θ.
+        num_splits: the split factor ``B`` (5 in every experiment of the paper).
+        split: ``"equal"`` (code, default) or ``"paper"`` (§5.2.2).
+        s_min: the paper split's first-block share (default ``1/B``).
+
+    Example:
+        >>> t = block_table(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Linear(4, 3)))
+        >>> t.names, t.num_blocks, t.linear.count(True)
+        (('0.weight', '0.bias', '1.weight', '1.bias'), 14, 7)
+    """
+    entries = []
+    for name, p in model.named_parameters():
+        owner = model.get_submodule(name.rpartition(".")[0])
+        entries.append((name, tuple(p.shape), isinstance(owner, nn.Linear)))
+    return make_block_table(entries, num_splits, split=split, s_min=s_min)
+
+
+def code_s_min(num_splits: int, density: float) -> float:
+    """The code's minimal density ``min(max(1/B, 0.1), s)`` (``gated_learner.py:49``): the clip floor of ``G`` and
+    the share subtracted from the greedy's capacity.
+
+    Example:
+        >>> code_s_min(5, 0.5), code_s_min(5, 0.1), code_s_min(20, 0.5)
+        (0.2, 0.1, 0.1)
+    """
+    return min(max(1.0 / num_splits, 0.1), density)
+
+
+def knapsack_greedy(values: Sequence[float], weights: Sequence[int], capacity: int) -> list[bool]:
+    """The code's greedy 0/1 knapsack (``KnapsackSolver01.found_max_value_greedy``): scan the items by value,
+    largest first (ties: lower index first), take an item if it still fits, otherwise drop it and keep scanning.
+    It ranks by value alone, not by value per weight.
+
+    Example (the heavy item of value 9 is taken first, then only the weight-4 item still fits):
+        >>> knapsack_greedy([9, 8, 8], [6, 5, 4], 10)
+        [True, False, True]
+    """
+    check(len(values) == len(weights), "values", len(values), f"one value per weight ({len(weights)} weights)")
+    order = sorted(range(len(values)), key=lambda j: -values[j])  # stable: ties by index
+    taken = [False] * len(values)
+    total = 0
+    for j in order:
+        if total + weights[j] <= capacity:
+            total += weights[j]
+            taken[j] = True
+    return taken
+
+
+def knapsack_exact(values: Sequence[float], weights: Sequence[int], capacity: int) -> list[bool]:
+    """An exact 0/1 knapsack, ``max Σ v_j I_j s.t. Σ w_j I_j ≤ capacity`` (the paper's Eq. 6), by dynamic
+    programming over the Pareto front of (weight, value) selections (Nemhauser–Ullmann). Blocks of one tensor share
+    their weight, so the front stays small; values may be any non-negative floats. Ties: the lighter selection, then
+    the one found first.
+
+    Example (with weights 6, 5, 5 the greedy takes the value-9 item and then nothing fits, 9 in all; the optimum is
+    the two value-8 items, 16):
+        >>> knapsack_exact([9, 8, 8], [6, 5, 5], 10), knapsack_greedy([9, 8, 8], [6, 5, 5], 10)
+        ([False, True, True], [True, False, False])
+    """
+    check(len(values) == len(weights), "values", len(values), f"one value per weight ({len(weights)} weights)")
+    front: list[tuple[int, float, int]] = [(0, 0.0, 0)]  # (weight, value, bitmask), weight ↑ and value strictly ↑
+    for j, (v, w) in enumerate(zip(values, weights)):
+        if w > capacity:
+            continue
+        grown = [(sw + w, sv + float(v), sm | (1 << j)) for sw, sv, sm in front if sw + w <= capacity]
+        merged = sorted(front + grown, key=lambda t: (t[0], -t[1]))  # stable: old selections first on ties
+        front, best = [], -math.inf
+        for state in merged:
+            if state[1] > best:
+                front.append(state)
+                best = state[1]
+    mask = front[-1][2]
+    return [bool(mask >> j & 1) for j in range(len(values))]
+
+
+def _check_importance(importance: Tensor, table: BlockTable, param: str = "importance") -> None:
+    check(isinstance(importance, Tensor) and importance.shape == (table.num_blocks,), param,
+          tuple(importance.shape) if isinstance(importance, Tensor) else importance,
+          f"a tensor of shape ({table.num_blocks},), one value per block")
+
+
+def _check_budget(density: float, table: BlockTable) -> None:
+    check_density(density, "density")
+    check(density >= table.min_density - 1e-12, "density", density,
+          f"a density in [{table.min_density:g}, 1] with split={table.split!r} and B={table.num_splits}: the first "
+          f"block of every tensor is always kept, so the real density could not go below {table.min_density:g} "
+          f"(the code's s < 1/B case); use split='paper' with s_min <= density, or a larger B")
+
+
+def select_blocks(importance: Tensor, table: BlockTable, density: float, *, solver: Solver = "greedy",
+                  budget: Budget | None = None, s_min: float | None = None) -> Tensor:
+    """The binary index ``I*`` (§5.2.3, Eq. 6): which blocks the sparse model keeps under the density budget ``s``.
+
+    The first block of every tensor is always kept (§5.2.2). At ``density = 1`` every block is kept (the code's
+    special case, ``gated_learner.py:195``). Otherwise the non-first blocks are chosen by the knapsack:
+
+    * ``budget="group"`` (the code): the linear and the non-linear blocks are solved separately, each with capacity
+      ``round(Σ_{non-first j in group} W_j · (s − s_min))`` (computed in float32 like the code's torch ops);
+    * ``budget="global"`` (Eq. 6): one knapsack over all blocks with capacity ``⌊s·d⌋ − Σ_{first} W``.
+
+    ``solver="greedy"`` ranks by the integers ``round(10 · G)`` (the code); ``solver="exact"`` maximises ``Σ G``.
+
+    Args:
+        importance: ``G``, the block importances ``[L]`` (already clipped at ``s_min``); no gradient is used.
+        table: the block split.
+        density: the client's budget ``s`` in ``[table.min_density, 1]``.
+        solver: ``"greedy"`` (code, default) or ``"exact"`` (paper).
+        budget: ``"group"`` or ``"global"``; default: ``"group"`` for the greedy, ``"global"`` for the exact solver.
+        s_min: the share subtracted in the ``"group"`` capacity; default the table's ``s_min`` for the paper split,
+            else the code's :func:`code_s_min`.
+
+    Returns:
+        A bool tensor ``[L]`` on ``importance``'s device.
+
+    Example (LeNet-CIFAR at s = 0.5 keeps 110,910 of 256,830 parameters, s' = 0.432, whatever G is):
+        >>> from pl_fedsparse.models import LeNetCIFAR
+        >>> with torch.device("meta"):
+        ...     t = block_table(LeNetCIFAR())
+        >>> keep = select_blocks(torch.full((t.num_blocks,), 0.5), t, 0.5)
+        >>> sum(w for w, k in zip(t.sizes, keep.tolist()) if k), round(achieved_density(keep, t), 3)
+        (110910, 0.432)
+    """
+    _check_importance(importance, table)
+    _check_budget(density, table)
+    check(solver in ("greedy", "exact"), "solver", solver, "'greedy' (the code) or 'exact' (Eq. 6)")
+    budget = budget if budget is not None else ("group" if solver == "greedy" else "global")
+    check(budget in ("group", "global"), "budget", budget, "'group' (the code), 'global' (Eq. 6) or None")
+    keep = list(table.first)
+    if density >= 1.0:
+        return torch.ones(table.num_blocks, dtype=torch.bool, device=importance.device)
+    g = importance.detach().double().cpu()
+    values: list[float] = (torch.round(g * IMPORTANCE_LEVELS).tolist() if solver == "greedy" else g.tolist())
+    solve = knapsack_greedy if solver == "greedy" else knapsack_exact
+    if budget == "group":
+        if s_min is None:
+            s_min = table.s_min if table.s_min is not None else code_s_min(table.num_splits, density)
+        _check_s_min(s_min)
+        check(s_min <= density, "s_min", s_min, f"a number <= density={density}")
+        groups = [[j for j in range(table.num_blocks) if not table.first[j] and table.linear[j] == lin]
+                  for lin in (True, False)]
+        for items in groups:
+            # the code: torch.round(int32_sum * (s - s_min)) in float32
+            total = torch.tensor(sum(table.sizes[j] for j in items), dtype=torch.int32)
+            capacity = int(torch.round(total * (density - s_min)))
+            taken = solve([values[j] for j in items], [table.sizes[j] for j in items], capacity)
+            for j, t in zip(items, taken):
+                keep[j] = t
+    else:
+        items = [j for j in range(table.num_blocks) if not table.first[j]]
+        capacity = math.floor(density * table.numel) - table.kept_numel
+        check(capacity >= 0, "density", density,
+              f"a density >= {table.kept_numel / table.numel:.6g}, the share of the always-kept first blocks")
+        taken = solve([values[j] for j in items], [table.sizes[j] for j in items], capacity)
+        for j, t in zip(items, taken):
+            keep[j] = t
+    return torch.tensor(keep, dtype=torch.bool, device=importance.device)
+
+
+def straight_through(keep: Tensor, importance: Tensor, *, variant: Variant = "paper") -> Tensor:
+    """The straight-through index ``I_ST``: forward value ``I*``, gradient routed to ``G`` (App. A).
+
+    ``"paper"``: ``I_ST = I* − G.detach() + G`` (every block passes gradient to its ``G_j``).
+    ``"code"``: ``(1 − G.detach() + G) · I*`` (``gated_learner.py:204-225``; a dropped block passes none).
+
+    Example:
+        >>> g = torch.tensor([0.3, 0.6], requires_grad=True)
+        >>> i = straight_through(torch.tensor([True, False]), g)
+        >>> i.detach().tolist(), torch.autograd.grad(i.sum(), g)[0].tolist()
+        ([1.0, 0.0], [1.0, 1.0])
+    """
+    check(variant in ("paper", "code"), "variant", variant, "'paper' (App. A) or 'code'")
+    check(keep.shape == importance.shape, "keep", tuple(keep.shape), f"the importance's shape {tuple(importance.shape)}")
+    k = keep.to(importance.dtype)
+    if variant == "paper":
+        return k - importance.detach() + importance
+    return (1.0 - importance.detach() + importance) * k
+
+
+def sparse_gated_weights(weights: Tensor, importance: Tensor, keep: Tensor | None, *,
+                         variant: Variant = "paper") -> Tensor:
+    """The sparse gated weights ``M' = I_ST ⊙ M`` (§5.2.3 and App. A).
+
+    Args:
+        weights: ``M``, the gated weights ``[L]``.
+        importance: ``G``, the (clipped) importances ``[L]``.
+        keep: ``I*`` from :func:`select_blocks`, or ``None`` for the dense case ``s = 1``: the code variant then
+            returns ``M`` itself (no straight-through term, so ``G`` gets no gradient, ``gated_learner.py:195``); the
+            paper variant uses ``I* = 1``.
+        variant: ``"paper"`` (default) or ``"code"``, see :func:`straight_through`.
+
+    Example:
+        >>> m = torch.tensor([0.5, 0.8]); g = torch.tensor([0.3, 0.6])
+        >>> sparse_gated_weights(m, g, torch.tensor([True, False])).tolist()
+        [0.5, 0.0]
+    """
+    check(weights.shape == importance.shape, "weights", tuple(weights.shape),
+          f"the importance's shape {tuple(importance.shape)}")
+    if keep is None:
+        if variant == "code":
+            return weights
+        keep = torch.ones_like(importance, dtype=torch.bool)
+    return straight_through(keep, importance, variant=variant) * weights
+
+
+def adapt_gated_weights(importance: Tensor, weights: Tensor, table: BlockTable, density: float, *,
+                        solver: Solver = "greedy", budget: Budget | None = None, variant: Variant = "paper",
+                        s_min: float | None = None) -> tuple[Tensor, Tensor]:
+    """One batch's sparse gated weights: ``I* = knapsack(G)`` then ``M' = I_ST ⊙ M`` (Alg. 1 line 3).
+
+    Returns:
+        ``(M', I*)``: the sparse gated weights ``[L]`` (differentiable in ``G`` and ``M``) and the bool index ``[L]``.
+        At ``density = 1`` every block is kept (for the code variant ``M' = M``).
+
+    Example:
+        >>> t = make_block_table([("w", (10,), True)], num_splits=5)
+        >>> m, keep = adapt_gated_weights(torch.tensor([.2, .9, .2, .7, .3]), torch.full((5,), .5), t, 0.6,
+        ...                               budget="global")
+        >>> keep.tolist(), m.tolist()
+        ([True, True, False, True, False], [0.5, 0.5, 0.0, 0.5, 0.0])
+    """
+    _check_importance(importance, table)
+    _check_importance(weights, table, "weights")
+    if density >= 1.0:
+        _check_budget(density, table)
+        return (sparse_gated_weights(weights, importance, None, variant=variant),
+                torch.ones(table.num_blocks, dtype=torch.bool, device=importance.device))
+    keep = select_blocks(importance, table, density, solver=solver, budget=budget, s_min=s_min)
+    return sparse_gated_weights(weights, importance, keep, variant=variant), keep
+
+
+def expand_block_weights(block_weights: Tensor, table: BlockTable, index: int) -> Tensor:
+    """The per-element scale of parameter ``index``: ``block_weights[j]`` repeated over block ``j``'s elements,
+    shaped like the parameter (the code's ``adapt_prune_model`` mask).
+
+    Example:
+        >>> t = make_block_table([("w", (2, 3), True)], num_splits=3)
+        >>> expand_block_weights(torch.tensor([1., 2., 3.]), t, 0)
+        tensor([[1., 1., 2.],
+                [2., 3., 3.]])
+    """
+    begin, end = table.spans[index]
+    numel = math.prod(table.shapes[index])
+    head = table.sizes[begin]
+    parts = [block_weights[begin:begin + 1].expand(head)]
+    if end - begin > 1:
+        size = table.sizes[begin + 1]  # every later block has this size except a shorter last one
+        parts.append(block_weights[begin + 1:end].repeat_interleave(size)[:numel - head])
+    return torch.cat(parts).view(table.shapes[index])
+
+
+def personalized_params(params: Mapping[str, Tensor], block_weights: Tensor, table: BlockTable) -> dict[str, Tensor]:
+    """The personalised sparse parameters ``θ' = θ ⊙ expand(M')`` (§5.1 "θ' = θ_g ⊛ M'", Alg. 1 line 4), new tensors
+    for ``torch.func.functional_call``; ``θ`` is never written. Gradients reach both ``θ`` (``expand(M') ⊙ ∂L/∂θ'``,
+    exactly 0 in dropped blocks) and ``M'``. The scale is cast to each parameter's dtype.
+
+    Args:
+        params: the global parameters by name (e.g. ``dict(model.named_parameters())``); every table name must be
+            present, extra entries are ignored.
+        block_weights: ``M'`` ``[L]``.
+        table: the block split.
+
+    Example:
+        >>> t = make_block_table([("w", (4,), True)], num_splits=2)
+        >>> personalized_params({"w": torch.ones(4)}, torch.tensor([0.5, 0.0]), t)
+        {'w': tensor([0.5000, 0.5000, 0.0000, 0.0000])}
+    """
+    _check_importance(block_weights, table, "block_weights")
+    missing = [n for n in table.names if n not in params]
+    check(not missing, "params", missing[:3], "a mapping with every parameter of the block table")
+    out = {}
+    for i, name in enumerate(table.names):
+        theta = params[name]
+        check(tuple(theta.shape) == table.shapes[i], f"params[{name!r}]", tuple(theta.shape),
+              f"the block table's shape {table.shapes[i]}")
+        out[name] = theta * expand_block_weights(block_weights, table, i).to(theta.dtype)
+    return out
+
+
+def achieved_density(keep: Tensor, table: BlockTable) -> float:
+    """The achieved density ``s' = |I*·W| / d``: the share of parameters in kept blocks, first blocks included (the
+    paper's s' = 0.43 / 0.25; the code's logged ``sparse_ratio_selected`` leaves the first blocks out).
+
+    Example:
+        >>> t = make_block_table([("w", (10,), True)], num_splits=5)
+        >>> achieved_density(torch.tensor([True, False, True, False, False]), t)
+        0.4
+    """
+    check(keep.shape == (table.num_blocks,), "keep", tuple(keep.shape), f"a tensor of shape ({table.num_blocks},)")
+    return sum(w for w, k in zip(table.sizes, keep.tolist()) if k) / table.numel
