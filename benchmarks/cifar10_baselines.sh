@@ -13,4 +13,4 @@ COMMON=(--data.root "$ROOT" --data.num_clients 20 --data.max_train_samples 10000
 for m in local fedavg fedavg_ft; do
   pl-fed fit --config "configs/cifar10_${m}.yaml" "${COMMON[@]}" --trainer.default_root_dir "$OUT/$m"
 done
-python benchmarks/summarize.py "$OUT"/local "$OUT"/fedavg "$OUT"/fedavg_ft
+pl-fed report "$OUT"/local "$OUT"/fedavg "$OUT"/fedavg_ft --out "$OUT"/report

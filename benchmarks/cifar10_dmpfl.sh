@@ -28,4 +28,9 @@ for m in $METHODS; do
   esac
   pl-fed fit "${args[@]}" "${COMMON[@]}" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} --trainer.default_root_dir "$OUT/$m"
 done
+RUNS=(); for m in $METHODS; do RUNS+=("$OUT/$m"); done
+BASE=(); if [[ " $METHODS " == *" fedavg "* ]]; then BASE=(--baseline fedavg); fi
+pl-fed report "${RUNS[@]}" --out "$OUT"/report ${BASE[@]+"${BASE[@]}"} \
+  --metrics personal_only_acc shift50/acc_mean shift100/acc_mean shift_avg/acc_mean corruption_avg/acc_mean
+# the paper-shaped table (DM-PFL read from the DM-PFL+ run's personal model, the average over Table 1's levels)
 python benchmarks/shift_table.py "$OUT"

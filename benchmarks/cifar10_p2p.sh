@@ -11,4 +11,4 @@ COMMON=(--data.root "$ROOT" --trainer.accelerator cpu --trainer.enable_progress_
 for m in ${METHODS:-dispfl dpsgd dpsgd_ft local_p2p}; do
   pl-fed fit --config "configs/cifar10_${m}_cpu.yaml" "${COMMON[@]}" --trainer.default_root_dir "$OUT/$m"
 done
-python benchmarks/summarize.py "$OUT"/dispfl "$OUT"/dpsgd "$OUT"/dpsgd_ft "$OUT"/local_p2p
+pl-fed report "$OUT"/dispfl "$OUT"/dpsgd "$OUT"/dpsgd_ft "$OUT"/local_p2p --out "$OUT"/report

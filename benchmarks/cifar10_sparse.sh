@@ -11,4 +11,4 @@ COMMON=(--data.root "$ROOT" --trainer.accelerator cpu --trainer.enable_progress_
 for m in dst rsm; do
   pl-fed fit --config "configs/cifar10_fedspa_${m}_cpu.yaml" "${COMMON[@]}" --trainer.default_root_dir "$OUT/fedspa_$m"
 done
-python benchmarks/summarize.py "$OUT"/fedspa_dst "$OUT"/fedspa_rsm
+pl-fed report "$OUT"/fedspa_dst "$OUT"/fedspa_rsm --out "$OUT"/report

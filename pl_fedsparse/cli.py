@@ -16,6 +16,12 @@ line, never a traceback:
 * Ctrl-C (also inside a Lightning fit, which Lightning turns into ``sys.exit(1)``): ``interrupted: ...`` with the
   command that resumes the run from ``<run>/checkpoints/last.ckpt``, exit 130.
 
+Configs by name: ``--config NAME.yaml`` (or ``NAME``) that names no file in the working directory is the config of
+that name shipped with the package (:mod:`pl_fedsparse.shipped`; a real path always wins; an unknown name is a one-line
+error listing close matches); ``pl-fed configs`` lists the shipped configs with their one-line descriptions. The
+``--config`` values are resolved before jsonargparse parses the command line, so several ``--config`` flags,
+``--print_config`` and resuming behave as with paths.
+
 Seeds: ``--seed_everything N`` with ``0 <= N <= 2**32 - 1`` (the range Lightning's ``seed_everything`` and numpy
 accept) seeds the global generators and is the federation seed; ``true`` draws a random seed, which is recorded in
 ``config.yaml``; ``false`` seeds nothing globally and the federation seed is 0. Any other value (e.g. ``-1``) is
@@ -54,6 +60,7 @@ from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value, seed_everything
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from pl_fedsparse import shipped
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.loop import FederatedLoop
@@ -62,6 +69,10 @@ from pl_fedsparse.module import FederatedModule
 __all__ = ["FedCLI", "main"]
 
 PROG = "pl-fed"
+DESCRIPTION = ("Personalized sparse federated learning with PyTorch Lightning. `pl-fed configs` lists the shipped "
+               "configs; run one with `pl-fed fit --config NAME.yaml` from any directory.")
+CONFIG_HELP = ("Path to a configuration file in json or yaml format, or the name of a shipped config (`pl-fed "
+               "configs` lists them; a file of that name in the working directory wins).")
 
 #: ``(subcommand, loop)`` of the run :func:`main` is executing: where an interrupted or failed run writes
 _current_run: tuple[str | None, FederatedLoop] | None = None
@@ -97,9 +108,29 @@ class FedCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", None)
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("parser_class", _OneLineErrors)
-        kwargs.setdefault("parser_kwargs", {"prog": PROG})
+        kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(args=args, run=run, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser, with ``--config`` documented to take a shipped config's name too."""
+        parser = super().init_parser(**kwargs)
+        for action in parser._actions:
+            if "--config" in action.option_strings:
+                action.help = CONFIG_HELP
+        return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse the command line after resolving every ``--config`` value (a path, or a shipped config's name)."""
+        if args is None:
+            resolved = shipped.rewrite_config_args(sys.argv[1:])
+            if resolved != sys.argv[1:]:
+                # what LightningCLI does with a list, without its warning about passing args *and* sys.argv
+                self.config = parser.parse_args(resolved)
+                return
+        elif isinstance(args, (list, tuple)):
+            args = shipped.rewrite_config_args([str(a) for a in args])
+        super().parse_arguments(parser, args)
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(FederatedLoop, "trainer", instantiate=False, sub_configs=True, skip={"seed"})
@@ -284,9 +315,49 @@ def _is_lightning_interrupt(e: SystemExit) -> bool:
     return False
 
 
+CONFIGS_USAGE = f"""usage: {PROG} configs
+
+List the configs shipped with pl_fedsparse, one per line: the name, then the first comment line of the file.
+Run one by name from any directory: `{PROG} fit --config NAME.yaml` (or NAME); a file of that name in the working
+directory wins over the shipped one. The shipped files are in: {{folder}}
+"""
+
+
+def list_configs(args: Sequence[str]) -> int:
+    """``pl-fed configs``: print the shipped configs with their one-line descriptions.
+
+    Args:
+        args: the words after ``configs`` (only ``-h``/``--help`` is accepted).
+
+    Returns:
+        The exit status: 0, or 2 after a one-line error.
+    """
+    if list(args) in (["-h"], ["--help"]):
+        sys.stdout.write(CONFIGS_USAGE.format(folder=shipped.config_dir()))
+        return 0
+    if args:
+        sys.stderr.write(f"error: unrecognized arguments: {' '.join(args)} (`{PROG} configs` takes none; see "
+                         f"`{PROG} configs --help`)\n")
+        return 2
+    listing = shipped.format_listing()
+    if not listing:
+        sys.stderr.write(f"error: no shipped configs in {shipped.config_dir()} (the installation is incomplete: "
+                         f"reinstall pl_fedsparse)\n")
+        return 2
+    sys.stdout.write(listing)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pl-fed`` console script."""
     global _current_run
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["configs"]:
+        return list_configs(words[1:])
+    if words[:1] == ["report"]:  # compare run directories (pl_fedsparse.report)
+        from pl_fedsparse.report import main as report_main
+
+        return report_main(words[1:])
     _current_run = None
     main_thread = threading.current_thread() is threading.main_thread()
     sigint = signal.getsignal(signal.SIGINT) if main_thread else None

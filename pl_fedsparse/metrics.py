@@ -24,7 +24,7 @@ import torch  # noqa: F401 - used by the doctests
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["summarize_accuracies", "bottom_decile", "CommLedger", "TrainFlops", "Accounting", "SERVER"]
+__all__ = ["summarize_accuracies", "summarize_metric", "EVAL_METRICS", "bottom_decile", "CommLedger", "TrainFlops", "Accounting", "SERVER"]
 
 SERVER = -1  #: node id of the server in :class:`CommLedger`
 

@@ -79,5 +79,20 @@ def fit_rows(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[s
 
 
 @pytest.fixture(autouse=True)
+def _no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test touches the network: ``data.download`` defaults to true, so torchvision's dataset downloads fail here
+    as they do without network (a test that needs a download replaces the dataset class)."""
+    import urllib.error
+
+    import torchvision.datasets as tvd
+
+    def offline(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise urllib.error.URLError("downloads are disabled in the test suite")
+
+    for cls in (tvd.CIFAR10, tvd.MNIST, tvd.EMNIST):  # CIFAR100 and FashionMNIST inherit these
+        monkeypatch.setattr(cls, "download", offline)
+
+
+@pytest.fixture(autouse=True)
 def _quiet_logs() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

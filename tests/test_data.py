@@ -16,6 +16,7 @@ import struct
 import tarfile
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -117,11 +118,11 @@ def test_bad_names_and_params() -> None:
 def test_missing_data_says_how_to_get_it(tmp_path: Path) -> None:
     with pytest.raises(DataNotFoundError, match=r"^data\.root='.*' has no CIFAR-10: pass --data\.download true.*"
                                                 r"tar -xzf cifar10-jpg\.tar\.gz") as err:
-        load_dataset("cifar10", str(tmp_path / "nowhere"))
+        load_dataset("cifar10", str(tmp_path / "nowhere"), download=False)
     assert "\n" not in str(err.value)
     with pytest.raises(DataNotFoundError, match=r"apt-get install -y dataset-fashion-mnist.*/usr/share/datasets"):
         load_dataset("fashion_mnist", str(tmp_path))
-    with pytest.raises(DataNotFoundError, match=r"^data\.root=None has no MNIST"):
+    with pytest.raises(DataNotFoundError, match=r"^data\.root=None has no MNIST \(.*\): the download into "):
         load_dataset("mnist")
 
 
@@ -221,6 +222,121 @@ def test_image_folder_jpeg_and_errors(tmp_path: Path) -> None:
             (tmp_path / "few" / split / cls).rmdir()
     with pytest.raises(ConfigError, match=r"^data\.root=.* is invalid: expected 10 class folders"):
         load_dataset("cifar10", str(tmp_path / "few"))
+
+
+# ------------------------------------------------------------------------------------------- downloads
+class FakeTorchvision:
+    """Stands in for a torchvision dataset class: records every construction; ``download=True`` "downloads" (writes
+    the folder a real download leaves) unless ``offline``, which fails like urllib without network; ``corrupt``: the
+    local copy fails torchvision's integrity check."""
+
+    base_folder = "cifar-10-batches-py"
+    offline = False
+    corrupt = False
+    calls: ClassVar[list[tuple[str, bool, bool]]] = []
+
+    def __init__(self, root: str, train: bool = True, download: bool = False, **kwargs: object) -> None:
+        type(self).calls.append((str(root), train, download))
+        if download:
+            if type(self).offline:
+                import urllib.error
+
+                raise urllib.error.URLError("[Errno -2] Name or service not known")
+            (Path(root) / self.base_folder).mkdir(parents=True, exist_ok=True)
+        elif type(self).corrupt or not (Path(root) / self.base_folder).is_dir():
+            raise RuntimeError("Dataset not found or corrupted. You can use download=True to download it")
+        n = 20 if train else 10
+        self.data = np.full((n, 32, 32, 3), 7 if train else 9, dtype=np.uint8)  # NHWC like CIFAR
+        self.targets = [i % 10 for i in range(n)]
+
+
+@pytest.fixture
+def fake_cifar(monkeypatch: pytest.MonkeyPatch) -> type[FakeTorchvision]:
+    import torchvision
+
+    fake = type("FakeCIFAR10", (FakeTorchvision,), {"calls": [], "offline": False, "corrupt": False})
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", fake)
+    return fake
+
+
+def test_local_copy_wins_over_download(tmp_path: Path, fake_cifar: type[FakeTorchvision]) -> None:
+    (tmp_path / "tv" / fake_cifar.base_folder).mkdir(parents=True)  # torchvision's layout: read, never downloaded
+    d = load_dataset("cifar10", str(tmp_path / "tv"))
+    assert [c[2] for c in fake_cifar.calls] == [False, False] and d.train_x.shape == (20, 3, 32, 32)
+    fake_cifar.calls.clear()
+    write_image_folder(tmp_path / "jpg")  # an ImageFolder copy: torchvision is not even asked
+    assert load_dataset("cifar10", str(tmp_path / "jpg")).train_x.shape == (30, 3, 8, 8)
+    assert fake_cifar.calls == []
+    fake_cifar.corrupt = True  # a broken local copy is reported, not silently downloaded over
+    ds.clear_memo()
+    with pytest.raises(DataNotFoundError, match=r"has no readable CIFAR-10 \(Dataset not found or corrupted.*\): "
+                                                r"delete .*tv/cifar-10-batches-py to download it again or extract"):
+        load_dataset("cifar10", str(tmp_path / "tv"))
+    assert [c[2] for c in fake_cifar.calls] == [False]
+
+
+def test_download_by_default_into_root_or_the_cache(tmp_path: Path, isolated_cache: Path,
+                                                    fake_cifar: type[FakeTorchvision]) -> None:
+    root = tmp_path / "cifar"
+    d = FederatedDataModule(name="cifar10", root=str(root), num_clients=2)  # data.download defaults to true
+    assert d.download is True
+    d.setup()
+    assert fake_cifar.calls == [(str(root), True, True), (str(root), False, True)]
+    assert d.base.train_x.shape == (20, 3, 32, 32) and int(d.base.test_x[0, 0, 0, 0]) == 9
+    fake_cifar.calls.clear()
+    ds.clear_memo()
+    load_dataset("cifar10")  # no root: the documented download folder, $PL_FEDSPARSE_CACHE/cifar10
+    assert ds.download_dir("cifar10") == isolated_cache / "cifar10"
+    assert [c[:1] + c[2:] for c in fake_cifar.calls] == [(str(isolated_cache / "cifar10"), True)] * 2
+    fake_cifar.calls.clear()
+    ds.clear_memo()
+    load_dataset("cifar10")  # downloaded once: the next run reads that copy
+    assert [c[2] for c in fake_cifar.calls] == [False, False]
+
+
+def test_failed_download_is_one_line(tmp_path: Path, fake_cifar: type[FakeTorchvision],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import TINY_CLI, one_line, run_main
+
+    fake_cifar.offline = True
+    root = tmp_path / "cifar"
+    with pytest.raises(DataNotFoundError) as err:
+        load_dataset("cifar10", str(root))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"data.root={str(root)!r} has no CIFAR-10 (")
+    assert f"the download into {root} failed (it needs network)" in msg and "tar -xzf cifar10-jpg.tar.gz" in msg
+    assert [c[2] for c in fake_cifar.calls] == [True]
+    # through pl-fed: the same single line, exit status 2
+    code, _, err_text = run_main(["fit", *TINY_CLI, "--data.name", "cifar10", "--data.root", str(root),
+                                  "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
+    line = one_line(err_text)
+    assert code == 2 and "the download into" in line and "failed (it needs network)" in line
+    # download: false never asks torchvision to download
+    fake_cifar.calls.clear()
+    with pytest.raises(DataNotFoundError, match=r"pass --data\.download true"):
+        load_dataset("cifar10", str(tmp_path / "elsewhere"), download=False)
+    assert fake_cifar.calls == []
+
+
+def test_idx_download_goes_to_the_cache_and_is_found_there(isolated_cache: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchvision
+
+    calls: list[tuple[str, bool]] = []
+
+    class FakeMNIST:
+        def __init__(self, root: str, train: bool = True, download: bool = False) -> None:
+            calls.append((root, download))
+            raise RuntimeError("the fake has no data")  # a failed download, as far as load_dataset can tell
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", FakeMNIST)
+    with pytest.raises(DataNotFoundError, match=r"^data\.root=None has no MNIST \(the fake has no data\): the "
+                                                r"download into .*mnist failed"):
+        load_dataset("mnist")
+    assert calls == [(str(isolated_cache / "mnist"), True)]
+    write_idx_set(isolated_cache / "mnist" / "MNIST" / "raw")  # where torchvision's MNIST download puts the files
+    calls.clear()
+    assert load_dataset("mnist").train_x.shape == (30, 1, 28, 28) and calls == []
 
 
 # ------------------------------------------------------------------------------------------- loader

@@ -53,7 +53,7 @@ class FederatedDataModule(lightning.LightningDataModule):
 
     Args:
         name: base dataset, one of :data:`~pl_fedsparse.data.datasets.DATASETS`.
-        root: data folder (not needed for ``synthetic``).
+        root: data folder (not needed for ``synthetic``); unset: the download folder ``~/.cache/pl_fedsparse/<name>``.
         num_clients: number of clients ``K``.
         partition: partition scheme (see :mod:`pl_fedsparse.data.partition`).
         alpha: Dirichlet concentration for ``partition="dirichlet"``.
@@ -70,7 +70,9 @@ class FederatedDataModule(lightning.LightningDataModule):
         batch_size: training batch size.
         eval_batch_size: evaluation batch size.
         augment: CIFAR augmentation (random crop + flip) on training batches.
-        download: let torchvision download the dataset when ``root`` has no copy (needs network).
+        download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
+            or ``$PL_FEDSPARSE_CACHE/<name>`` (default ``~/.cache/pl_fedsparse/<name>``) when ``root`` is unset; a
+            local copy always wins. ``false`` never downloads (a missing copy is a one-line error).
         device: ``None`` keeps the data on the CPU; ``"cuda"`` moves the base tensors to the GPU once.
         synthetic: overrides of the synthetic task's parameters.
         emnist_split: EMNIST split.
@@ -85,7 +87,7 @@ class FederatedDataModule(lightning.LightningDataModule):
                  split_ratios: tuple[float, float, float] = (0.75, 0.0, 0.25),
                  test_per_client: int | None = None, max_train_samples: int | None = None,
                  batch_size: int = 64, eval_batch_size: int = 512, augment: bool = False,
-                 download: bool = False, device: str | None = None,
+                 download: bool = True, device: str | None = None,
                  synthetic: dict | None = None, emnist_split: str = "balanced", seed: int = 0) -> None:
         super().__init__()
         check(name in DATASETS, "data.name", name, f"one of {', '.join(DATASETS)}")

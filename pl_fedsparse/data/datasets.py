@@ -13,6 +13,12 @@ Sources, in order of preference:
   torchvision's ``root/<Class>/raw`` layout (for Fashion-MNIST, Debian's ``dataset-fashion-mnist`` package in
   ``/usr/share/datasets/fashion-mnist`` when ``root`` is unset), else torchvision's download.
 
+Downloads (``download=True``, the default of ``data.download``): a local copy always wins; only when none is found
+does torchvision download the dataset, into ``root`` when it is given, else into :func:`download_dir`
+(``$PL_FEDSPARSE_CACHE/<name>``, default ``~/.cache/pl_fedsparse/<name>``), where the next run finds it. Without
+network the download fails with the same one-line :class:`~pl_fedsparse.errors.DataNotFoundError` as a missing copy
+with ``download=False``, saying where to put one.
+
 Decoded image folders and IDX files are cached (``torch.save``) under ``$PL_FEDSPARSE_CACHE`` (default
 ``~/.cache/pl_fedsparse``), keyed by dataset name, absolute folder and every source file's size and mtime: the second
 run loads in well under a second. An in-process memo makes repeated calls with the same arguments free.
@@ -39,7 +45,8 @@ import torch.nn.functional as F
 from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
 __all__ = ["BaseDataset", "DATASETS", "EMNIST_SPLITS", "SYNTHETIC_DEFAULTS", "CACHE_ENV", "load_dataset",
-           "synthetic_params", "clear_memo", "cache_dir", "read_idx", "make_synthetic", "channel_stats"]
+           "synthetic_params", "clear_memo", "cache_dir", "download_dir", "read_idx", "make_synthetic",
+           "channel_stats"]
 
 DATASETS: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "emnist")
 #: EMNIST split -> number of classes (``letters`` labels are shifted from 1..26 to 0..25).
@@ -91,6 +98,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV, "~/.cache/pl_fedsparse")).expanduser()
 
 
+def download_dir(name: str) -> Path:
+    """Where a dataset is downloaded to (and looked for) when ``root`` is unset: ``cache_dir() / name``.
+
+    Example:
+        >>> download_dir("cifar10").name
+        'cifar10'
+    """
+    return cache_dir() / name
+
+
 def clear_memo() -> None:
     """Forget the in-process memo of :func:`load_dataset` (the on-disk cache is kept)."""
     _MEMO.clear()
@@ -119,14 +136,16 @@ def synthetic_params(synthetic: dict | None) -> dict[str, Any]:
     return params
 
 
-def load_dataset(name: str, root: str | None = None, download: bool = False, *, synthetic: dict | None = None,
+def load_dataset(name: str, root: str | None = None, download: bool = True, *, synthetic: dict | None = None,
                  emnist_split: str = "balanced") -> BaseDataset:
     """Load a base dataset as uint8 tensors (memoised per process, cached on disk after decoding).
 
     Args:
         name: one of :data:`DATASETS`.
-        root: data folder (ignored for ``synthetic``); see the module docstring for the accepted layouts.
-        download: fall back to torchvision's download (needs network) when ``root`` holds no copy.
+        root: data folder (ignored for ``synthetic``); see the module docstring for the accepted layouts. Unset:
+            :func:`download_dir` (and, for Fashion-MNIST, Debian's system copy first).
+        download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
+            or :func:`download_dir` when ``root`` is unset; ``False`` never downloads.
         synthetic: overrides of :data:`SYNTHETIC_DEFAULTS` for ``name="synthetic"``.
         emnist_split: the EMNIST split (one of :data:`EMNIST_SPLITS`), for ``name="emnist"``.
 
@@ -135,7 +154,8 @@ def load_dataset(name: str, root: str | None = None, download: bool = False, *, 
 
     Raises:
         ConfigError: unknown name/split, bad synthetic parameters or corrupted files.
-        DataNotFoundError: the data is not under ``root`` and ``download`` is off; the message says how to get it.
+        DataNotFoundError: no local copy, and ``download`` is off or the download failed (no network); the
+            message says how to get the data.
     """
     check(name in DATASETS, "data.name", name, f"one of {', '.join(DATASETS)}")
     check(emnist_split in EMNIST_SPLITS, "data.emnist_split", emnist_split, f"one of {', '.join(EMNIST_SPLITS)}")
@@ -355,20 +375,29 @@ def _load_cifar(name: str, root: str | None, download: bool) -> BaseDataset:
 
     num_classes = 10 if name == "cifar10" else 100
     tv_cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
-    if root is not None and os.path.isdir(root):
-        if os.path.isdir(os.path.join(root, tv_cls.base_folder)):
-            return _from_torchvision(name, tv_cls, root, download, num_classes)
-        folder = _find_image_folder(root)
+    where = root if root is not None else str(download_dir(name))
+    if os.path.isdir(where):  # a local copy wins: no download, whatever ``download`` says
+        if os.path.isdir(os.path.join(where, tv_cls.base_folder)):
+            return _from_torchvision(name, tv_cls, where, num_classes, root=root, fetch=False, download=download)
+        folder = _find_image_folder(where)
         if folder is not None:
-            return _to_dataset(name, _load_image_folder(name, folder, num_classes, root), num_classes)
+            return _to_dataset(name, _load_image_folder(name, folder, num_classes, where), num_classes)
     if download:
-        return _from_torchvision(name, tv_cls, root or "data", True, num_classes)
+        return _from_torchvision(name, tv_cls, where, num_classes, root=root, fetch=True, download=True)
     raise _missing(name, root, download=False)
 
 
-def _missing(name: str, root: str | None, download: bool, why: str = "", split: str = "balanced"
-             ) -> DataNotFoundError:
-    """The one-line "dataset not found" error, saying how to get the data."""
+def _missing(name: str, root: str | None, download: bool, why: str = "", split: str = "balanced",
+             target: str | None = None, local: str | None = None) -> DataNotFoundError:
+    """The one-line "dataset not found" error, saying how to get the data.
+
+    Args:
+        name, root, split: the dataset asked for.
+        download: the user's ``data.download``.
+        why: what went wrong, when something was tried.
+        target: the folder a download into failed (``None``: no download was tried).
+        local: the unreadable local copy that was found instead (``None``: none).
+    """
     where = root if root is not None else "DIR"
     if name in ("cifar10", "cifar100"):
         tar = "cifar10-jpg.tar.gz" if name == "cifar10" else "<a CIFAR-100 ImageFolder tarball>"
@@ -380,19 +409,27 @@ def _missing(name: str, root: str | None, download: bool, why: str = "", split: 
         apt = (f"run `apt-get install -y dataset-fashion-mnist` (IDX files in {FASHION_MNIST_SYSTEM_DIR}, used when "
                f"data.root is unset) or " if name == "fashion_mnist" else "")
         copy = f"{apt}put the IDX files ({files}) in {where} or {where}/{_TV_IDX_FOLDER[name]}/raw"
-    first = "the download failed (it needs network)" if download else "pass --data.download true (needs network)"
-    what = f"no readable {_PRETTY[name]} ({why})" if why else f"no {_PRETTY[name]}"
+    if target is not None:
+        what, first = f"no {_PRETTY[name]} ({why})", f"the download into {target} failed (it needs network)"
+    elif local is not None:
+        what = f"no readable {_PRETTY[name]} ({why})"
+        first = f"delete {local} to download it again" if download else "pass --data.download true (needs network)"
+    else:
+        what, first = f"no {_PRETTY[name]}", "pass --data.download true (needs network)"
     return DataNotFoundError(f"data.root={root!r} has {what}: {first} or {copy}")
 
 
-def _from_torchvision(name: str, tv_cls: Any, root: str, download: bool, num_classes: int,
-                      **kwargs: Any) -> BaseDataset:
-    """Read (or download) both splits with a torchvision dataset class and take its ``data``/``targets``."""
+def _from_torchvision(name: str, tv_cls: Any, folder: str, num_classes: int, *, root: str | None, fetch: bool,
+                      download: bool, **kwargs: Any) -> BaseDataset:
+    """Read both splits with a torchvision dataset class from ``folder`` (downloading them first when ``fetch``) and
+    take its ``data``/``targets``; ``root`` and ``download`` (the user's settings) are for the error message."""
     try:
-        splits = [tv_cls(root, train=train, download=download, **kwargs) for train in (True, False)]
-    except (RuntimeError, OSError) as exc:
+        splits = [tv_cls(folder, train=train, download=fetch, **kwargs) for train in (True, False)]
+    except (RuntimeError, OSError) as exc:  # OSError: urllib's URLError without network, a full disk, ...
         why = ' '.join(str(exc).split()) or type(exc).__name__
-        raise _missing(name, root, download, why, kwargs.get("split", "balanced")) from None
+        local = None if fetch else os.path.join(folder, getattr(tv_cls, "base_folder", ""))
+        raise _missing(name, root, download, why, kwargs.get("split", "balanced"),
+                       target=folder if fetch else None, local=local) from None
     blob: dict[str, torch.Tensor] = {}
     for split, ds in zip(("train", "test"), splits):
         x = torch.as_tensor(np.asarray(ds.data))
@@ -467,9 +504,10 @@ def _load_idx_dataset(name: str, root: str | None, download: bool, emnist_split:
 
     num_classes = EMNIST_SPLITS[emnist_split] if name == "emnist" else 10
     names = _idx_names(name, emnist_split)
-    folders = [] if root is None else [root, os.path.join(root, _TV_IDX_FOLDER[name], "raw")]
+    where = root if root is not None else str(download_dir(name))
+    folders = [where, os.path.join(where, _TV_IDX_FOLDER[name], "raw")]
     if name == "fashion_mnist" and root is None:
-        folders.append(FASHION_MNIST_SYSTEM_DIR)
+        folders.insert(0, FASHION_MNIST_SYSTEM_DIR)
     for folder in folders:
         files = _find_idx_files(folder, names)
         if files is None:
@@ -494,5 +532,5 @@ def _load_idx_dataset(name: str, root: str | None, download: bool, emnist_split:
     if download:
         kwargs = {"split": emnist_split} if name == "emnist" else {}
         tv_cls = getattr(torchvision.datasets, _TV_IDX_FOLDER[name])
-        return _from_torchvision(name, tv_cls, root or "data", True, num_classes, **kwargs)
+        return _from_torchvision(name, tv_cls, where, num_classes, root=root, fetch=True, download=True, **kwargs)
     raise _missing(name, root, download=False, split=emnist_split)

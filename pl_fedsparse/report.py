@@ -1,0 +1,310 @@
+"""``pl-fed report RUN_DIR…``: compare finished (or running) runs — a table of their final metrics and figures.
+
+Reads each run directory's ``metrics.jsonl`` (one row per evaluated round), ``summary.json`` (when the run finished)
+and ``config.yaml`` (the method's callbacks), and writes next to each other in ``--out``:
+
+* ``report.md`` and ``report.csv`` — one row per run: method, rounds, personal accuracy (mean / weighted / bottom
+  decile), global accuracy, the shift and corruption averages and F1/ECE when the run has them, total MB, training
+  FLOPs and wall time;
+* with matplotlib (``pip install 'pl_fedsparse[plots]'``): ``acc_vs_round.png``, ``acc_vs_traffic.png`` (mean
+  personal accuracy against cumulative bytes, the papers' efficiency plot) and ``client_acc.png`` (the per-client
+  accuracy distribution at the end). Without matplotlib the table is still written and one line says why the
+  figures are not.
+
+Example::
+
+    pl-fed report runs/fedavg runs/fedpse --out runs/compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pl_fedsparse.errors import ConfigError
+
+__all__ = ["Run", "load_run", "table_rows", "markdown_table", "write_report", "main"]
+
+#: (column, key in the final row, kind) — columns shown when at least one run has the key
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("acc mean %", "acc_mean", "pct"),
+    ("acc weighted %", "acc_weighted", "pct"),
+    ("acc bottom decile %", "acc_bottom10", "pct"),
+    ("global acc %", "global_acc", "pct"),
+    ("shift avg acc %", "shift_avg/acc_mean", "pct"),
+    ("corruption avg acc %", "corruption_avg/acc_mean", "pct"),
+    ("adaptive acc %", "adaptive_acc", "pct"),
+    ("F1 macro %", "f1_macro_mean", "pct"),
+    ("ECE", "ece_mean", "num"),
+    ("total MB", "comm_cum_bytes_total", "mb"),
+    ("train FLOPs", "flops_train_cum", "sci"),
+    ("time s", "time_cum_s", "sec"),
+)
+
+
+@dataclass
+class Run:
+    """One run directory's records.
+
+    Attributes:
+        path: the run directory.
+        name: its label in the table and the legends (the directory name unless given).
+        method: its callbacks' class names joined by ``+`` (``FedAvg`` without callbacks; ``?`` without a config).
+        rows: the evaluated rows of ``metrics.jsonl``.
+        summary: ``summary.json`` (empty while the run is unfinished).
+    """
+
+    path: Path
+    name: str
+    method: str
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last evaluated row (the summary's final row when finished)."""
+        return dict(self.summary.get("final") or (self.rows[-1] if self.rows else {}))
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.summary)
+
+
+def _method(config_path: Path) -> str:
+    try:
+        cfg = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return "?"
+    callbacks = ((cfg or {}).get("trainer") or {}).get("callbacks") or []
+    names = [str(c.get("class_path", "?")).rsplit(".", 1)[-1] for c in callbacks if isinstance(c, dict)]
+    return " + ".join(names) or "FedAvg"
+
+
+def load_run(path: str | Path, name: str | None = None) -> Run:
+    """Read a run directory; a one-line :class:`~pl_fedsparse.errors.ConfigError` when it is not one."""
+    p = Path(path)
+    metrics = p / "metrics.jsonl"
+    if not p.is_dir():
+        raise ConfigError(f"run_dir={str(path)!r} is invalid: no such directory; expected a run directory "
+                          "(what pl-fed fit writes to --trainer.default_root_dir)")
+    if not metrics.is_file():
+        raise ConfigError(f"run_dir={str(path)!r} is invalid: it has no metrics.jsonl; expected a run directory "
+                          "with at least one evaluated round")
+    rows = []
+    for i, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            raise ConfigError(f"run_dir={str(path)!r} is invalid: metrics.jsonl line {i} is not JSON; expected "
+                              "the file pl-fed fit writes") from None
+    summary: dict[str, Any] = {}
+    if (p / "summary.json").is_file():
+        try:
+            summary = json.loads((p / "summary.json").read_text(encoding="utf-8"))
+        except ValueError:
+            raise ConfigError(f"run_dir={str(path)!r} is invalid: summary.json is not JSON") from None
+    return Run(p, name or p.resolve().name, _method(p / "config.yaml"), rows, summary)
+
+
+def _value(run: Run, key: str) -> Any:
+    if key in ("comm_cum_bytes_total", "flops_train_cum", "time_cum_s") and key in run.summary:
+        return run.summary[key]
+    return run.final.get(key)
+
+
+def _fmt(v: Any, kind: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return {"pct": lambda x: f"{100 * x:.2f}", "num": lambda x: f"{x:.4f}", "mb": lambda x: f"{x / 1e6:.1f}",
+            "sci": lambda x: f"{x:.3e}", "sec": lambda x: f"{x:.0f}"}[kind](float(v))
+
+
+def _extra_column(key: str) -> tuple[str, str, str]:
+    kind = "pct" if "acc" in key.rsplit("/", 1)[-1] else ("mb" if key.endswith("bytes") or "_bytes_" in key else "num")
+    return (key + (" %" if kind == "pct" else " MB" if kind == "mb" else ""), key, kind)
+
+
+def table_rows(runs: Sequence[Run], metrics: Sequence[str] = (), baseline: str | None = None
+               ) -> tuple[list[str], list[list[str]], list[list[Any]]]:
+    """Header, formatted cells and raw values (for the CSV) of the comparison table.
+
+    Args:
+        runs: the runs, one row each.
+        metrics: extra columns: keys of the final row (e.g. ``shift50/acc_mean``, ``personal_only_acc``); a key with
+            ``acc`` in its last part is shown in %, one with ``bytes`` in MB.
+        baseline: the name of one of the runs: adds total bytes and training FLOPs relative to it (``vs <name>``).
+
+    Columns that no run has (e.g. shift averages without ``ShiftEvaluation``) are left out.
+    """
+    cols = [c for c in COLUMNS + tuple(_extra_column(k) for k in metrics if k not in {c[1] for c in COLUMNS})
+            if any(_value(r, c[1]) is not None for r in runs)]
+    base = None
+    if baseline is not None:
+        base = next((r for r in runs if r.name == baseline), None)
+        if base is None:
+            raise ConfigError(f"baseline={baseline!r} is invalid: no run of that name; expected one of "
+                              + ", ".join(r.name for r in runs))
+    header = ["run", "method", "rounds"] + [c[0] for c in cols]
+    if base is not None:
+        header += [f"bytes vs {base.name} %", f"FLOPs vs {base.name} %"]
+    cells, raw = [], []
+    for r in runs:
+        rounds = int(r.final.get("round", -1)) + 1
+        status = "" if r.finished else " (unfinished)"
+        values = [_value(r, key) for _, key, _ in cols]
+        row_cells = [r.name + status, r.method, str(rounds)] + [_fmt(v, kind) for v, (_, _, kind) in zip(values, cols)]
+        if base is not None:
+            rel = [None if not _value(base, k) or _value(r, k) is None else _value(r, k) / _value(base, k)
+                   for k in ("comm_cum_bytes_total", "flops_train_cum")]
+            values += rel
+            row_cells += [_fmt(v, "pct") for v in rel]
+        cells.append(row_cells)
+        raw.append([r.name, r.method, rounds] + values)
+    return header, cells, raw
+
+
+def markdown_table(runs: Sequence[Run], metrics: Sequence[str] = (), baseline: str | None = None) -> str:
+    """The comparison table in markdown (arguments as :func:`table_rows`)."""
+    header, cells, _ = table_rows(runs, metrics, baseline)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def _csv(runs: Sequence[Run], metrics: Sequence[str] = (), baseline: str | None = None) -> str:
+    header, _, raw = table_rows(runs, metrics, baseline)
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    writer.writerows(raw)
+    return buf.getvalue()
+
+
+def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
+    # matplotlib's object-oriented API: no pyplot, so no backend or global figure state is touched (safe inside a
+    # notebook or a GUI session); savefig renders with Agg
+    from matplotlib.figure import Figure
+
+    written = []
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for r in runs:
+        ax.plot([row["round"] + 1 for row in r.rows], [100 * row["acc_mean"] for row in r.rows], marker="o", ms=3,
+                label=r.name)
+    ax.set(xlabel="round", ylabel="personal accuracy, mean over clients (%)", title="accuracy vs round")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "acc_vs_round.png")
+    fig.savefig(written[-1], dpi=110)
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for r in runs:
+        pts = [(row["comm_cum_bytes_total"] / 1e6, 100 * row["acc_mean"]) for row in r.rows
+               if "comm_cum_bytes_total" in row]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, label=r.name)
+    totals = [row["comm_cum_bytes_total"] for r in runs for row in r.rows if row.get("comm_cum_bytes_total")]
+    if totals and max(totals) > 20 * min(totals):  # sparse and dense methods differ by orders of magnitude
+        ax.set_xscale("log")
+    ax.set(xlabel="cumulative traffic (MB)", ylabel="personal accuracy, mean over clients (%)",
+           title="accuracy vs communication")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "acc_vs_traffic.png")
+    fig.savefig(written[-1], dpi=110)
+
+    with_clients = [r for r in runs if r.summary.get("client_acc")]
+    if with_clients:
+        fig = Figure(figsize=(max(4.0, 1.2 * len(with_clients) + 2), 4))
+        ax = fig.subplots()
+        data = [[100 * a for a in r.summary["client_acc"]] for r in with_clients]
+        ax.boxplot(data, showmeans=True)
+        for i, d in enumerate(data, 1):
+            ax.scatter([i] * len(d), d, s=8, alpha=0.5)
+        ax.set_xticks(range(1, len(with_clients) + 1), [r.name for r in with_clients], rotation=20, fontsize=8)
+        ax.set(ylabel="personal accuracy per client (%)", title="per-client accuracy at the end")
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        written.append(out / "client_acc.png")
+        fig.savefig(written[-1], dpi=110)
+    return written
+
+
+def write_report(runs: Sequence[Run], out: str | Path, figures: bool = True, metrics: Sequence[str] = (),
+                 baseline: str | None = None) -> dict[str, Any]:
+    """Write ``report.md``, ``report.csv`` and (with matplotlib) the figures to ``out``; return what was written
+    (``{"table": path, "csv": path, "figures": [paths], "figures_skipped": reason or None}``). ``metrics`` and
+    ``baseline`` as :func:`table_rows`."""
+    out_dir = Path(out)
+    table, table_csv = markdown_table(runs, metrics, baseline), _csv(runs, metrics, baseline)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "report.md").write_text(table, encoding="utf-8")
+        (out_dir / "report.csv").write_text(table_csv, encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"out={str(out)!r} is invalid: {e.strerror or e}; expected a writable directory") from None
+    result: dict[str, Any] = {"table": out_dir / "report.md", "csv": out_dir / "report.csv", "figures": [],
+                              "figures_skipped": None}
+    if not figures:
+        result["figures_skipped"] = "--no-figures"
+        return result
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        result["figures_skipped"] = "matplotlib is not installed (pip install 'pl_fedsparse[plots]')"
+        return result
+    result["figures"] = _figures(runs, out_dir)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``pl-fed report``'s entry point; returns the exit code (2 on a bad argument, with a one-line error)."""
+    parser = argparse.ArgumentParser(prog="pl-fed report", description="Compare run directories: a table of their "
+                                     "final metrics (markdown + CSV) and figures.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (pl-fed fit's output)")
+    parser.add_argument("--out", default="report", help="where to write report.md, report.csv and the figures "
+                        "(default: ./report)")
+    parser.add_argument("--names", nargs="+", default=None, help="labels of the runs (default: directory names)")
+    parser.add_argument("--metrics", nargs="+", default=[], metavar="KEY",
+                        help="extra columns: keys of the final metrics row (e.g. shift50/acc_mean)")
+    parser.add_argument("--baseline", default=None, metavar="NAME",
+                        help="add bytes and FLOPs relative to the run of this name")
+    parser.add_argument("--no-figures", action="store_true", help="write the table only")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        if args.names is not None and len(args.names) != len(args.run_dirs):
+            raise ConfigError(f"names={args.names!r} is invalid: {len(args.names)} names for "
+                              f"{len(args.run_dirs)} runs; expected one name per RUN_DIR")
+        names = args.names or [None] * len(args.run_dirs)
+        runs = [load_run(d, n) for d, n in zip(args.run_dirs, names)]
+        result = write_report(runs, args.out, figures=not args.no_figures, metrics=args.metrics,
+                              baseline=args.baseline)
+    except ConfigError as e:
+        print(f"pl-fed report: error: {e}", file=sys.stderr)
+        return 2
+    print(markdown_table(runs, args.metrics, args.baseline), end="")
+    print(f"\ntable: {result['table']}, {result['csv']}")
+    if result["figures"]:
+        print("figures: " + ", ".join(str(p) for p in result["figures"]))
+    else:
+        print(f"figures: none ({result['figures_skipped']})")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""``pl-fed report``: the comparison table on hand-made run directories, the CSV, the figures, bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pl_fedsparse import ConfigError
+from pl_fedsparse.report import load_run, main, markdown_table, table_rows, write_report
+
+
+def make_run(d: Path, accs: list[float], cum_bytes: list[int], callbacks: list[str] | None = None,
+             finished: bool = True, extra: dict[str, Any] | None = None) -> Path:
+    d.mkdir(parents=True)
+    rows = [{"round": r, "evaluated": True, "acc_mean": a, "acc_weighted": a + 0.01, "acc_bottom10": a - 0.1,
+             "global_acc": a - 0.05, "comm_cum_bytes_total": b, **(extra or {})}
+            for r, (a, b) in enumerate(zip(accs, cum_bytes))]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cbs = [{"class_path": f"pl_fedsparse.callbacks.{c}"} for c in callbacks or []]
+    (d / "config.yaml").write_text(json.dumps({"trainer": {"callbacks": cbs}}))  # JSON is YAML
+    if finished:
+        (d / "summary.json").write_text(json.dumps({
+            "final": rows[-1], "client_acc": [accs[-1] - 0.1, accs[-1] + 0.1], "comm_cum_bytes_total": cum_bytes[-1],
+            "flops_train_cum": 1.5e12, "time_cum_s": 42.0}))
+    return d
+
+
+def test_table_from_hand_made_runs(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "fedavg", [0.5, 0.7], [10_000_000, 20_000_000])
+    b = make_run(tmp_path / "pse", [0.6, 0.9], [1_000_000, 2_500_000], ["TopKUpload", "ElementwiseAggregation"],
+                 finished=False, extra={"f1_macro_mean": 0.8})
+    table = markdown_table([load_run(a), load_run(b)])
+    lines = table.splitlines()
+    assert lines[0].startswith("| run | method | rounds | acc mean % | acc weighted % | acc bottom decile % |")
+    assert "F1 macro %" in lines[0] and "shift avg" not in lines[0]  # columns only where some run has the metric
+    assert "| fedavg | FedAvg | 2 | 70.00 | 71.00 | 60.00 | 65.00 |" in lines[2]
+    assert "| 20.0 | 1.500e+12 | 42 |" in lines[2]
+    assert lines[3].startswith("| pse (unfinished) | TopKUpload + ElementwiseAggregation | 2 | 90.00 |")
+    assert "| 80.00 | 2.5 |" in lines[3]  # F1 from the last row; bytes of an unfinished run from the last row
+
+
+def test_report_files_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    a = make_run(tmp_path / "a", [0.5, 0.7], [10, 20])
+    b = make_run(tmp_path / "b", [0.6, 0.8], [1, 2])
+    out = tmp_path / "rep"
+    assert main([str(a), str(b), "--out", str(out), "--names", "FedAvg", "FedPSE"]) == 0
+    printed = capsys.readouterr().out
+    assert "| FedAvg | FedAvg | 2 | 70.00 |" in printed
+    with open(out / "report.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:4] == ["run", "method", "rounds", "acc mean %"] and rows[2][0] == "FedPSE"
+    assert float(rows[2][3]) == pytest.approx(0.8)  # raw values in the CSV
+    for name in ("acc_vs_round.png", "acc_vs_traffic.png", "client_acc.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_without_matplotlib_the_table_is_still_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name: str, *args: Any, **kw: Any) -> Any:
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError(name)
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    result = write_report([load_run(make_run(tmp_path / "a", [0.5], [1]))], tmp_path / "rep")
+    assert (tmp_path / "rep" / "report.md").exists() and result["figures"] == []
+    assert "matplotlib is not installed" in result["figures_skipped"]
+
+
+def test_bad_input_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pl-fed report: error: run_dir=") and "no such directory" in err and "\n" not in err
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"round": 0}\nnot json\n')
+    assert main([str(bad)]) == 2
+    assert "metrics.jsonl line 2 is not JSON" in capsys.readouterr().err
+    ok = make_run(tmp_path / "ok", [0.5], [1])
+    assert main([str(ok), "--names", "a", "b"]) == 2
+    assert "2 names for 1 runs" in capsys.readouterr().err
+
+
+def test_pl_fed_report_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import run_main
+
+    run = make_run(tmp_path / "a", [0.5, 0.6], [1, 2])
+    code, out, err = run_main(["report", str(run), "--out", str(tmp_path / "rep"), "--no-figures"], capsys)
+    assert code == 0 and "| a | FedAvg | 2 | 60.00 |" in out and (tmp_path / "rep" / "report.csv").exists()
+    code, _, err = run_main(["report", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "run_dir=" in err
+
+
+def test_extra_metrics_and_a_baseline(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "fedavg", [0.5, 0.7], [10_000_000, 20_000_000], extra={"shift50/acc_mean": 0.4})
+    b = make_run(tmp_path / "sparse", [0.6, 0.9], [1_000_000, 5_000_000])
+    header, cells, raw = table_rows([load_run(a), load_run(b)], ["shift50/acc_mean"], baseline="fedavg")
+    assert header[-3:] == ["shift50/acc_mean %", "bytes vs fedavg %", "FLOPs vs fedavg %"]
+    assert cells[0][-3:] == ["40.00", "100.00", "100.00"]
+    assert cells[1][-3:] == ["-", "25.00", "100.00"]  # 5 MB / 20 MB; the sparse run has no shift view
+    assert raw[1][-2] == pytest.approx(0.25)
+    with pytest.raises(ConfigError, match="baseline='nope' is invalid: no run of that name; expected one of fedavg"):
+        table_rows([load_run(a)], baseline="nope")
