@@ -12,8 +12,11 @@ from pl_fedsparse.callbacks.shift_eval import ShiftEvaluation
 from pl_fedsparse.callbacks.adaptive_inference import AdaptiveInference
 from pl_fedsparse.callbacks.fedpse import ElementwiseAggregation, PersonalizedDownstream, TopKUpload
 from pl_fedsparse.callbacks.compression import SparseDownstream, StructuredUpload
+from pl_fedsparse.callbacks.pfedgate import PFedGate
+from pl_fedsparse.callbacks.novel_clients import NovelClients
 
 __all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "MaskedTraining", "KeepOptimizerState",
            "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation", "Gossip",
            "ShiftEvaluation", "AdaptiveInference", "Ditto", "DualMask", "FedDST", "TopKUpload", "ElementwiseAggregation",
-           "PersonalizedDownstream", "SparseDownstream", "StructuredUpload"]
+           "PersonalizedDownstream", "SparseDownstream", "StructuredUpload", "PFedGate",
+           "NovelClients"]

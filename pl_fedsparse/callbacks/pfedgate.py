@@ -1,0 +1,612 @@
+"""pFedGate in a federation: :class:`PFedGate` (Chen, Yao, Gao, Ding, Li, "Efficient Personalized Federated Learning
+via Sparse Model-Adaptation", ICML 2023, ``../shared/papers/000_5863d9cc8384cb45.txt``; the authors' code
+``yxdyc/pFedGate@b8cfa156``, studied in ``../shared/methods/pfedgate.md``, "the notes" below).
+
+Every client owns a private gating layer φ_i (:class:`~pl_fedsparse.models.gate.GatingLayer`). On every batch
+(Alg. 1 lines 3-7) the gate maps the raw input to block importances ``G`` and gated weights ``M``; the knapsack turns
+``G`` into the binary block index ``I*`` under the client's density budget ``s_i`` (Eq. 6), the straight-through
+estimator gives ``M' = I_ST ⊙ M`` (App. A) and the batch runs through the sparse personalised model
+``θ' = θ ⊙ expand(M')`` by a functional forward — the global weights are never written. One backward fills the
+gradients of θ and φ; the gate steps with its own SGD, the model with the module's optimizer. The maths is
+:mod:`pl_fedsparse.functional.gate`; this module wires it into the loop:
+
+* **client state** (never uploaded, never aggregated, never counted as traffic; checkpointed and restored): the
+  gate's parameters and BN/SN statistics (``gate``) and its SGD momentum (``gate_optimizer``, persistent across
+  rounds as in the code, ``utils/optim.py`` objects kept per client).
+* **the forward**: during a fit of kind ``"train"`` (and ``"finetune"``: gate-only adaptation, global model frozen —
+  the paper's novel clients, App. I.1) the working module's ``forward`` is replaced by the gated one; during the
+  evaluation of a client's ``"personal"`` model too (gate in eval mode, one mask per test batch as the code's
+  evaluation, ``gate_aggregator.py``). The ``"global"`` kind is the dense θ. A training batch of one sample (the
+  gate's BatchNorm1d needs two) runs with the gate in eval mode and steps nothing — the code skips it
+  (``gated_learner.py:377``); its loss still enters ``train_loss``. Under ``16-mixed`` the gate's gradients, which
+  Lightning's scaler does not unscale (they are not in the module's optimizer), are divided by the loss scale before
+  the gate's clip and step, and the step is skipped when they are not finite; the gate's maths runs in float32.
+* **aggregation** (one switch, ``aggregation``): ``"fedavg"`` — the code's dense sample-weighted FedAvg of the
+  trained models (``gate_aggregator.py:78-189``; default, reproduces Table 1), ``"index"`` — the paper's index-wise
+  average over the union of the blocks each client selected in the round (App. A), ``"ewa"`` — FedPSE's element-wise
+  rule over the non-zero entries of each client's update
+  (:func:`~pl_fedsparse.functional.elementwise_average`).
+* **bytes**: ``"fedavg"`` uploads the dense model; ``"index"`` the values of the union's blocks plus an ``L``-bit
+  block index (:func:`~pl_fedsparse.functional.gate_upload.pack_blocks`); ``"ewa"`` the update's non-zeros with
+  their element indices (bitmap or int32 indices, whichever is smaller). The gate never travels.
+* **metrics**: ``gate_density`` — the paper's achieved density ``s' = nnz(θ')/d`` (first blocks included, as its
+  0.43 / 0.25), averaged over each client's evaluation batches (weighted by batch size) and then over clients (the
+  code's ``sparse_ratio_selected``, which leaves the first blocks out, is not reported); ``gate_density_train`` —
+  the same over the round's training batches of the participants; ``gate_upload_ratio`` — ``q``, the share of
+  parameters in the union of the blocks a participant selected during the round (Table 5), mean over participants.
+  Training FLOPs are charged at the achieved per-batch density: ``update.masks`` holds, per parameter, a mask whose
+  density is the batch-averaged kept share of that tensor (what :class:`~pl_fedsparse.metrics.TrainFlops` prices;
+  a layer's FLOPs are linear in its density, so the average is exact), and the gate's own forward/backward FLOPs
+  are charged on top. The round's union of kept blocks is ``update.extras["pfedgate_union"]``.
+
+Paper-vs-code choices (notes §12), each an argument (the functional core documents the block maths ones):
+
+==========================  ==================================  ==================================================
+argument                    default                             other value(s)
+==========================  ==================================  ==================================================
+``separate_paths``          ``true``: two FC+BN paths (paper)   ``false``: one shared path (code's default
+                                                                ``seperate_trans=0``, its CIFAR-10 scripts)
+``split``                   ``"equal"`` (code; ≡ paper at       ``"paper"``: first block ⌊s_min·d_l⌋ (§5.2.2)
+                            s_min = 1/B)
+``solver`` / ``budget``     ``"greedy"`` per group (code;       ``"exact"`` / ``"global"`` (Eq. 6)
+                            reproduces s' = 0.43 / 0.25)
+``straight_through``        ``"paper"`` (App. A)                ``"code"``: dropped blocks pass no gradient to G
+``relu_logits``             ``false``                           ``true``: the code's ReLU on the logits
+                                                                (``models/adapted_op.py:57,103,161``)
+``schedule``                ``"joint"`` (Alg. 1; the code's     ``"bilevel"``: the CLI default ``--bi_level_opt 1``
+                            released scripts)                   (even epochs train only φ, odd epochs only θ)
+``aggregation``             ``"fedavg"`` (code)                 ``"index"`` (paper, App. A), ``"ewa"`` (FedPSE)
+``fedavg_weights``          ``"participants"``                  ``"all"``: the code's ``--aggregate_sampled_clients
+                                                                0`` — non-participants add the old global model
+                                                                with their sample counts (partial participation)
+``same_init``               ``true``: every gate starts equal   ``false``: one draw per client
+                            (code: ``torch.manual_seed`` before
+                            each learner)
+==========================  ==================================  ==================================================
+
+What the code does that lives outside this callback: SGD with momentum 0.9 and weight decay 5e-4 for θ
+(``model.momentum``, ``model.weight_decay``), θ's momentum kept per client across rounds
+(:class:`~pl_fedsparse.callbacks.KeepOptimizerState`) and θ's gradient clipped at norm 10
+(``trainer.gradient_clip_val``: Lightning clips only the module optimizer's parameters, so the two clips stay per
+module as in the code, ``gated_learner.py:282-362``). The code's ``multi_step`` scheduler (×0.1 at 3T/4 for both
+learning rates) is ``lr_milestones: [0.75]``; its ``reduce_on_plateau`` is driven by test accuracy and is not
+offered.
+
+Example (``configs/synthetic_pfedgate.yaml``):
+    .. code-block:: yaml
+
+        model: {momentum: 0.9, weight_decay: 5.0e-4}
+        trainer:
+          gradient_clip_val: 10.0
+          callbacks:
+            - class_path: pl_fedsparse.callbacks.PFedGate
+              init_args: {density: 0.5, gate_lr: 1.5, separate_paths: false}
+            - class_path: pl_fedsparse.callbacks.KeepOptimizerState
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+from typing_extensions import override
+
+from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.fedpse import DELTA
+from pl_fedsparse.client import ClientUpdate, Message, to_cpu_state
+from pl_fedsparse.context import FitContext
+from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.functional.aggregation import weighted_average
+from pl_fedsparse.functional.gate import (
+    BlockTable,
+    adapt_gated_weights,
+    block_table,
+    code_s_min,
+    personalized_params,
+    select_blocks,
+)
+from pl_fedsparse.functional.gate_upload import index_wise_average, pack_blocks, unpack_blocks
+from pl_fedsparse.functional.pse import elementwise_average
+from pl_fedsparse.models.gate import GatingLayer, adapted_forward
+from pl_fedsparse.streams import register_stream
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["BLOCKS", "UNION", "PFedGate"]
+
+log = logging.getLogger(__name__)
+
+#: name of the bare ``L``-bit block index in an ``aggregation: index`` upload
+BLOCKS = "pfedgate.blocks"
+#: ``update.extras[UNION]``: the bool ``[L]`` union of the blocks a client selected during its fit
+UNION = "pfedgate_union"
+register_stream("pfedgate.init")  # the gates' initial weights, keyed by client (0: shared by all)
+
+Aggregation = Literal["fedavg", "index", "ewa"]
+
+
+def _num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class PFedGate(FederatedCallback):
+    """pFedGate: private per-client gates that adapt the global model into a block-sparse personal one (see the
+    module docstring for the wiring, the metrics and the paper-vs-code table).
+
+    Owns the ``aggregate`` policy (``aggregation``) and the ``personal_state`` policy (the global model, evaluated
+    through the client's gate).
+
+    Args:
+        density: every client's budget ``s`` in (0, 1] (paper: 1, 0.5, 0.3); at least ``1/num_splits`` with
+            ``split: equal`` (the code's s < 1/B keeps every first block and would silently exceed the budget).
+        client_densities: heterogeneous budgets, client ``i`` gets ``client_densities[i % len]`` (DisPFL-style
+            mixed resources, e.g. ``[0.3, 0.5, 1.0]``); overrides ``density``.
+        num_splits: the split factor ``B`` (5 in every experiment of the paper).
+        split: ``"equal"`` (code) or ``"paper"`` (first block of ``⌊s_min·d_l⌋``).
+        s_min: the paper split's first-block share (default ``1/B``); only with ``split: paper``.
+        solver: ``"greedy"`` (code) or ``"exact"`` (Eq. 6).
+        budget: ``"group"`` (code: linear / non-linear blocks separately), ``"global"`` (Eq. 6) or ``null`` (the
+            solver's own: group for greedy, global for exact).
+        straight_through: ``"paper"`` or ``"code"`` (App. A vs ``gated_learner.py:204-225``).
+        separate_paths: two FC+BN gate paths (paper) or one shared path (the code's ``seperate_trans=0``).
+        relu_logits: apply the code's ReLU to the personalised model's logits (default off).
+        gate_lr: η, the gate's learning rate (paper Table 7; e.g. CIFAR-10 s = 0.5: 1.5).
+        gate_momentum: the gate SGD's momentum (code: 0.9); its buffers persist across rounds per client.
+        gate_weight_decay: the gate SGD's weight decay (code: 5e-4).
+        gate_clip: clip the gate's gradient norm at this value before its step (code: 10); ``null``: no clipping.
+        schedule: ``"joint"`` (one backward, both steps on every batch) or ``"bilevel"`` (the code's CLI default
+            ``--bi_level_opt 1``: within a fit, even epochs train only the gate, odd epochs only the model, both
+            through the gated forward; set ``trainer.local_epochs`` to twice the code's ``--local_steps``). The
+            notes do not say whether the code's model epochs keep the gate in training mode; here they do, so its
+            BN/SN running statistics move in both kinds of epoch.
+        lr_milestones: fractions of ``trainer.num_rounds`` from which both learning rates (η and the module's η_g)
+            are multiplied by another ``lr_gamma`` (the code's ``multi_step``: ``[0.75]``); ``null``: none.
+        lr_gamma: the factor of each milestone (code: 0.1).
+        aggregation: ``"fedavg"`` (code), ``"index"`` (paper) or ``"ewa"`` (element-wise).
+        fedavg_weights: ``"participants"`` or ``"all"`` (with ``aggregation: fedavg``; see the module docstring).
+        same_init: every client's gate starts from the same weights (code) instead of its own draw.
+    """
+
+    def __init__(
+        self, *, density: float = 0.5, client_densities: list[float] | None = None, num_splits: int = 5,
+        split: Literal["equal", "paper"] = "equal", s_min: float | None = None,
+        solver: Literal["greedy", "exact"] = "greedy", budget: Literal["group", "global"] | None = None,
+        straight_through: Literal["paper", "code"] = "paper", separate_paths: bool = True, relu_logits: bool = False,
+        gate_lr: float = 0.1, gate_momentum: float = 0.9, gate_weight_decay: float = 5.0e-4,
+        gate_clip: float | None = 10.0, schedule: Literal["joint", "bilevel"] = "joint",
+        lr_milestones: list[float] | None = None, lr_gamma: float = 0.1, aggregation: Aggregation = "fedavg",
+        fedavg_weights: Literal["participants", "all"] = "participants", same_init: bool = True,
+    ) -> None:
+        name = "PFedGate"
+        check(isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 2,
+              f"{name}.num_splits", num_splits, "an int >= 2 (the split factor B)")
+        check(split in ("equal", "paper"), f"{name}.split", split, "'equal' (the code) or 'paper' (§5.2.2)")
+        check(s_min is None or (split == "paper" and _num(s_min) and 0 < s_min < 1), f"{name}.s_min", s_min,
+              "null, or a number in (0, 1) with split: paper")
+        floor = (1.0 / num_splits) if split == "equal" else (s_min if s_min is not None else 1.0 / num_splits)
+        densities = [density] if client_densities is None else list(client_densities)
+        check(client_densities is None or len(densities) > 0, f"{name}.client_densities", client_densities,
+              "a non-empty list of densities or null")
+        param = f"{name}.density" if client_densities is None else f"{name}.client_densities"
+        for d in densities:
+            check(_num(d) and 0 < d <= 1, param, d, "a density in (0, 1]")
+            check(d >= floor - 1e-12, param, d,
+                  f"a density >= {floor:g} with split={split!r} and num_splits={num_splits}: every tensor's first "
+                  "block is always kept (the code's s < 1/B keeps it too and misses the budget); use split: paper "
+                  "with s_min <= density, or a larger num_splits")
+        check(solver in ("greedy", "exact"), f"{name}.solver", solver, "'greedy' (the code) or 'exact' (Eq. 6)")
+        check(budget in (None, "group", "global"), f"{name}.budget", budget, "null, 'group' (the code) or 'global'")
+        check(straight_through in ("paper", "code"), f"{name}.straight_through", straight_through,
+              "'paper' (App. A) or 'code'")
+        for flag, value in (("separate_paths", separate_paths), ("relu_logits", relu_logits),
+                            ("same_init", same_init)):
+            check(isinstance(value, bool), f"{name}.{flag}", value, "true or false")
+        check(_num(gate_lr) and gate_lr > 0, f"{name}.gate_lr", gate_lr, "a number > 0")
+        check(_num(gate_momentum) and 0 <= gate_momentum < 1, f"{name}.gate_momentum", gate_momentum,
+              "a number in [0, 1)")
+        check(_num(gate_weight_decay) and gate_weight_decay >= 0, f"{name}.gate_weight_decay", gate_weight_decay,
+              "a number >= 0")
+        check(gate_clip is None or (_num(gate_clip) and gate_clip > 0), f"{name}.gate_clip", gate_clip,
+              "a number > 0 or null")
+        check(schedule in ("joint", "bilevel"), f"{name}.schedule", schedule, "'joint' (Alg. 1) or 'bilevel'")
+        check(lr_milestones is None or (isinstance(lr_milestones, (list, tuple))
+                                        and all(_num(f) and 0 < f <= 1 for f in lr_milestones)),
+              f"{name}.lr_milestones", lr_milestones, "null or a list of fractions of num_rounds in (0, 1]")
+        check(_num(lr_gamma) and 0 < lr_gamma <= 1, f"{name}.lr_gamma", lr_gamma, "a number in (0, 1]")
+        check(aggregation in ("fedavg", "index", "ewa"), f"{name}.aggregation", aggregation,
+              "'fedavg' (the code), 'index' (the paper, App. A) or 'ewa' (element-wise)")
+        check(fedavg_weights in ("participants", "all"), f"{name}.fedavg_weights", fedavg_weights,
+              "'participants' or 'all' (the code's --aggregate_sampled_clients 0)")
+        self.density = float(density)
+        self.client_densities = [float(d) for d in client_densities] if client_densities is not None else None
+        self.num_splits, self.split, self.s_min = num_splits, split, s_min
+        self.solver, self.budget, self.straight_through = solver, budget, straight_through
+        self.separate_paths, self.relu_logits, self.same_init = separate_paths, relu_logits, same_init
+        self.gate_lr, self.gate_momentum = float(gate_lr), float(gate_momentum)
+        self.gate_weight_decay = float(gate_weight_decay)
+        self.gate_clip = None if gate_clip is None else float(gate_clip)
+        self.schedule = schedule
+        self.lr_milestones = sorted(float(f) for f in lr_milestones) if lr_milestones else []
+        self.lr_gamma = float(lr_gamma)
+        self.aggregation, self.fedavg_weights = aggregation, fedavg_weights
+        # set up with the federation
+        self.table: BlockTable | None = None
+        self.gate: GatingLayer | None = None  #: the working gate: a client's state is loaded into it per fit / eval
+        self.gate_flops: tuple[float, float] = (0.0, 0.0)  #: (forward, forward + backward) FLOPs per sample
+        self._template: dict[str, Tensor] = {}
+        self._num_rounds = 1
+        # per fit / evaluation
+        self._ctx: FitContext | None = None
+        self._client_density = self.density
+        self._clip_floor = 0.0
+        self._reentrant = False
+        self._module: nn.Module | None = None
+        self._gate_opt: torch.optim.Optimizer | None = None
+        self._pending_opt: dict[str, Tensor] = {}
+        self._captured: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        self._start: dict[str, Tensor] = {}
+        self._step_gate = self._step_model = True
+        self._skip_step = False
+        self._stats: dict[str, Any] = {}
+        self._eval_density: dict[int, float] = {}
+        self._round_train: list[tuple[float, float]] = []
+
+    # ---- budgets ----------------------------------------------------------------------------------------------
+    def client_density(self, client_idx: int) -> float:
+        """The budget ``s_i`` of ``client_idx``."""
+        if self.client_densities:
+            return self.client_densities[client_idx % len(self.client_densities)]
+        return self.density
+
+    def clip_floor(self, density: float) -> float:
+        """``s_min``, the floor ``G`` is clipped at: the code's ``min(max(1/B, 0.1), s)`` (``gated_learner.py:49``)
+        with the equal split, the first-block share with the paper split."""
+        if self.split == "paper":
+            return self.s_min if self.s_min is not None else 1.0 / self.num_splits
+        return code_s_min(self.num_splits, density)
+
+    def lr_factor(self, lr_round: int) -> float:
+        """``lr_gamma ** (milestones passed)`` at round ``lr_round`` (a milestone ``f`` is round ``round(f·T)``)."""
+        passed = sum(1 for f in self.lr_milestones if lr_round >= round(f * self._num_rounds))
+        return self.lr_gamma ** passed
+
+    # ---- set-up -----------------------------------------------------------------------------------------------
+    def _new_gate(self, seed: int, in_shape: Sequence[int]) -> GatingLayer:
+        assert self.table is not None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return GatingLayer(self.table.num_blocks, in_channels=int(in_shape[0]),
+                               input_size=(int(in_shape[1]), int(in_shape[2])), separate_paths=self.separate_paths)
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        assert loop.model is not None
+        x = loop.datamodule.example_input(2)
+        check(x.dim() == 4 and x.shape[2] * x.shape[3] >= 2, "data.name", loop.datamodule.name,
+              f"image data [N, C, H, W] for PFedGate's gating layer (got inputs of shape {tuple(x.shape[1:])})")
+        self._num_rounds = loop.num_rounds
+        self.table = block_table(loop.model, self.num_splits, split=self.split, s_min=self.s_min)
+        for d in sorted(set(self.client_densities or [self.density])):  # refuse an impossible budget now
+            try:
+                select_blocks(torch.full((self.table.num_blocks,), 0.5), self.table, d, solver=self.solver,
+                              budget=self.budget)
+            except ConfigError as e:
+                raise ConfigError(f"PFedGate.{'client_densities' if self.client_densities else 'density'}: {e}") \
+                    from None
+        in_shape = tuple(x.shape[1:])
+        template = self._new_gate(loop.streams.seed("pfedgate.init", 0), in_shape)
+        self.gate = template
+        self._template = to_cpu_state(template.state_dict())
+        self.gate_flops = _gate_flops(self._new_gate(0, in_shape), x)
+
+        def init_gate(k: int) -> dict[str, Tensor]:
+            if self.same_init:
+                return self._template  # the same tensors for every client: no memory per client until it trains
+            return to_cpu_state(self._new_gate(loop.streams.seed("pfedgate.init", k + 1), in_shape).state_dict())
+
+        self.add_client_state(loop, "gate", init_gate)
+        self.add_client_state(loop, "gate_optimizer", lambda k: {})
+
+    @override
+    def on_federation_start(self, loop: FederatedLoop) -> None:
+        if loop.global_state is None:
+            raise ConfigError("trainer.topology is invalid for PFedGate: expected a server (Star); the gates adapt "
+                              "a global model")
+
+    # ---- policies ---------------------------------------------------------------------------------------------
+    @override
+    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+        # the global θ, seen through the client's gate (a new dict, so that the evaluator never reuses these
+        # logits for the "global" kind, which runs without the gate)
+        if loop.global_state is None:
+            raise ConfigError("trainer.topology is invalid for PFedGate: expected a server (Star)")
+        return dict(loop.global_state)
+
+    @override
+    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+        glob = loop.global_state
+        sent = [u for u in updates if u.message is not None and u.kind == "train"]
+        loop.server_update = None
+        if glob is None or not sent:
+            return glob
+        weights = [float(u.n_samples) for u in sent]
+        if self.aggregation == "fedavg":  # the code: dense, sample-weighted (gate_aggregator.py:78-189)
+            states: list[dict[str, Tensor]] = [u.message.tensors for u in sent]  # type: ignore[union-attr]
+            if self.fedavg_weights == "all":  # non-participants keep the old global model with weight n_j
+                rest = sum(float(loop.datamodule.num_samples(j, "train")) for j in range(loop.num_clients)) \
+                    - sum(weights)
+                if rest > 0:
+                    states, weights = [*states, glob], [*weights, rest]
+            return {**glob, **weighted_average(states, weights)}
+        assert self.table is not None
+        deltas = [self.decode_upload(u.message) for u in sent]  # type: ignore[arg-type]
+        names = [n for n in deltas[0]]
+        if self.aggregation == "index":  # App. A: every index over the clients that sent its block
+            keeps = [u.message.masks[BLOCKS] for u in sent]  # type: ignore[union-attr]
+            server = index_wise_average(deltas, keeps, weights, self.table)
+            rest_names = [n for n in names if n not in server]  # buffers, sent dense
+            if rest_names:
+                server.update(weighted_average([{n: d[n] for n in rest_names} for d in deltas], weights))
+        else:  # EWA: every element over the clients whose update is non-zero there
+            server = {n: elementwise_average([d[n] for d in deltas], weights) for n in names}
+        loop.server_update = server
+        return {n: (t + server[n].to(t.dtype) if n in server else t) for n, t in glob.items()}
+
+    def decode_upload(self, message: Message) -> dict[str, Tensor]:
+        """The dense update a server rebuilds from an ``"index"`` or ``"ewa"`` upload."""
+        assert self.table is not None
+        if BLOCKS not in message.masks:
+            return dict(message.tensors)
+        split = unpack_blocks({n: message.tensors[n] for n in self.table.names}, message.masks[BLOCKS], self.table)
+        return {**{n: t for n, t in message.tensors.items() if n not in split}, **split}
+
+    # ---- the gated forward ------------------------------------------------------------------------------------
+    def _install(self, module: nn.Module) -> None:
+        # the module's own forward stays the class's; the instance attribute shadows it while the gate is active
+        module.forward = functools.partial(self._gated_forward, module)  # type: ignore[method-assign]
+        self._module = module
+
+    def _uninstall(self) -> None:
+        if self._module is not None:
+            self._module.__dict__.pop("forward", None)
+        self._module = None
+
+    def _gated_forward(self, module: nn.Module, x: Tensor) -> Tensor:
+        """Alg. 1 lines 3-4 for one batch: ``G, M = φ(x)``, ``I* = knapsack(G)``, ``M' = I_ST ⊙ M``,
+        ``θ' = θ ⊙ expand(M')``, logits of ``θ'`` by ``torch.func.functional_call``."""
+        if self._reentrant:  # functional_call runs the module again: its own forward, with θ' swapped in
+            return type(module).forward(module, x)
+        gate, table = self.gate, self.table
+        assert gate is not None and table is not None
+        single = gate.training and x.shape[0] < 2  # BatchNorm1d needs 2 samples: the code skips such batches
+        if single:
+            gate.eval()
+        try:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self._step_gate):
+                importance, weights = gate(x, s_min=self._clip_floor)
+        finally:
+            if single:
+                gate.train()
+        m_sparse, keep = adapt_gated_weights(importance, weights, table, self._client_density, solver=self.solver,
+                                             budget=self.budget, variant=self.straight_through)
+        theta = personalized_params(dict(module.named_parameters()), m_sparse, table)
+        self._reentrant = True
+        try:
+            out = adapted_forward(module, theta, x, relu_logits=self.relu_logits)
+        finally:
+            self._reentrant = False
+        self._record(keep, int(x.shape[0]))
+        if single:
+            self._skip_step = True
+        return out
+
+    def _record(self, keep: Tensor, n: int) -> None:
+        table, s = self.table, self._stats
+        assert table is not None
+        flags = keep.tolist()
+        kept = [sum(w for w, k in zip(table.sizes[b:e], flags[b:e]) if k) for b, e in table.spans]
+        s["n"] = s.get("n", 0) + n
+        s["density"] = s.get("density", 0.0) + n * sum(kept) / table.numel
+        if s.get("fit"):
+            s["gate_trained"] = s.get("gate_trained", 0) + (n if self._step_gate else 0)
+            s["kept"] = [a + n * k for a, k in zip(s.get("kept", [0] * len(kept)), kept)]
+            s["union"] = [u or bool(f) for u, f in zip(s.get("union", [False] * len(flags)), flags)]
+
+    # ---- a local fit ------------------------------------------------------------------------------------------
+    def _load_gate(self, loop: FederatedLoop, client_idx: int) -> None:
+        assert self.gate is not None
+        self.gate.load_state_dict(self.get_client_state(loop, client_idx, "gate"))
+        density = self.client_density(client_idx)
+        self._client_density, self._clip_floor = density, self.clip_floor(density)
+
+    @override
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        self._uninstall()
+        self._ctx = context if context.kind in ("train", "finetune") else None
+        self._captured, self._stats, self._skip_step = None, {}, False
+        if self._ctx is None:
+            return
+        self._load_gate(loop, context.client_idx)
+        self._pending_opt = self.get_client_state(loop, context.client_idx, "gate_optimizer")
+        self._stats = {"fit": True}
+        if context.kind == "train" and self.aggregation != "fedavg":  # θ^{t−1}, for the update Δ = θ^t − θ^{t−1}
+            self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
+                           if t.is_floating_point()}
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ctx = self._ctx
+        if ctx is None:
+            return
+        assert self.gate is not None
+        gate = self.gate.to(pl_module.device).train()
+        factor = self.lr_factor(ctx.lr_round)
+        self._gate_opt = torch.optim.SGD(gate.parameters(), lr=self.gate_lr * factor, momentum=self.gate_momentum,
+                                         weight_decay=self.gate_weight_decay)
+        if self._pending_opt:  # the gate's momentum, kept per client across rounds (the code keeps its optimizer)
+            state: dict[int, dict[str, Tensor]] = {}
+            for key, value in self._pending_opt.items():
+                idx, name = key.split(".", 1)
+                state.setdefault(int(idx), {})[name] = value.to(pl_module.device)
+            self._gate_opt.load_state_dict({"state": state, "param_groups": self._gate_opt.state_dict()["param_groups"]})
+        if factor != 1.0:  # the code's multi_step also decays η_g
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = group["lr"] * factor
+        self._install(pl_module)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ctx = self._ctx
+        if ctx is None:
+            return
+        if ctx.kind == "finetune":  # novel clients adapt only their gate (App. I.1)
+            self._step_gate, self._step_model = True, False
+        elif self.schedule == "bilevel":  # --bi_level_opt 1: a gate epoch, then a model epoch
+            gate_epoch = trainer.current_epoch % 2 == 0
+            self._step_gate, self._step_model = gate_epoch, not gate_epoch
+        else:
+            self._step_gate = self._step_model = True
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._ctx is None or self._gate_opt is None:
+            return
+        assert self.gate is not None
+        skip, self._skip_step = self._skip_step, False
+        if self._step_gate and not skip:
+            grads = [p.grad for p in self.gate.parameters() if p.grad is not None]
+            scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+            finite = True
+            if scaler is not None and grads:  # 16-mixed: the module's gradients are unscaled here, the gate's not
+                inv = 1.0 / float(scaler.get_scale())
+                for g in grads:
+                    g.mul_(inv)
+                finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            if grads and finite:
+                if self.gate_clip is not None:  # gated_learner.py: clip_grad_norm_(gate, 10), then its step
+                    torch.nn.utils.clip_grad_norm_(self.gate.parameters(), self.gate_clip)
+                self._gate_opt.step()
+        self._gate_opt.zero_grad(set_to_none=True)
+        if skip or not self._step_model:  # no gradient: SGD (and Adam) leave the parameter, momentum and decay alone
+            for p in pl_module.parameters():
+                p.grad = None
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall()
+        if self._ctx is None or self._gate_opt is None or self.gate is None:
+            return
+        opt_state = {f"{i}.{name}": v.detach().to("cpu", copy=True) for i, entries in
+                     self._gate_opt.state_dict()["state"].items() for name, v in entries.items()
+                     if isinstance(v, Tensor)}
+        self._captured = (to_cpu_state(self.gate.state_dict()), opt_state)
+        self._gate_opt = None
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        self._uninstall()
+        ctx, self._ctx, self._gate_opt = self._ctx, None, None
+        start, self._start = self._start, {}
+        stats, self._stats = self._stats, {}
+        if ctx is None:
+            return
+        k = update.client_idx
+        if self._captured is not None:
+            gate_state, opt_state = self._captured
+            self.set_client_state(loop, k, "gate", gate_state)
+            self.set_client_state(loop, k, "gate_optimizer", opt_state)
+        self._captured = None
+        table = self.table
+        assert table is not None
+        n = int(stats.get("n", 0))
+        if n == 0:
+            return
+        union = torch.tensor(stats["union"], dtype=torch.bool)
+        update.extras[UNION] = union
+        update.metrics["gate_density"] = stats["density"] / n
+        update.metrics["gate_upload_ratio"] = sum(w for w, u in zip(table.sizes, stats["union"]) if u) / table.numel
+        # FLOPs at the achieved per-batch density: per tensor, a mask of its batch-averaged kept share
+        update.masks = {name: torch.arange(math.prod(shape)).view(shape) < round(kept / n)
+                        for name, shape, kept in zip(table.names, table.shapes, stats["kept"])}
+        fwd, train = self.gate_flops  # the gate's own compute: a forward on every batch, a backward when it trains
+        loop.accounting.charge_flops(k, n * fwd + stats.get("gate_trained", 0) * (train - fwd), update)
+        if ctx.kind != "train" or update.message is None:
+            return
+        if self.aggregation == "index":  # App. A: the union's blocks and their L-bit index; buffers dense
+            delta = {name: update.state[name] - start[name] for name in start}
+            packed = pack_blocks(delta, union, table)
+            rest = {name: t for name, t in delta.items() if name not in packed}
+            update.message = Message({**packed, **rest}, {BLOCKS: union})
+            update.extras[DELTA] = True
+        elif self.aggregation == "ewa":  # the update's non-zeros with their element indices
+            delta = {name: update.state[name] - start[name] for name in start}
+            update.message = Message(delta, {name: t != 0 for name, t in delta.items()})
+            update.extras[DELTA] = True
+
+    # ---- evaluation of the personal model ---------------------------------------------------------------------
+    @override
+    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+                                 kind: str) -> None:
+        if kind != "personal":
+            return
+        assert self.gate is not None
+        self._load_gate(loop, client_idx)
+        self.gate.to(loop.device).eval()
+        self._step_gate = True  # (no gradient under the evaluator's inference mode anyway)
+        self._stats = {}
+        self._install(module)
+
+    @override
+    def on_client_evaluate_end(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str,
+                               metrics: dict[str, float]) -> None:
+        if kind != "personal":
+            return
+        self._uninstall()
+        assert self.gate is not None
+        self.gate.train()
+        n = int(self._stats.get("n", 0))
+        if n:
+            self._eval_density[client_idx] = self._stats["density"] / n
+        self._stats = {}
+
+    @override
+    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+        values, self._eval_density = list(self._eval_density.values()), {}
+        metrics["gate_density"] = sum(values) / len(values) if values else None
+
+    # ---- round metrics ----------------------------------------------------------------------------------------
+    @override
+    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+        self._round_train = [(u.metrics["gate_density"], u.metrics["gate_upload_ratio"]) for u in updates
+                             if u.kind == "train" and "gate_density" in u.metrics]
+
+    @override
+    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+        stats, self._round_train = self._round_train, []
+        metrics["gate_density_train"] = sum(s for s, _ in stats) / len(stats) if stats else None
+        metrics["gate_upload_ratio"] = sum(q for _, q in stats) / len(stats) if stats else None
+
+    @override
+    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+        return [("gate density s'", "gate_density"), ("upload ratio q", "gate_upload_ratio")]
+
+
+def _gate_flops(gate: GatingLayer, x: Tensor) -> tuple[float, float]:
+    """Forward and forward + backward FLOPs per sample of a (throw-away) gate on the example batch ``x``."""
+    batch = int(x.shape[0])
+    with FlopCounterMode(display=False) as counter:
+        gate(x)
+    forward = counter.get_total_flops() / batch
+    with FlopCounterMode(display=False) as counter:
+        g, m = gate(x)
+        (g.sum() + m.sum()).backward()
+    return float(forward), float(counter.get_total_flops() / batch)
+
