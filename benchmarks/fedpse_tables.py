@@ -63,9 +63,11 @@ def _sweep_plan() -> list[dict]:
 
 
 def _tables_plan() -> list[dict]:
-    runs = [{"method": m, "clients": n, "lam": lam} for n, lam in TABLE1 + TABLE2_EXTRA for m in MAIN]
+    # in order of need: Table 1, the ablations at 10 clients, Table 2's larger federations, then EWA's gain against
+    # the number of clients (the paper: it grows)
+    runs = [{"method": m, "clients": n, "lam": lam} for n, lam in TABLE1 for m in MAIN]
     runs += [{"method": m, "clients": 10, "lam": 1.0} for m in ("fedpse_no_ewa", "fedpse_no_dps")]
-    # EWA's gain against the number of clients (the paper: it grows), last: the least needed
+    runs += [{"method": m, "clients": n, "lam": lam} for n, lam in TABLE2_EXTRA for m in MAIN]
     runs += [{"method": "fedpse_no_ewa", "clients": n, "lam": 1.0} for n in (2, 5, 25, 50, 100)]
     for r in runs:
         r.update(name=f"{r['method']}_n{r['clients']}_lam{r['lam']:g}", rounds=ROUNDS, sweep=False)
