@@ -9,8 +9,9 @@ Three steps, each resumable (a finished run is never redone; two workers share a
     # 2. the tables at the paper's scale (whole training split), with each method's chosen lr and batch
     OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run tables &
     OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run tables &
-    # 3. the markdown tables
+    # 3. the markdown tables: every run, and the paper-shaped tables next to the paper's numbers
     python benchmarks/fedpse_tables.py report
+    python benchmarks/fedpse_tables.py paper
 
 ``FEDPSE_TABLES_CODE=<checkout>`` runs the CLI from another checkout (a worktree pinned at one commit) so that the
 runs keep one version of the code while this tree changes; the run logs name the commit.
@@ -207,6 +208,66 @@ def report() -> None:
               f"| {100 * s['best_acc_mean']:.2f} | {s['comm_cum_bytes_total'] / 1e6:.1f} | {rel} |")
 
 
+#: the paper's FMNIST numbers: Table 1 (clients, λ) -> FedAvg, FedSTC, FedSCR, FedPSE; Table 2 (λ = 1) by clients
+PAPER_T1 = {(2, 1.0): (0.8781, 0.8844, 0.9031, 0.9466), (2, 0.5): (0.8804, 0.8926, 0.8624, 0.8953),
+            (2, 0.0): (0.9003, 0.8906, 0.8523, 0.8911), (5, 1.0): (0.8068, 0.8388, 0.8403, 0.9243),
+            (5, 0.5): (0.8835, 0.8952, 0.8512, 0.8967), (5, 0.0): (0.8995, 0.8839, 0.8641, 0.8760),
+            (10, 1.0): (0.7909, 0.8040, 0.8305, 0.9334), (10, 0.5): (0.8697, 0.8850, 0.8655, 0.8910),
+            (10, 0.0): (0.8993, 0.8960, 0.8644, 0.8725)}
+PAPER_T2 = {2: (0.8781, 0.8844, 0.9031, 0.9466), 5: (0.8068, 0.8756, 0.8821, 0.9267),
+            10: (0.7909, 0.8614, 0.8603, 0.9371), 25: (0.8045, 0.8553, 0.8612, 0.9021),
+            50: (0.8071, 0.8343, 0.8531, 0.8939), 100: (0.7921, 0.8211, 0.8344, 0.8772)}
+
+
+def _acc(method: str, n: int, lam: float, key: str = "final") -> float | None:
+    s = _summary(f"{method}_n{n}_lam{lam:g}")
+    if s is None:
+        return None
+    return s["final"]["acc_mean"] if key == "final" else s["best_acc_mean"]
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.2f}"
+
+
+def paper_tables() -> None:
+    """The paper-shaped tables: ours (last round; best round in parentheses) next to the paper's."""
+    print("Table 1 (FMNIST): personal accuracy %, mean over clients, last round (best round); paper in brackets\n")
+    print("| clients | λ | FedAvg | FedSTC | FedSCR | FedPSE | FedPSE − FedAvg (paper) |")
+    print("|---|---|---|---|---|---|---|")
+    for (n, lam), paper in PAPER_T1.items():
+        cells = []
+        for m, p in zip(MAIN, paper):
+            a, b = _acc(m, n, lam), _acc(m, n, lam, "best")
+            cells.append("-" if a is None else f"{_pct(a)} ({_pct(b)}) [{100 * p:.2f}]")
+        pse, avg = _acc("fedpse", n, lam), _acc("fedavg", n, lam)
+        gap = "-" if pse is None or avg is None else f"{100 * (pse - avg):+.2f} ({100 * (paper[3] - paper[0]):+.2f})"
+        print(f"| {n} | {lam:g} | " + " | ".join(cells) + f" | {gap} |")
+    print("\nTable 2 (FMNIST, λ = 1): last round; P1 / P2 = FedPSE's relative gain over FedSTC / FedSCR\n")
+    print("| clients | FedAvg | FedSTC | FedSCR | FedPSE | P1 | P2 | paper FedAvg / FedSTC / FedSCR / FedPSE | paper P1 / P2 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, paper in PAPER_T2.items():
+        accs = [_acc(m, n, 1.0) for m in MAIN]
+        p1 = "-" if None in (accs[3], accs[1]) else f"{100 * (accs[3] / accs[1] - 1):+.1f} %"  # type: ignore[operator]
+        p2 = "-" if None in (accs[3], accs[2]) else f"{100 * (accs[3] / accs[2] - 1):+.1f} %"  # type: ignore[operator]
+        print(f"| {n} | " + " | ".join(_pct(a) for a in accs) + f" | {p1} | {p2} | "
+              + " / ".join(f"{100 * p:.2f}" for p in paper)
+              + f" | {100 * (paper[3] / paper[1] - 1):+.1f} % / {100 * (paper[3] / paper[2] - 1):+.1f} % |")
+    print("\nAblations (λ = 1): last round (best round)\n")
+    print("| clients | FedPSE | without EWA | EWA's gain | without DPS |")
+    print("|---|---|---|---|---|")
+    for n in (2, 5, 10, 25, 50, 100):
+        pse, no_ewa, no_dps = _acc("fedpse", n, 1.0), _acc("fedpse_no_ewa", n, 1.0), _acc("fedpse_no_dps", n, 1.0)
+        if no_ewa is None and no_dps is None:
+            continue
+        gain = "-" if pse is None or no_ewa is None else f"{100 * (pse - no_ewa):+.2f}"
+
+        def both(m: str) -> str:
+            a = _acc(m, n, 1.0)
+            return "-" if a is None else f"{_pct(a)} ({_pct(_acc(m, n, 1.0, 'best'))})"
+        print(f"| {n} | {both('fedpse')} | {both('fedpse_no_ewa')} | {gain} | {both('fedpse_no_dps')} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -216,6 +277,7 @@ def main() -> None:
     sub.add_parser("choose")
     sub.add_parser("collect")
     sub.add_parser("report")
+    sub.add_parser("paper")
     args = parser.parse_args()
     if args.verb == "run":
         run_plan(args.kind)
@@ -227,6 +289,8 @@ def main() -> None:
         choose()
     elif args.verb == "collect":
         collect()
+    elif args.verb == "paper":
+        paper_tables()
     else:
         report()
 
