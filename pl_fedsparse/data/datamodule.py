@@ -4,7 +4,7 @@ The federated loop asks it for one client's loaders at a time (:meth:`FederatedD
 :meth:`FederatedDataModule.eval_loader`); every client set is an index array into the base dataset's uint8 tensors,
 which stay in one place (CPU, or the GPU with ``device="cuda"``) and are never copied per client.
 
-Two ways to build personal test sets:
+Four ways to build personal test sets:
 
 * ``test_mode="split"`` (DM-PFL, FedPSE, ...): the partition covers the whole base train split and each client's
   samples are split train / val / test by ``split_ratios``; the base test split only serves shifted evaluation.
@@ -14,6 +14,14 @@ Two ways to build personal test sets:
 * ``test_mode="partition"`` (FedPSE, App. C.1: "test sets are built the same way"): the base test split is
   partitioned with the same scheme and parameters as the training data (another seed), client ``k`` is tested on its
   part; training uses the whole training partition (minus an optional validation share).
+* ``test_mode="pooled"`` (FedEM's and pFedGate's ``data/*/generate_data.py``): the base train and test splits are
+  concatenated (train first), the partition covers this pool, and each client's part is split train / val / test by
+  ``split_ratios`` with FedEM's rounding and random stream
+  (:func:`~pl_fedsparse.data.partition.fedem_client_split`); personal test sets therefore come from the pool, not
+  from the base test split. With ``partition="fedem_dirichlet"`` and the scripts' seed 12345 this replays the
+  authors' split (see :func:`~pl_fedsparse.data.partition.fedem_dirichlet`). Client indices index the pooled
+  arrays: ``i < len(train)`` is base train sample ``i``, otherwise base test sample ``i - len(train)``. Shifted
+  evaluation (``eval_loader(shift=...)``) still draws its replacements from the base test split.
 """
 
 from __future__ import annotations
@@ -27,7 +35,13 @@ import torch
 
 from pl_fedsparse.data.datasets import DATASETS, EMNIST_SPLITS, BaseDataset, load_dataset, synthetic_params
 from pl_fedsparse.data.loaders import TensorBatchLoader, normalize
-from pl_fedsparse.data.partition import SCHEMES, client_test_from_global, partition
+from pl_fedsparse.data.partition import (
+    SCHEMES,
+    client_test_from_global,
+    fedem_client_split,
+    fedem_dirichlet,
+    partition,
+)
 from pl_fedsparse.data.corruptions import CORRUPTIONS, corrupt
 from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
 from pl_fedsparse.errors import ConfigError, check
@@ -37,7 +51,8 @@ __all__ = ["FederatedDataModule"]
 _FINGERPRINT_VERSION = 1
 _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_samples"),
                   "pathological": ("classes_per_client",), "shards": ("shards_per_client",),
-                  "noniid_ratio": ("noniid_ratio",)}
+                  "noniid_ratio": ("noniid_ratio",), "fedem_dirichlet": ("alpha", "sample_fraction")}
+_TEST_MODES = ("split", "global", "partition", "pooled")
 
 
 def _is_int(value: Any) -> bool:
@@ -56,17 +71,20 @@ class FederatedDataModule(lightning.LightningDataModule):
         root: data folder (not needed for ``synthetic``); unset: the download folder ``~/.cache/pl_fedsparse/<name>``.
         num_clients: number of clients ``K``.
         partition: partition scheme (see :mod:`pl_fedsparse.data.partition`).
-        alpha: Dirichlet concentration for ``partition="dirichlet"``.
+        alpha: Dirichlet concentration for ``partition="dirichlet"`` and ``"fedem_dirichlet"``.
         quantity_skew: Dirichlet per-class split with unequal client sizes (DM-PFL) instead of DisPFL's.
         classes_per_client: classes per client for ``partition="pathological"``.
         shards_per_client: shards per client for ``partition="shards"``.
         noniid_ratio: FedPSE's λ for ``partition="noniid_ratio"``.
         min_samples: least number of samples per client (Dirichlet).
-        test_mode: ``"split"``, ``"global"`` or ``"partition"`` (see the module docstring).
-        split_ratios: train/val/test fractions of each client's data (``"split"``); in ``"global"`` mode only the
-            validation share ``val / (train + val)`` is used.
+        sample_fraction: FedEM's ``s_frac`` for ``partition="fedem_dirichlet"``: the fraction of the data (the pool
+            in ``"pooled"`` mode) that the partition deals out (pFedGate's EMNIST: 0.1).
+        test_mode: ``"split"``, ``"global"``, ``"partition"`` or ``"pooled"`` (see the module docstring).
+        split_ratios: train/val/test fractions of each client's data (``"split"``, ``"pooled"``); in ``"global"`` and
+            ``"partition"`` mode only the validation share ``val / (train + val)`` is used.
         test_per_client: personal test-set size in ``"global"`` mode (default ``ceil(|test| / K)``).
-        max_train_samples: random subset of the base train split to use (seeded), for CPU-sized runs.
+        max_train_samples: random subset of the base train split (of the pool in ``"pooled"`` mode) to use
+            (seeded), for CPU-sized runs.
         batch_size: training batch size.
         eval_batch_size: evaluation batch size.
         augment: CIFAR augmentation (random crop + flip) on training batches.
@@ -76,14 +94,17 @@ class FederatedDataModule(lightning.LightningDataModule):
         device: ``None`` keeps the data on the CPU; ``"cuda"`` moves the base tensors to the GPU once.
         synthetic: overrides of the synthetic task's parameters.
         emnist_split: EMNIST split.
-        seed: seed of the subsample, the partition and the per-client splits.
+        seed: seed of the subsample, the partition and the per-client splits (``< 2**32`` in ``"pooled"`` mode and
+            for ``fedem_dirichlet``, which use numpy's ``RandomState`` as FedEM does).
     """
 
     def __init__(self, name: str = "synthetic", root: str | None = None, num_clients: int = 10,
-                 partition: Literal["iid", "dirichlet", "pathological", "shards", "noniid_ratio"] = "dirichlet",
+                 partition: Literal["iid", "dirichlet", "pathological", "shards", "noniid_ratio",
+                                    "fedem_dirichlet"] = "dirichlet",
                  alpha: float = 0.3, quantity_skew: bool = False, classes_per_client: int = 2,
                  shards_per_client: int = 2, noniid_ratio: float = 1.0, min_samples: int = 1,
-                 test_mode: Literal["split", "global", "partition"] = "split",
+                 sample_fraction: float = 1.0,
+                 test_mode: Literal["split", "global", "partition", "pooled"] = "split",
                  split_ratios: tuple[float, float, float] = (0.75, 0.0, 0.25),
                  test_per_client: int | None = None, max_train_samples: int | None = None,
                  batch_size: int = 64, eval_batch_size: int = 512, augment: bool = False,
@@ -102,8 +123,9 @@ class FederatedDataModule(lightning.LightningDataModule):
         check(_is_num(noniid_ratio) and 0 <= noniid_ratio <= 1, "data.noniid_ratio", noniid_ratio,
               "a number in [0, 1]")
         check(_is_int(min_samples) and min_samples >= 0, "data.min_samples", min_samples, "an int >= 0")
-        check(test_mode in ("split", "global", "partition"), "data.test_mode", test_mode,
-              "'split', 'global' or 'partition'")
+        check(_is_num(sample_fraction) and 0 < sample_fraction <= 1, "data.sample_fraction", sample_fraction,
+              "a number in (0, 1]")
+        check(test_mode in _TEST_MODES, "data.test_mode", test_mode, "'split', 'global', 'partition' or 'pooled'")
         ratios = tuple(split_ratios) if isinstance(split_ratios, (tuple, list)) else ()
         check(len(ratios) == 3 and all(_is_num(r) and r >= 0 for r in ratios) and abs(sum(ratios) - 1) < 1e-6
               and ratios[0] > 0, "data.split_ratios", split_ratios,
@@ -119,6 +141,8 @@ class FederatedDataModule(lightning.LightningDataModule):
             check(isinstance(flag, bool), f"data.{pname}", flag, "true or false")
         check(emnist_split in EMNIST_SPLITS, "data.emnist_split", emnist_split, f"one of {', '.join(EMNIST_SPLITS)}")
         check(_is_int(seed) and seed >= 0, "data.seed", seed, "an int >= 0")
+        check(seed < 2**32 or (test_mode != "pooled" and partition != "fedem_dirichlet"), "data.seed", seed,
+              "an int in [0, 2**32 - 1] with test_mode 'pooled' or partition 'fedem_dirichlet' (numpy's RandomState)")
         self._synthetic = synthetic_params(synthetic) if name == "synthetic" else None
         if device is not None:
             try:
@@ -131,6 +155,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         self.alpha, self.quantity_skew, self.classes_per_client = float(alpha), quantity_skew, classes_per_client
         self.shards_per_client, self.noniid_ratio, self.min_samples = shards_per_client, float(noniid_ratio), \
             min_samples
+        self.sample_fraction = float(sample_fraction)
         self.test_mode, self.split_ratios, self.test_per_client = test_mode, tuple(float(r) for r in ratios), \
             test_per_client
         self.max_train_samples, self.batch_size, self.eval_batch_size = max_train_samples, batch_size, eval_batch_size
@@ -154,7 +179,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         if self._base is not None:
             return
         base = self._load()
-        train_y = base.train_y.numpy()
+        pooled = self.test_mode == "pooled"  # FedEM: ConcatDataset([train, test])
+        train_y = np.concatenate([base.train_y.numpy(), base.test_y.numpy()]) if pooled else base.train_y.numpy()
         pool = np.arange(len(train_y))
         if self.max_train_samples is not None and self.max_train_samples < len(pool):
             rng = np.random.default_rng([self.seed, 1])
@@ -162,10 +188,19 @@ class FederatedDataModule(lightning.LightningDataModule):
         kw: dict[str, Any] = {p: getattr(self, p) for p in _SCHEME_PARAMS[self.partition]}
         if self.partition == "noniid_ratio":
             kw = {"ratio": self.noniid_ratio}
-        parts = [pool[p] for p in partition(train_y[pool], self.partition, self._num_clients, self.seed, **kw)]
+        if pooled and self.partition == "fedem_dirichlet":  # FedEM's order, for its per-client split
+            raw = fedem_dirichlet(train_y[pool], self._num_clients, self.alpha, self.seed, self.sample_fraction,
+                                  ordered=True)
+        else:
+            raw = partition(train_y[pool], self.partition, self._num_clients, self.seed, **kw)
+        parts = [pool[p] for p in raw]
         r_train, r_val, r_test = self.split_ratios
         splits: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
         for k, idx in enumerate(parts):
+            if pooled:
+                for name, arr in zip(("train", "val", "test"), fedem_client_split(idx, self.split_ratios, self.seed)):
+                    splits[name].append(arr)
+                continue
             rng = np.random.default_rng([self.seed, 2, k])
             perm = rng.permutation(idx)
             n = len(perm)
@@ -192,11 +227,13 @@ class FederatedDataModule(lightning.LightningDataModule):
             for a in arrays:
                 a.setflags(write=False)
         self._splits = splits
-        self._train_x, self._train_y, self._test_x, self._test_y = base.train_x, base.train_y, base.test_x, \
-            base.test_y
+        train_x, train_t = base.train_x, base.train_y
+        if pooled:  # one copy of the images, train then test (the indices above index it)
+            train_x, train_t = torch.cat([base.train_x, base.test_x]), torch.cat([base.train_y, base.test_y])
+        self._train_x, self._train_y, self._test_x, self._test_y = train_x, train_t, base.test_x, base.test_y
         if self.device is not None:  # GPU-resident base tensors, moved once
             self._train_x, self._train_y, self._test_x, self._test_y = (
-                t.to(self.device) for t in (base.train_x, base.train_y, base.test_x, base.test_y))
+                t.to(self.device) for t in (train_x, train_t, base.test_x, base.test_y))
         self._train_y_np, self._test_y_np = train_y, base.test_y.numpy()
         self._base = base
 
@@ -235,7 +272,8 @@ class FederatedDataModule(lightning.LightningDataModule):
 
     def client_indices(self, client_idx: int, split: Literal["train", "val", "test"] = "train") -> np.ndarray:
         """Read-only indices of a client's split into the base train arrays (the base *test* arrays for the test
-        split when ``test_mode`` is ``"global"`` or ``"partition"``)."""
+        split when ``test_mode`` is ``"global"`` or ``"partition"``; the pooled train-then-test arrays for every split
+        when it is ``"pooled"``)."""
         self._check_client(client_idx, split)
         return self._splits[split][client_idx]
 

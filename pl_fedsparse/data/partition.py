@@ -1,8 +1,9 @@
 """Pure, seeded label-based partitions of a dataset into federated clients.
 
 Every function takes the labels ``int [N]`` of the data to split and returns one sorted ``int64`` index array per
-client. They use only ``np.random.default_rng(seed)`` (no global numpy/torch state), so a partition is a function
-of its arguments. :func:`partition` dispatches by scheme name and memoises results.
+client. They use only ``np.random.default_rng(seed)`` (no global numpy/torch state; :func:`fedem_dirichlet` uses
+private ``random.Random(seed)`` and ``np.random.RandomState(seed)`` objects to replay FedEM's streams), so a
+partition is a function of its arguments. :func:`partition` dispatches by scheme name and memoises results.
 
 Schemes:
 
@@ -13,6 +14,10 @@ Schemes:
 * :func:`pathological` — each client holds exactly ``classes_per_client`` classes (FedAvg-style pathological split).
 * :func:`shards` — McMahan et al. (AISTATS 2017): sort by label, cut into shards, deal ``shards_per_client``.
 * :func:`noniid_ratio` — FedPSE (App. C.1): a fraction λ of the data is sorted by label, the rest is i.i.d.
+* :func:`fedem_dirichlet` — FedEM's label-Dirichlet split (Marfoq et al., NeurIPS 2021; ``data/*/utils.py``
+  ``split_dataset_by_labels`` with one cluster per class), used by pFedGate (Chen et al., ICML 2023): for every class,
+  ``q ~ Dir(alpha * 1_K)`` over clients and multinomial counts. It reproduces FedEM's random streams, so the same
+  seed gives the authors' split; :func:`fedem_client_split` is FedEM's per-client train / val / test split.
 
 :func:`client_test_from_global` builds FedSpa/DisPFL-style personal test sets that follow each client's train label
 distribution from the global test set.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +36,8 @@ import numpy as np
 
 from pl_fedsparse.errors import ConfigError, check
 
-__all__ = ["SCHEMES", "iid", "dirichlet", "pathological", "shards", "noniid_ratio", "partition",
-           "client_test_from_global", "clear_partition_memo"]
+__all__ = ["SCHEMES", "iid", "dirichlet", "pathological", "shards", "noniid_ratio", "fedem_dirichlet",
+           "fedem_client_split", "partition", "client_test_from_global", "clear_partition_memo"]
 
 _MEMO: OrderedDict[tuple, tuple[np.ndarray, ...]] = OrderedDict()
 _MEMO_SIZE = 64
@@ -207,7 +213,15 @@ def shards(labels: np.ndarray, num_clients: int, shards_per_client: int, seed: i
     """McMahan et al. (2017) shards: sort by label, cut into ``K * s`` equal shards, deal ``s`` random shards each.
 
     Samples are shuffled before the stable sort, so the order inside a class is random. Each client holds at most
-    ``shards_per_client`` classes when shards do not straddle class boundaries.
+    ``shards_per_client`` classes when shards do not straddle class boundaries; two shards of one class make a
+    one-class client.
+
+    This is also FedEM's ``pathological_non_iid_split`` (``data/cifar10/utils.py``: sort by label, ``K * s`` equal
+    shards, shuffled, ``s`` consecutive ones per client), which pFedGate's personalisation study (Fig. 4: CIFAR-10,
+    10 clients, the code's default ``--n_shards 2``, train+test pooled, 6:2:2 per client) uses: ``num_clients=10,
+    shards_per_client=2`` with the datamodule's ``test_mode="pooled"``. FedEM deals the shards with the unseeded
+    global ``random.shuffle``, so its split cannot be replayed; this one is seeded. (:func:`pathological` differs: it
+    gives every client exactly ``classes_per_client`` distinct classes.)
 
     Example:
         >>> parts = shards(np.repeat(np.arange(5), 4), num_clients=5, shards_per_client=2, seed=0)
@@ -250,14 +264,166 @@ def noniid_ratio(labels: np.ndarray, num_clients: int, ratio: float, seed: int) 
                                                          np.array_split(homo, num_clients))], "")
 
 
+def _check_seed32(seed: Any) -> None:
+    check(_is_int(seed) and 0 <= seed < 2**32, "data.seed", seed, "an int in [0, 2**32 - 1] (numpy's RandomState)")
+
+
+def _fedem_lists(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
+                 sample_fraction: float) -> list[np.ndarray]:
+    """FedEM's ``split_dataset_by_labels`` with ``n_clusters = n_classes``, each client's list in FedEM's order."""
+    num_classes = int(labels.max()) + 1 if len(labels) else 0
+    rng = random.Random(seed)  # FedEM: rng = random.Random(seed); np.random.seed(seed)
+    legacy = np.random.RandomState(seed)
+    cluster_label = list(range(num_classes))
+    rng.shuffle(cluster_label)  # iid_divide into n_classes groups of one: cluster i holds class cluster_label[i]
+    selected = np.asarray(rng.sample(range(len(labels)), int(len(labels) * sample_fraction)), dtype=np.int64)
+    selected_labels = labels[selected]
+    clusters: list[list[int]] = []
+    for c in cluster_label:  # each cluster in the order its samples were selected, then shuffled by rng
+        members = selected[selected_labels == c].tolist()
+        clusters.append(members)
+    for members in clusters:
+        rng.shuffle(members)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for members in clusters:  # per cluster: q ~ Dir(alpha 1_K), counts ~ Mult(|cluster|, q), cut at cumsum
+        with np.errstate(invalid="ignore", divide="ignore"):
+            weights = legacy.dirichlet(alpha * np.ones(num_clients))
+        if not np.isfinite(weights).all():
+            raise ConfigError(f"data.alpha={alpha!r} is invalid: Dir(alpha) over {num_clients} clients underflowed "
+                              f"to NaN in numpy; expected a larger data.alpha")
+        counts = legacy.multinomial(len(members), weights)
+        arr = np.asarray(members, dtype=np.int64)
+        for client, chunk in enumerate(np.split(arr, np.cumsum(counts)[:-1])):
+            parts[client].append(chunk)
+    return [np.concatenate(p) if p else np.empty(0, np.int64) for p in parts]
+
+
+def fedem_dirichlet(labels: np.ndarray, num_clients: int, alpha: float, seed: int, sample_fraction: float = 1.0,
+                    ordered: bool = False) -> list[np.ndarray]:
+    """FedEM's label-Dirichlet split with one cluster per class, as pFedGate's data scripts run it.
+
+    Marfoq et al. (NeurIPS 2021), ``omarfoq/FedEM`` ``data/cifar10/utils.py:split_dataset_by_labels`` (identical in
+    ``yxdyc/pFedGate``), called by ``data/{cifar10,cifar100,emnist}/generate_data.py --n_components -1 --alpha 0.4
+    --seed 12345`` on the train and test splits concatenated (pass those pooled labels; the datamodule's
+    ``test_mode="pooled"`` does). With ``C = max(label) + 1`` classes:
+
+    1. ``random.Random(seed)`` shuffles the class list; ``n_components = -1`` makes every class its own cluster, in
+       that shuffled order.
+    2. The same generator draws ``int(N * sample_fraction)`` of the ``N`` samples (``rng.sample``; FedEM's
+       ``--s_frac``: 0.1 for EMNIST, 1 for CIFAR); each cluster lists its selected samples in the order drawn and is
+       shuffled (``rng.shuffle``), cluster by cluster.
+    3. ``np.random.RandomState(seed)`` (FedEM seeds numpy's global generator) draws, cluster by cluster, client
+       weights ``q ~ Dir(alpha * 1_K)`` and counts ``Multinomial(|cluster|, q)``; the cluster's list is cut at the
+       cumulative counts, chunk ``k`` to client ``k``.
+
+    Client sizes vary (no cap, no minimum); all selected samples are used once. The random calls are FedEM's, in its
+    order, so with its seed and the pooled labels in torchvision's order the client sets are the authors'. The
+    per-client label counts depend only on the seed and the class sizes, not on the order of the samples, so they
+    are the authors' for any copy of a dataset. Unlike FedEM, which silently drops a client that gets no sample, an
+    empty client is an error.
+
+    Args:
+        labels: ``int [N]`` labels (train then test, pooled, for FedEM's setting).
+        num_clients: ``K``.
+        alpha: Dirichlet concentration (``> 0``; pFedGate: 0.4).
+        seed: random seed in ``[0, 2**32)`` (FedEM / pFedGate: 12345).
+        sample_fraction: FedEM's ``s_frac``, the fraction of the ``N`` samples used, in ``(0, 1]``.
+        ordered: return each client's indices in FedEM's order (cluster by cluster, as
+            :func:`fedem_client_split` needs to replay FedEM's train/val/test split) instead of sorted.
+
+    Returns:
+        One ``int64`` index array per client.
+
+    Example:
+        >>> y = np.repeat(np.arange(3), 4)
+        >>> parts = fedem_dirichlet(y, num_clients=2, alpha=0.4, seed=12345)
+        >>> sorted(np.concatenate(parts).tolist()) == list(range(12))
+        True
+        >>> [len(p) for p in fedem_dirichlet(y, 1, alpha=0.4, seed=0, sample_fraction=0.5)]
+        [6]
+    """
+    labels = _prepare(labels, num_clients, seed)
+    check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < math.inf, "data.alpha",
+          alpha, "a number > 0")
+    check(isinstance(sample_fraction, (int, float)) and not isinstance(sample_fraction, bool)
+          and 0 < sample_fraction <= 1, "data.sample_fraction", sample_fraction, "a number in (0, 1]")
+    _check_seed32(seed)
+    check(labels.size == 0 or labels.min() >= 0, "labels", f"array with minimum {labels.min()}",
+          "labels >= 0")
+    check(int(len(labels) * sample_fraction) >= num_clients, "data.sample_fraction", sample_fraction,
+          f"at least num_clients / N = {num_clients} / {len(labels)} (one sample per client)")
+    parts = _fedem_lists(labels, num_clients, float(alpha), seed, float(sample_fraction))
+    hint = ", a larger data.alpha or a larger data.sample_fraction"
+    if not ordered:
+        return _finish(parts, hint)
+    _finish(parts, hint)  # the empty-client check
+    return parts
+
+
+def fedem_client_split(indices: np.ndarray, split_ratios: tuple[float, float, float],
+                       seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One client's train / val / test split as FedEM's (and pFedGate's) ``data/*/generate_data.py`` makes it.
+
+    The scripts call sklearn's ``train_test_split(indices, train_size=tr_frac, random_state=seed)`` and then
+    ``train_test_split(train, train_size=1 - val_frac, random_state=seed)`` (``--tr_frac 0.8 --val_frac 0.25``:
+    6:2:2), the same seed for every client. Here ``tr_frac = train + val`` and ``val_frac = val / tr_frac`` of
+    ``split_ratios``, and each call is replayed without sklearn: ``n_keep = floor(train_size * n)``, a
+    ``np.random.RandomState(seed).permutation(n)``, its first ``n - n_keep`` positions held out, the next ``n_keep``
+    kept in permutation order. So: ``test = n - floor(tr_frac n)``, ``train = floor((1 - val_frac) (n - test))``,
+    ``val`` the rest (no second call when ``val = 0``).
+
+    Args:
+        indices: the client's indices, in the order the partition produced them (:func:`fedem_dirichlet` with
+            ``ordered=True`` to replay FedEM exactly).
+        split_ratios: ``(train, val, test)`` fractions summing to 1 with ``train > 0``.
+        seed: random seed in ``[0, 2**32)`` (FedEM / pFedGate: 12345).
+
+    Returns:
+        ``(train, val, test)`` sorted ``int64`` index arrays.
+
+    Raises:
+        ConfigError: the client is too small to keep a training sample.
+
+    Example:
+        >>> [len(a) for a in fedem_client_split(np.arange(10), (0.6, 0.2, 0.2), seed=12345)]
+        [6, 2, 2]
+        >>> [len(a) for a in fedem_client_split(np.arange(7), (0.6, 0.2, 0.2), seed=12345)]
+        [3, 2, 2]
+    """
+    _check_seed32(seed)
+    ratios = tuple(float(r) for r in split_ratios)
+    check(len(ratios) == 3 and min(ratios) >= 0 and ratios[0] > 0 and abs(sum(ratios) - 1) < 1e-6,
+          "data.split_ratios", list(split_ratios), "three numbers >= 0 (train, val, test) summing to 1 with train > 0")
+    idx = np.asarray(indices, dtype=np.int64)
+    r_train, r_val, _ = ratios
+    tr_frac = r_train + r_val
+    val_frac = r_val / tr_frac
+
+    def keep_split(arr: np.ndarray, train_size: float) -> tuple[np.ndarray, np.ndarray]:
+        n = len(arr)
+        n_keep = min(math.floor(train_size * n), n)
+        perm = np.random.RandomState(seed).permutation(n)
+        return arr[perm[n - n_keep:]], arr[perm[:n - n_keep]]
+
+    trval, test = keep_split(idx, tr_frac)
+    train, val = keep_split(trval, 1.0 - val_frac) if val_frac > 0 else (trval, idx[:0])
+    if len(train) < 1:
+        raise ConfigError(f"data.split_ratios={list(split_ratios)} is invalid: a client has only {len(idx)} samples, "
+                          f"too few for FedEM's train/val/test split (no training sample left); expected fewer "
+                          f"data.num_clients, a larger data.alpha or data.sample_fraction, or other ratios")
+    return np.sort(train), np.sort(val), np.sort(test)
+
+
 SCHEMES: dict[str, Callable[..., list[np.ndarray]]] = {"iid": iid, "dirichlet": dirichlet,
                                                        "pathological": pathological, "shards": shards,
-                                                       "noniid_ratio": noniid_ratio}
+                                                       "noniid_ratio": noniid_ratio,
+                                                       "fedem_dirichlet": fedem_dirichlet}
 _KW_PARAM = {"alpha": "data.alpha", "quantity_skew": "data.quantity_skew", "min_samples": "data.min_samples",
              "classes_per_client": "data.classes_per_client", "shards_per_client": "data.shards_per_client",
-             "ratio": "data.noniid_ratio"}
+             "ratio": "data.noniid_ratio", "sample_fraction": "data.sample_fraction"}
 _ALLOWED_KW = {"iid": set(), "dirichlet": {"alpha", "quantity_skew", "min_samples"},
-               "pathological": {"classes_per_client"}, "shards": {"shards_per_client"}, "noniid_ratio": {"ratio"}}
+               "pathological": {"classes_per_client"}, "shards": {"shards_per_client"}, "noniid_ratio": {"ratio"},
+               "fedem_dirichlet": {"alpha", "sample_fraction"}}
 
 
 def clear_partition_memo() -> None:
