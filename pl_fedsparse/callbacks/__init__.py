@@ -14,9 +14,11 @@ from pl_fedsparse.callbacks.fedpse import ElementwiseAggregation, PersonalizedDo
 from pl_fedsparse.callbacks.compression import SparseDownstream, StructuredUpload
 from pl_fedsparse.callbacks.pfedgate import PFedGate
 from pl_fedsparse.callbacks.novel_clients import NovelClients
+from pl_fedsparse.callbacks.personal_layers import PersonalLayers
+from pl_fedsparse.callbacks.fedem import FedEM
 
 __all__ = ["FederatedCallback", "POLICIES", "LocalTraining", "FineTune", "SparseMask", "MaskedTraining", "KeepOptimizerState",
            "MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "FedSpaAggregation", "Gossip",
            "ShiftEvaluation", "AdaptiveInference", "Ditto", "DualMask", "FedDST", "TopKUpload", "ElementwiseAggregation",
            "PersonalizedDownstream", "SparseDownstream", "StructuredUpload", "PFedGate",
-           "NovelClients"]
+           "NovelClients", "PersonalLayers", "FedEM"]

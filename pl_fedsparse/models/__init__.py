@@ -9,7 +9,8 @@ Pick one in a config with, for example::
 """
 
 from pl_fedsparse.models.cnn import MLP, CNNFEMNIST, LeNetCIFAR, McMahanCNN
+from pl_fedsparse.models.mixture import Mixture
 from pl_fedsparse.models.resnet import ResNet18GN
 from pl_fedsparse.models.vgg import VGG11GN
 
-__all__ = ["LeNetCIFAR", "CNNFEMNIST", "McMahanCNN", "MLP", "VGG11GN", "ResNet18GN"]
+__all__ = ["LeNetCIFAR", "CNNFEMNIST", "McMahanCNN", "MLP", "VGG11GN", "ResNet18GN", "Mixture"]
