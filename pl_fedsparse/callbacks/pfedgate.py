@@ -112,6 +112,7 @@ from pl_fedsparse.functional.gate import (
     personalized_params,
     select_blocks,
 )
+from pl_fedsparse.functional.gate_sliced import sliced_forward
 from pl_fedsparse.functional.gate_upload import index_wise_average, pack_blocks, unpack_blocks
 from pl_fedsparse.functional.pse import elementwise_average
 from pl_fedsparse.models.gate import GatingLayer, adapted_forward
@@ -173,6 +174,10 @@ class PFedGate(FederatedCallback):
         aggregation: ``"fedavg"`` (code), ``"index"`` (paper) or ``"ewa"`` (element-wise).
         fedavg_weights: ``"participants"`` or ``"all"`` (with ``aggregation: fedavg``; see the module docstring).
         same_init: every client's gate starts from the same weights (code) instead of its own draw.
+        compute: how the sparse personalised model runs: ``"masked"`` (default, the code: dense ops on
+            ``θ' = θ ⊙ expand(M')``) or ``"sliced"`` (conv/linear layers computed on the output rows with a kept
+            element only, :mod:`~pl_fedsparse.functional.gate_sliced`; the same logits and gradients to θ and the
+            gate, to float tolerance — a speed-up only, see ``benchmarks/README.md``).
     """
 
     def __init__(
@@ -184,6 +189,7 @@ class PFedGate(FederatedCallback):
         gate_clip: float | None = 10.0, schedule: Literal["joint", "bilevel"] = "joint",
         lr_milestones: list[float] | None = None, lr_gamma: float = 0.1, aggregation: Aggregation = "fedavg",
         fedavg_weights: Literal["participants", "all"] = "participants", same_init: bool = True,
+        compute: Literal["masked", "sliced"] = "masked",
     ) -> None:
         name = "PFedGate"
         check(isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 2,
@@ -225,6 +231,8 @@ class PFedGate(FederatedCallback):
               "'fedavg' (the code), 'index' (the paper, App. A) or 'ewa' (element-wise)")
         check(fedavg_weights in ("participants", "all"), f"{name}.fedavg_weights", fedavg_weights,
               "'participants' or 'all' (the code's --aggregate_sampled_clients 0)")
+        check(compute in ("masked", "sliced"), f"{name}.compute", compute,
+              "'masked' (dense θ', the code) or 'sliced' (only the kept output rows)")
         self.density = float(density)
         self.client_densities = [float(d) for d in client_densities] if client_densities is not None else None
         self.num_splits, self.split, self.s_min = num_splits, split, s_min
@@ -237,6 +245,7 @@ class PFedGate(FederatedCallback):
         self.lr_milestones = sorted(float(f) for f in lr_milestones) if lr_milestones else []
         self.lr_gamma = float(lr_gamma)
         self.aggregation, self.fedavg_weights = aggregation, fedavg_weights
+        self.compute = compute
         # set up with the federation
         self.table: BlockTable | None = None
         self.gate: GatingLayer | None = None  #: the working gate: a client's state is loaded into it per fit / eval
@@ -400,7 +409,11 @@ class PFedGate(FederatedCallback):
         theta = personalized_params(dict(module.named_parameters()), m_sparse, table)
         self._reentrant = True
         try:
-            out = adapted_forward(module, theta, x, relu_logits=self.relu_logits)
+            if self.compute == "sliced":  # the same logits and gradients, dropped output rows skipped
+                out = sliced_forward(module, theta, x, keep, table, dropped_grad=self.straight_through == "paper",
+                                     relu_logits=self.relu_logits)
+            else:
+                out = adapted_forward(module, theta, x, relu_logits=self.relu_logits)
         finally:
             self._reentrant = False
         self._record(keep, int(x.shape[0]))
