@@ -11,22 +11,14 @@ what was taken from where: ``docs/fedpse-baselines.md``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-import lightning.pytorch as pl
-import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.callbacks.fedpse import DELTA, PersonalizedDownstream
-from pl_fedsparse.client import ClientUpdate, Message
-from pl_fedsparse.context import FitContext
+from pl_fedsparse.callbacks.fedpse import PersonalizedDownstream, ResidualUpload
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.compression import structured_mask
-
-if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
 
 __all__ = ["StructuredUpload", "SparseDownstream"]
 
@@ -47,7 +39,7 @@ class SparseDownstream(PersonalizedDownstream):
         super().__init__(sparsity=sparsity, personalized=False, quantize=quantize, error_feedback=error_feedback)
 
 
-class StructuredUpload(FederatedCallback):
+class StructuredUpload(ResidualUpload):
     """FedSCR's upload: the round's update plus the residual, with the filters and channels of small summed magnitude
     dropped and kept as the residual (:func:`~pl_fedsparse.functional.compression.structured_mask`).
 
@@ -66,28 +58,17 @@ class StructuredUpload(FederatedCallback):
               "a number in [0, 1) (0.9 keeps at most 10 %) or null")
         check(threshold is None or threshold >= 0, "StructuredUpload.threshold", threshold, "a number >= 0 or null")
         self.sparsity, self.threshold = sparsity, threshold
-        self._start: dict[str, Tensor] = {}
+        self._start = {}
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
-        init = loop.initial_state
-        names = [n for n, t in init.items() if t.is_floating_point() and t.dim() >= 2]
-        self.add_client_state(loop, "residual", lambda k: {n: torch.zeros_like(init[n]) for n in names})
+    def residual_names(self, state: dict[str, Tensor]) -> list[str]:
+        return [n for n, t in state.items() if t.is_floating_point() and t.dim() >= 2]
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
-        self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
-                       if t.is_floating_point()}
-
-    @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        start, self._start = self._start, {}
-        if update.kind != "train" or update.message is None:
-            return
-        residual = self.get_client_state(loop, update.client_idx, "residual")
+    def compress(self, raw: dict[str, Tensor], residual: dict[str, Tensor]
+                 ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor], frozenset[str]]:
         sent, masks, new_res = {}, {}, {}
-        for n, s in start.items():
-            delta = update.state[n] - s
+        for n, delta in raw.items():
             if n not in residual:  # a bias: sent whole
                 sent[n] = delta
                 continue
@@ -95,6 +76,4 @@ class StructuredUpload(FederatedCallback):
             keep = structured_mask(acc, threshold=self.threshold, sparsity=self.sparsity)
             sent[n], masks[n] = acc * keep, keep
             new_res[n] = acc * ~keep
-        self.set_client_state(loop, update.client_idx, "residual", new_res)
-        update.message = Message(sent, masks)
-        update.extras[DELTA] = True
+        return sent, masks, new_res, frozenset()

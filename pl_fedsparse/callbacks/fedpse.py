@@ -57,7 +57,7 @@ from pl_fedsparse.streams import register_stream
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["TopKUpload", "ElementwiseAggregation", "PersonalizedDownstream", "DELTA"]
+__all__ = ["ResidualUpload", "TopKUpload", "ElementwiseAggregation", "PersonalizedDownstream", "DELTA"]
 
 #: ``update.extras[DELTA]`` is true when ``update.message`` holds an update (a difference), not weights
 DELTA = "upload_is_delta"
@@ -78,7 +78,50 @@ def _check_sparsity(owner: str, sparsity: float) -> None:
           f"{owner}.sparsity", sparsity, "a number in [0, 1) (the share of entries dropped: 0.9 keeps 10 %)")
 
 
-class TopKUpload(FederatedCallback):
+class ResidualUpload(FederatedCallback):
+    """Base of the uploads that send a compressed round update and keep the rest as an error residual (client state):
+    records the start of every fit, and at its end hands ``W^{r,T} − W^{r,0}`` to :meth:`compress`.
+
+    Subclasses implement :meth:`compress` and may narrow :meth:`residual_names` (tensors without a residual are sent
+    as :meth:`compress` decides, without feedback).
+    """
+
+    _start: dict[str, Tensor]
+
+    def residual_names(self, state: dict[str, Tensor]) -> list[str]:
+        """Tensors that keep a residual (default: every floating tensor)."""
+        return _float_names(state)
+
+    def compress(self, raw: dict[str, Tensor], residual: dict[str, Tensor]
+                 ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor], frozenset[str]]:
+        """``(sent, masks, new_residual, ternary names)`` from the round's raw update and the residual."""
+        raise NotImplementedError
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        init = loop.initial_state
+        names = self.residual_names(init)
+        self.add_client_state(loop, "residual", lambda k: {n: torch.zeros_like(init[n]) for n in names})
+
+    @override
+    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+        self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
+                       if t.is_floating_point()}
+
+    @override
+    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+        start, self._start = self._start, {}
+        if update.kind != "train" or update.message is None:
+            return
+        residual = self.get_client_state(loop, update.client_idx, "residual")
+        raw = {n: update.state[n] - start[n] for n in start}  # W^{r,T} − W^{r,0}
+        sent, masks, new_res, ternary = self.compress(raw, residual)
+        self.set_client_state(loop, update.client_idx, "residual", new_res)
+        update.message = Message(sent, masks, ternary)
+        update.extras[DELTA] = True
+
+
+class TopKUpload(ResidualUpload):
     """UPS: upload the top-k of the round's update plus the error residual, keep the rest (Alg. 1 lines 9-11).
 
     Args:
@@ -95,25 +138,11 @@ class TopKUpload(FederatedCallback):
         check(scope in ("layer", "model"), "TopKUpload.scope", scope, "one of layer, model")
         check(quantize in ("none", "ternary"), "TopKUpload.quantize", quantize, "one of none, ternary")
         self.sparsity, self.scope, self.quantize = float(sparsity), scope, quantize
-        self._start: dict[str, Tensor] = {}
+        self._start = {}
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
-        names = _float_names(loop.initial_state)
-        self.add_client_state(loop, "residual", lambda k: {n: torch.zeros_like(loop.initial_state[n]) for n in names})
-
-    @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
-        self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
-                       if t.is_floating_point()}
-
-    @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
-        start, self._start = self._start, {}
-        if update.kind != "train" or update.message is None:
-            return
-        residual = self.get_client_state(loop, update.client_idx, "residual")
-        raw = {n: update.state[n] - start[n] for n in start}  # W^{r,T} − W^{r,0}
+    def compress(self, raw: dict[str, Tensor], residual: dict[str, Tensor]
+                 ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor], frozenset[str]]:
         if self.scope == "layer":
             pairs = {n: error_feedback_topk(raw[n], residual[n], self.sparsity) for n in raw}
             sent, new_res = {n: p[0] for n, p in pairs.items()}, {n: p[1] for n, p in pairs.items()}
@@ -128,10 +157,8 @@ class TopKUpload(FederatedCallback):
             ternary = {n: ternarize(t) for n, t in sent.items()}
             new_res = {n: new_res[n] + sent[n] - ternary[n] for n in sent}
             sent = ternary
-        self.set_client_state(loop, update.client_idx, "residual", new_res)
-        update.message = Message(sent, {n: t != 0 for n, t in sent.items()},
-                                 frozenset(sent) if self.quantize == "ternary" else frozenset())
-        update.extras[DELTA] = True
+        return (sent, {n: t != 0 for n, t in sent.items()}, new_res,
+                frozenset(sent) if self.quantize == "ternary" else frozenset())
 
 
 class ElementwiseAggregation(FederatedCallback):
