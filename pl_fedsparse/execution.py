@@ -71,7 +71,11 @@ class ClientExecutor(ABC):
         """Run ``requests`` and return their updates, in the order of ``requests``."""
 
     def teardown(self) -> None:
-        """Called when the federation ends."""
+        """Called when the federation ends (also when it stops with an error)."""
+
+    def round_metrics(self) -> dict[str, Any]:
+        """Figures of the round that just ended for its metrics row (e.g. ``worker_retries``); then reset."""
+        return {}
 
 
 @contextlib.contextmanager

@@ -355,6 +355,7 @@ class FederatedLoop:
         row["client_faults"] = len(self.round_faults)
         if self.round_faults:
             row["client_fault_kinds"] = list(self.round_faults)
+        row.update({k: v for k, v in self.executor.round_metrics().items() if v})  # e.g. worker_retries when > 0
         self.call("on_round_end", round_idx, row)
         row["time_train_s"] = t_train
         row["time_s"] = time.perf_counter() - t0
@@ -387,6 +388,7 @@ class FederatedLoop:
             self.executor.teardown()
             return self.reporter.finish()
         finally:
+            self.executor.teardown()  # also after an error: out-of-process workers are stopped
             self.reporter.release()
 
     def validate(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
@@ -401,7 +403,10 @@ class FederatedLoop:
                        split: str) -> dict[str, Any]:
         if ckpt_path is None:
             log.warning("no --ckpt_path given: evaluating the freshly initialised model")
-        self.setup(model, datamodule, ckpt_path, stage=split)
+        try:
+            self.setup(model, datamodule, ckpt_path, stage=split)
+        finally:
+            self.executor.teardown()  # evaluation runs here; no worker is needed
         if split == "val" and sum(datamodule.num_samples(k, "val") for k in range(self.num_clients)) == 0:
             raise ConfigError("data.split_ratios is invalid for validate: expected a non-zero validation share "
                               "(e.g. [0.6, 0.2, 0.2]); use `pl-fed test` to evaluate on the test split")
@@ -431,7 +436,6 @@ class FederatedLoop:
         self.global_state = dict(self.initial_state) if self.topology.has_server else None
         with quiet_lightning():
             self.accounting = Accounting(TrainFlops(model, datamodule.example_input(2)))
-        self.executor.setup(self)
         for cb in self.fed_callbacks:
             cb.setup_federation(self)
         ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
@@ -440,6 +444,8 @@ class FederatedLoop:
         # every client's declared state exists from here on, created from the initial weights (never lazily)
         self.load_state(self.initial_state)
         self.client_store.materialize(range(self.num_clients))
+        # after every callback declared its state: an out-of-process executor replicates the loop from here
+        self.executor.setup(self)
         if stage == "fit":
             self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history, checkpoint=ckpt,
                                               ckpt_path=ckpt_path)

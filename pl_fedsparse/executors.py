@@ -1,0 +1,441 @@
+"""Executors that run a round's client fits in other processes: :class:`RayExecutor` (Ray actors, one machine or a
+cluster) and the process-independent :class:`FitWorker` every such worker wraps.
+
+The driver (the :class:`~pl_fedsparse.loop.FederatedLoop`) keeps every piece of state and every policy — selection,
+messages, aggregation, gossip, the client store, accounting, checkpoints, metrics. Only the fits move:
+
+* **Once per worker** (``RayExecutor.setup``): a replica of the loop without its state — the LightningModule, the
+  datamodule, the callbacks, the accounting's FLOP model, the random streams, the declared client-state entries —
+  put in Ray's object store once and unpickled by every worker (``worker_spec``).
+* **Once per ``run``** (a stage's fits): what callbacks read during a fit from the driver — the callbacks as they are
+  now (``DualMask.global_mask``, schedules), the global state, the server update, the round — put in the object
+  store once and shared by all of that run's fits (``sync_state``). The start tensors of a request that *are* the
+  global state's tensors are not sent again: the request names them and the worker takes them from the synced
+  global state.
+* **Per fit**: the :class:`~pl_fedsparse.execution.FitRequest` (context, start tensors not in the global state, the
+  client's declared state); back comes the :class:`~pl_fedsparse.client.ClientUpdate` with the client's state
+  entries that the fit changed. Boolean masks travel bit-packed (:func:`pack_tree`).
+
+Results do not depend on the executor or the number of workers: every fit seeds itself from its
+:class:`~pl_fedsparse.context.FitContext` (``InProcessExecutor.run_one`` runs it on the worker, fault handling
+included), updates come back in the order of the requests, and the loop books them in that order. Workers run
+torch with as many intra-op threads as CPUs they were given (``num_cpus_per_worker``); the in-process run with the
+same thread count gives bit-identical metrics (tested; with another thread count, float reductions may be ordered
+differently).
+
+Contract for callbacks (``docs/extending.md``): during a fit, a callback writes only the update (message, metrics,
+extras, FLOP charges) and its declared client state. Anything else it sets on ``self`` during a fit stays in the
+worker; attributes the driver sets between fits (in ``on_round_start``, after aggregation, ...) are shipped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pl_fedsparse.client import ClientStateStore, ClientUpdate, TensorTree
+from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.evaluation import Evaluator
+from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["RayExecutor", "FitWorker", "worker_spec", "sync_state", "pack_tree", "unpack_tree", "tune_malloc"]
+
+log = logging.getLogger(__name__)
+
+#: loop attributes a worker never needs (state the driver keeps, or things that cannot travel)
+_DRIVER_ONLY = ("executor", "reporter", "history", "last_client_acc", "client_store", "global_state",
+                "server_update", "round_faults", "evaluator", "_owners", "callbacks", "config_text")
+#: loop attributes shipped with every run (the driver changes them between fits)
+_SYNCED = ("round_idx", "global_state", "server_update", "callbacks")
+
+
+# ------------------------------------------------------------------------------------------------ allocator
+def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
+    """Keep glibc malloc from handing large buffers back to the kernel after every client fit.
+
+    With glibc's defaults, freed blocks above the (dynamic) mmap threshold are unmapped and the next fit faults them
+    in again page by page: on a 20-client DisPFL round, 27–30 s of *system* CPU per round (issue 13). Fixing the
+    mmap threshold at 32 MiB and the trim threshold at 1 GiB keeps them in the heap — the same as
+    ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``, but without the
+    user setting anything (``mallopt(3)`` through ctypes). ``pl-fed`` and every Ray worker call it at start-up.
+
+    Skipped (returns ``False``) when the C library is not glibc, when ``GLIBC_TUNABLES`` already sets either value,
+    or when ``PL_FEDSPARSE_MALLOC_TUNING=0``.
+    """
+    if os.environ.get("PL_FEDSPARSE_MALLOC_TUNING", "1") == "0":
+        return False
+    if "malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc.trim_threshold" in os.environ.get(
+            "GLIBC_TUNABLES", ""):
+        return False
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return False
+        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+        return bool(libc.mallopt(m_mmap_threshold, int(mmap_threshold))) and bool(
+            libc.mallopt(m_trim_threshold, int(trim_threshold)))
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ compact tensors
+@dataclass
+class _Packed:
+    """A boolean tensor as bits (``np.packbits``): 1/8 of its bytes on the wire."""
+
+    bits: np.ndarray
+    shape: tuple[int, ...]
+
+    def unpack(self) -> Tensor:
+        n = int(np.prod(self.shape)) if self.shape else 1
+        return torch.from_numpy(np.unpackbits(self.bits, count=n).astype(bool)).reshape(self.shape)
+
+
+def pack_tree(value: Any) -> Any:
+    """``value`` with every boolean tensor (nested in dicts, lists, tuples) bit-packed; :func:`unpack_tree` undoes it.
+
+    Example:
+        >>> m = torch.tensor([[True, False, True], [False, False, True]])
+        >>> packed = pack_tree({"mask": m, "w": torch.ones(2)})
+        >>> bool((unpack_tree(packed)["mask"] == m).all())
+        True
+    """
+    if isinstance(value, Tensor) and value.dtype == torch.bool and value.device.type == "cpu":
+        return _Packed(np.packbits(value.contiguous().numpy().reshape(-1)), tuple(value.shape))
+    if isinstance(value, dict):
+        return {k: pack_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(pack_tree(v) for v in value)
+    return value
+
+
+def unpack_tree(value: Any) -> Any:
+    """Inverse of :func:`pack_tree`."""
+    if isinstance(value, _Packed):
+        return value.unpack()
+    if isinstance(value, dict):
+        return {k: unpack_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(unpack_tree(v) for v in value)
+    return value
+
+
+def _pack_update(update: ClientUpdate) -> ClientUpdate:
+    update.masks = pack_tree(update.masks)
+    update.client_state = pack_tree(update.client_state)
+    update.extras = pack_tree(update.extras)
+    if update.message is not None:
+        update.message.masks = pack_tree(update.message.masks)
+    return update
+
+
+def _unpack_update(update: ClientUpdate) -> ClientUpdate:
+    update.masks = unpack_tree(update.masks)
+    update.client_state = unpack_tree(update.client_state)
+    update.extras = unpack_tree(update.extras)
+    if update.message is not None:
+        update.message.masks = unpack_tree(update.message.masks)
+    return update
+
+
+# ------------------------------------------------------------------------------------------------ what travels
+def worker_spec(loop: FederatedLoop) -> dict[str, Any]:
+    """What a worker needs once: the loop's attributes minus the driver's state (:data:`_DRIVER_ONLY`), plus the
+    declared client-state entries (their initialisers, never their values)."""
+    spec = {k: v for k, v in vars(loop).items() if k not in _DRIVER_ONLY}
+    spec["_state_inits"] = dict(loop.client_store._inits)
+    spec["run_dir"] = None
+    return spec
+
+
+def sync_state(loop: FederatedLoop) -> dict[str, Any]:
+    """What a worker needs before a stage's fits: the attributes the driver changes between fits (:data:`_SYNCED`),
+    in one object so that tensors shared between them stay shared."""
+    return {k: getattr(loop, k) for k in _SYNCED}
+
+
+@dataclass
+class _WireRequest:
+    """A :class:`~pl_fedsparse.execution.FitRequest` whose start tensors that are the synced global state's tensors
+    are sent by name only."""
+
+    request: FitRequest
+    from_global: list[str] = field(default_factory=list)
+
+
+def _to_wire(request: FitRequest, global_state: Mapping[str, Tensor] | None) -> _WireRequest:
+    if not global_state:
+        return _WireRequest(request)
+    shared = [n for n, t in request.start.items() if global_state.get(n) is t]
+    if not shared:
+        return _WireRequest(request)
+    start = {n: t for n, t in request.start.items() if global_state.get(n) is not t}
+    return _WireRequest(FitRequest(request.context, start, request.client_state), shared)
+
+
+# ------------------------------------------------------------------------------------------------ the worker
+class FitWorker:
+    """Runs fits on a replica of the loop (see the module docstring); the body of every out-of-process worker.
+
+    Args:
+        spec: :func:`worker_spec` of the driver's loop.
+        threads: torch intra-op threads (``None``: leave torch's default).
+    """
+
+    def __init__(self, spec: Mapping[str, Any], threads: int | None = None) -> None:
+        from pl_fedsparse.loop import FederatedLoop
+
+        tune_malloc()
+        if threads is not None:
+            torch.set_num_threads(max(1, int(threads)))
+        spec = dict(spec)
+        inits = spec.pop("_state_inits")
+        loop = FederatedLoop.__new__(FederatedLoop)
+        vars(loop).update(spec)
+        loop.callbacks, loop.global_state, loop.server_update, loop.round_faults = [], None, None, []
+        loop.history, loop.last_client_acc, loop.config_text = [], [], None
+        loop.client_store = ClientStateStore()
+        for key, init in inits.items():
+            loop.client_store.declare(key, init)
+        loop.client_store._sealed = True  # a worker never creates client state: it arrives with the request
+        loop.evaluator = Evaluator(loop)
+        loop._owners = {}
+        loop.run_dir = None  # a fit writes nothing (no logger, no checkpoints)
+        self.loop = loop
+        self.executor = InProcessExecutor()
+        self.executor.setup(loop)
+        self._synced: Any = None
+        self.fits = 0
+
+    def sync(self, key: Any, state: Mapping[str, Any]) -> None:
+        """Take the driver's state for the coming fits (once per ``key``)."""
+        if self._synced == key:
+            return
+        loop = self.loop
+        for k in _SYNCED:
+            setattr(loop, k, state[k])
+        loop._resolve_policies()
+        self._synced = key
+
+    def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest) -> ClientUpdate:
+        """Run one fit and return its update (boolean tensors bit-packed, only the client-state entries it
+        changed)."""
+        self.sync(key, state)
+        loop = self.loop
+        request = wire.request
+        if wire.from_global:
+            assert loop.global_state is not None
+            start = {**{n: loop.global_state[n] for n in wire.from_global}, **request.start}
+            request = FitRequest(request.context, start, request.client_state)
+        k, sent = request.context.client_idx, request.client_state
+        unknown = [name for name in sent if name not in loop.client_store._inits]
+        if unknown:
+            raise KeyError(f"client state {unknown} was never declared")
+        # the request's entries as they are (the store would copy them): what the fit leaves untouched is not sent back
+        loop.client_store._data[k] = dict(sent)
+        try:
+            update = self.executor.run_one(request)
+        finally:
+            loop.client_store._data.pop(k, None)
+        self.fits += 1
+        if update.client_state is not None and update.client_state is not sent:
+            update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
+        update.extras.setdefault("_worker_pid", os.getpid())
+        return _pack_update(update)
+
+    def ping(self) -> int:
+        """The worker's process id (a cheap call to measure the round trip)."""
+        return os.getpid()
+
+
+class _RayFitWorker(FitWorker):
+    """The Ray actor: a :class:`FitWorker` that caps its share of a GPU."""
+
+    def __init__(self, spec: Mapping[str, Any], threads: int | None, gpu_fraction: float | None) -> None:
+        if gpu_fraction is not None and torch.cuda.is_available():
+            torch.cuda.set_per_process_memory_fraction(min(1.0, float(gpu_fraction)))
+        super().__init__(spec, threads)
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+class RayExecutor(ClientExecutor):
+    """Run a stage's fits in parallel on long-lived Ray actors; the driver keeps every piece of state.
+
+    Each actor holds a replica of the module, the callbacks and the datamodule (built once); fits are handed to
+    idle actors as they free up (``ray.wait``), the updates are put back in the order of the requests. Results are
+    those of the in-process run (see the module docstring for the conditions).
+
+    Args:
+        num_workers: Ray actors (processes) running fits.
+        num_cpus_per_worker: CPUs Ray reserves per actor; also its torch intra-op threads.
+        num_gpus_per_worker: GPUs per actor (fractions share one GPU: several workers per GPU for small,
+            launch-bound models); the actor's CUDA memory is capped at this fraction of the device
+            (``torch.cuda.set_per_process_memory_fraction``) — Ray's fractional GPUs are only a scheduling label.
+        address: a running Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``); ``None`` starts a
+            local Ray instance for the run (and stops it at the end).
+        max_retries: a fit whose worker process died is retried on another worker this many times; after that
+            the client is reported as faulty (``trainer.on_client_fault``) and the run goes on.
+        object_store_memory: bytes for the object store of a local instance (``None``: Ray's default).
+
+    Example:
+        .. code-block:: bash
+
+            pl-fed fit --config quickstart.yaml --trainer.executor pl_fedsparse.executors.RayExecutor \\
+                --trainer.executor.num_workers 2
+    """
+
+    def __init__(self, num_workers: int = 2, num_cpus_per_worker: float = 1.0, num_gpus_per_worker: float = 0.0,
+                 address: str | None = None, max_retries: int = 2, object_store_memory: int | None = None) -> None:
+        check(isinstance(num_workers, int) and num_workers >= 1, "trainer.executor.num_workers", num_workers,
+              "an int >= 1")
+        check(num_cpus_per_worker > 0, "trainer.executor.num_cpus_per_worker", num_cpus_per_worker, "a number > 0")
+        check(0 <= num_gpus_per_worker, "trainer.executor.num_gpus_per_worker", num_gpus_per_worker,
+              "a number >= 0 (fractions share a GPU)")
+        check(isinstance(max_retries, int) and max_retries >= 0, "trainer.executor.max_retries", max_retries,
+              "an int >= 0")
+        self.num_workers, self.num_cpus_per_worker = num_workers, float(num_cpus_per_worker)
+        self.num_gpus_per_worker, self.address, self.max_retries = float(num_gpus_per_worker), address, max_retries
+        self.object_store_memory = object_store_memory
+        self.loop: FederatedLoop | None = None
+        self.actors: list[Any] = []
+        self._started_ray = False
+        self._sync_key = 0
+        self._round_retries = 0
+        #: seconds spent starting Ray and the actors (``setup``), for ``benchmarks/ray_executor.py``
+        self.startup_s = 0.0
+
+    # ---------------------------------------------------------------- life cycle
+    def setup(self, loop: FederatedLoop) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("trainer.executor=RayExecutor is invalid here: expected the ray package "
+                              "(pip install 'pl_fedsparse[ray]')") from None
+        if self.actors:
+            self.teardown()
+        t0 = time.perf_counter()
+        self.loop = loop
+        if self.num_gpus_per_worker > 0 and loop.device.type != "cuda":
+            raise ConfigError(f"trainer.executor.num_gpus_per_worker={self.num_gpus_per_worker} is invalid: expected "
+                              f"0 when trainer.accelerator={loop.accelerator!r} runs on {loop.device.type}")
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING,
+                                      "log_to_driver": True, "configure_logging": True}
+            if self.address is None:
+                if self.object_store_memory is not None:
+                    kwargs["object_store_memory"] = int(self.object_store_memory)
+                kwargs["num_cpus"] = max(int(np.ceil(self.num_workers * self.num_cpus_per_worker)), 1)
+            try:
+                ray.init(address=self.address, **kwargs)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise ConfigError(f"trainer.executor.address={self.address!r} is invalid: expected a reachable Ray "
+                                  f"cluster or null for a local one ({' '.join(str(e).split())[:200]})") from None
+            self._started_ray = True
+        threads = max(1, int(self.num_cpus_per_worker))
+        gpu_fraction = self.num_gpus_per_worker if 0 < self.num_gpus_per_worker < 1 else None
+        actor_cls = ray.remote(num_cpus=self.num_cpus_per_worker, num_gpus=self.num_gpus_per_worker,
+                               max_restarts=-1, max_task_retries=0)(_RayFitWorker)
+        spec_ref = ray.put(worker_spec(loop))
+        self.actors = [actor_cls.remote(spec_ref, threads, gpu_fraction) for _ in range(self.num_workers)]
+        ray.get([a.ping.remote() for a in self.actors])  # replicas built (errors surface here, once)
+        self.startup_s = time.perf_counter() - t0
+
+    def teardown(self) -> None:
+        if not self.actors and not self._started_ray:
+            return
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+        self._started_ray = False
+
+    def __del__(self) -> None:  # a run that stopped with an error still frees its workers
+        try:
+            self.teardown()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    # ---------------------------------------------------------------- fits
+    def round_metrics(self) -> dict[str, Any]:
+        out = {"worker_retries": self._round_retries}
+        self._round_retries = 0
+        return out
+
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        import ray
+        from ray.exceptions import RayActorError, WorkerCrashedError
+
+        loop = self.loop
+        assert loop is not None and self.actors, "RayExecutor.run before setup"
+        if not requests:
+            return []
+        self._sync_key += 1
+        key = (id(self), self._sync_key)
+        synced = sync_state(loop)
+        state_ref = ray.put(synced)
+        wires = [_to_wire(r, synced["global_state"]) for r in requests]
+        results: list[ClientUpdate | None] = [None] * len(requests)
+        retries = [0] * len(requests)
+        queue = list(range(len(requests)))
+        idle = list(self.actors)
+        running: dict[Any, tuple[Any, int]] = {}
+        while queue or running:
+            while queue and idle:
+                i, actor = queue.pop(0), idle.pop(0)
+                running[actor.run.remote(key, state_ref, wires[i])] = (actor, i)
+            ready, _ = ray.wait(list(running), num_returns=1)
+            actor, i = running.pop(ready[0])
+            idle.append(actor)
+            try:
+                results[i] = _unpack_update(ray.get(ready[0]))
+            except (RayActorError, WorkerCrashedError) as e:
+                retries[i] += 1
+                self._round_retries += 1
+                ctx = requests[i].context
+                if retries[i] <= self.max_retries:
+                    log.warning("round %d: the worker running client %d's %s fit died (%s); retrying (%d/%d)",
+                                ctx.round_idx, ctx.client_idx, ctx.kind, type(e).__name__, retries[i],
+                                self.max_retries)
+                    queue.append(i)
+                else:
+                    results[i] = self._lost(requests[i], f"worker died {retries[i]} times ({type(e).__name__})")
+        for r, u in zip(requests, results):
+            assert u is not None
+            if u.client_state is not None and not u.fault:
+                u.client_state = {**r.client_state, **u.client_state}
+            elif u.fault:
+                u.client_state = r.client_state
+        return results  # type: ignore[return-value]
+
+    def _lost(self, request: FitRequest, detail: str) -> ClientUpdate:
+        loop = self.loop
+        assert loop is not None
+        ctx = request.context
+        if loop.on_client_fault == "raise":
+            from pl_fedsparse.execution import ClientFaultError
+
+            raise ClientFaultError(f"round {ctx.round_idx}: client {ctx.client_idx}'s {ctx.kind} fit failed "
+                                   f"(worker_lost: {detail}); trainer.on_client_fault=raise")
+        return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx,
+                            n_samples=int(loop.datamodule.num_samples(ctx.client_idx, "train")), state={},
+                            message=None, kind=ctx.kind, context=ctx, client_state=request.client_state,
+                            fault="worker_lost", fault_detail=detail)

@@ -1,0 +1,168 @@
+"""RayExecutor (issue 13): the same federation on Ray actors as in process, worker deaths retried or skipped.
+
+One local Ray instance (3 CPUs) serves the module. Fits run on one torch thread per worker, so the in-process
+reference runs on one thread too (another intra-op thread count orders float reductions differently).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_datamodule, tiny_loop, tiny_module
+
+from pl_fedsparse import FederatedCallback
+from pl_fedsparse.callbacks import (
+    Ditto,
+    DualMask,
+    FedSpaAggregation,
+    FineTune,
+    Gossip,
+    GradientRegrow,
+    KeepOptimizerState,
+    PFedGate,
+    RandomRegrow,
+    SparseMask,
+)
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.executors import FitWorker, RayExecutor, pack_tree, tune_malloc, unpack_tree, worker_spec
+from pl_fedsparse.topology import Ring
+
+ray = pytest.importorskip("ray")
+cloudpickle = pytest.importorskip("ray.cloudpickle")
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+
+IGNORED = ("time_s", "time_cum_s", "time_train_s", "worker_retries")
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _history(tmp_path: Path, make: Any, executor: Any = None, topology: Any = None, **kw: Any) -> list[dict]:
+    loop = tiny_loop(tmp_path, callbacks=make(), executor=executor, topology=topology, **kw)
+    loop.fit(tiny_module(), tiny_datamodule())
+    return [{k: v for k, v in row.items() if k not in IGNORED} for row in loop.history]
+
+
+METHODS: dict[str, tuple[Any, Any]] = {
+    "fedavg_ft": (lambda: [FineTune(epochs=1)], None),
+    "fedspa": (lambda: [GradientRegrow(density=0.5), FedSpaAggregation()], None),
+    "dispfl": (lambda: [RandomRegrow(density=0.5, same_mask=False, mask_personal_eval=False), Gossip()], Ring),
+    "dmpfl": (lambda: [DualMask(density=0.5, iterations=1)], None),
+    "ditto_masked": (lambda: [SparseMask(density=0.5), Ditto(lam=0.1)], None),
+    "pfedgate": (lambda: [PFedGate(density=0.5, aggregation="index"), KeepOptimizerState()], None),
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_session: None, one_thread: None) -> None:
+    make, topo = METHODS[method]
+    kw = {"num_rounds": 4 if method == "dmpfl" else 3}
+    ref = _history(tmp_path / "ref", make, topology=topo() if topo else None, **kw)
+    workers = {"fedspa": [1, 3]}.get(method, [2])
+    for w in workers:
+        got = _history(tmp_path / f"ray{w}", make, RayExecutor(num_workers=w), topo() if topo else None, **kw)
+        assert got == ref, (method, w)
+
+
+class DieOnce(FederatedCallback):
+    """Kills the worker process running ``client``'s fit in ``round`` (``times`` times, counted in ``marker``)."""
+
+    def __init__(self, marker: str, client: int = 1, round: int = 1, times: int = 1) -> None:
+        self.marker, self.client, self.round, self.times = marker, client, round, times
+
+    def on_client_fit_start(self, loop: Any, module: Any, context: Any) -> None:
+        if (context.client_idx, context.round_idx) != (self.client, self.round):
+            return
+        n = int(Path(self.marker).read_text()) if os.path.exists(self.marker) else 0
+        if n < self.times:
+            Path(self.marker).write_text(str(n + 1))
+            os._exit(1)
+
+
+def test_a_dead_worker_is_retried_and_the_run_is_unchanged(tmp_path: Path, ray_session: None,
+                                                           one_thread: None) -> None:
+    make = METHODS["fedspa"][0]
+    ref = _history(tmp_path / "ref", make)
+    marker = str(tmp_path / "deaths")
+    loop = tiny_loop(tmp_path / "ray", callbacks=[*make(), DieOnce(marker)], executor=RayExecutor(num_workers=2))
+    loop.fit(tiny_module(), tiny_datamodule())
+    assert Path(marker).read_text() == "1"
+    assert [r.get("worker_retries", 0) for r in loop.history] == [0, 1]
+    assert [{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history] == ref
+
+
+def test_a_client_whose_worker_keeps_dying_is_skipped(tmp_path: Path, ray_session: None) -> None:
+    marker = str(tmp_path / "deaths")
+    loop = tiny_loop(tmp_path, callbacks=[DieOnce(marker, times=10)],
+                     executor=RayExecutor(num_workers=2, max_retries=1))
+    loop.fit(tiny_module(), tiny_datamodule())
+    row = loop.history[1]
+    assert row["worker_retries"] == 2 and row["client_faults"] == 1
+    assert row["client_fault_kinds"] == [{"client": 1, "kind": "worker_lost", "fit": "train"}]
+    assert all(torch.isfinite(t).all() for t in loop.global_state.values())  # type: ignore[union-attr]
+
+
+def test_fit_worker_runs_a_request_like_the_loop(tmp_path: Path, one_thread: None) -> None:
+    """The worker body without Ray: a replica built from worker_spec gives the in-process update."""
+    loop = tiny_loop(tmp_path, callbacks=[SparseMask(density=0.5)])
+    loop.setup(tiny_module(), tiny_datamodule())
+    worker = FitWorker(cloudpickle.loads(cloudpickle.dumps(worker_spec(loop))), threads=1)
+    request = loop.fit_request(0, dict(loop.global_state))  # type: ignore[arg-type]
+    from pl_fedsparse.executors import _to_wire, _unpack_update, sync_state
+
+    remote = _unpack_update(worker.run(1, cloudpickle.loads(cloudpickle.dumps(sync_state(loop))),
+                                       _to_wire(request, loop.global_state)))
+    local = loop.executor.run([request])[0]
+    assert remote.state.keys() == local.state.keys()
+    assert all(torch.equal(remote.state[k], local.state[k]) for k in local.state)
+    assert remote.flop_charges == local.flop_charges
+
+
+def test_pack_tree_round_trip() -> None:
+    m = torch.rand(3, 5, 7) > 0.5
+    tree = {"a": {"m": m, "w": torch.ones(2)}, "b": [m[0], 3]}
+    back = unpack_tree(pack_tree(tree))
+    assert torch.equal(back["a"]["m"], m) and torch.equal(back["b"][0], m[0]) and back["b"][1] == 3
+    assert pack_tree(m).bits.nbytes == (m.numel() + 7) // 8
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"num_workers": 0}, "trainer.executor.num_workers=0 is invalid"),
+    ({"num_cpus_per_worker": 0}, "trainer.executor.num_cpus_per_worker=0 is invalid"),
+    ({"max_retries": -1}, "trainer.executor.max_retries=-1 is invalid"),
+])
+def test_bad_arguments(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        RayExecutor(**kw)
+
+
+def test_gpus_on_a_cpu_run_are_refused(tmp_path: Path, ray_session: None) -> None:
+    loop = tiny_loop(tmp_path, executor=RayExecutor(num_workers=1, num_gpus_per_worker=0.5))
+    with pytest.raises(ConfigError, match="num_gpus_per_worker=0.5 is invalid"):
+        loop.fit(tiny_module(), tiny_datamodule())
+
+
+def test_tune_malloc_respects_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PL_FEDSPARSE_MALLOC_TUNING", "0")
+    assert tune_malloc() is False
+    monkeypatch.setenv("PL_FEDSPARSE_MALLOC_TUNING", "1")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
+    assert tune_malloc() is False
