@@ -256,7 +256,6 @@ class FitWorker:
         self.fits += 1
         if update.client_state is not None and update.client_state is not sent:
             update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
-        update.extras.setdefault("_worker_pid", os.getpid())
         return _pack_update(update)
 
     def ping(self) -> int:
