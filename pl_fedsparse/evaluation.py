@@ -207,8 +207,11 @@ class Evaluator:
             merge_views(views, list(cb.eval_views(self.loop)))
         return views
 
-    def _client(self, k: int, split: str, views: dict[str, EvalView], has_global: bool
-                ) -> dict[str, dict[str, dict[str, float]]]:
+    def forward(self, k: int, split: str, views: dict[str, EvalView], has_global: bool
+                ) -> tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]:
+        """Client ``k``'s logits of every model kind on every view, and the labels of every view: the forward part
+        of an evaluation, with the ``on_client_evaluate_start``/``_end`` hooks (an out-of-process executor runs it
+        in its workers, :meth:`~pl_fedsparse.execution.ClientExecutor.forward_clients`)."""
         loop = self.loop
         assert loop.model is not None
         loaders: dict[tuple, Any] = {}
@@ -238,7 +241,11 @@ class Evaluator:
             loop.call("on_client_evaluate_end", loop.model, k, kind, logits_metrics(*results[CLEAN.key]))
             for name, v in views.items():
                 outputs[name][kind], labels[name] = results[v.key]
-        loop.call("on_client_predictions", k, outputs, labels)
+        return outputs, labels
+
+    def _summarize(self, k: int, views: dict[str, EvalView], outputs: dict[str, dict[str, Tensor]],
+                   labels: dict[str, Tensor]) -> dict[str, dict[str, dict[str, float]]]:
+        self.loop.call("on_client_predictions", k, outputs, labels)
         extra = self.loop.eval_metrics
         return {name: {kind: logits_metrics(lg, labels[name], extra) for kind, lg in kinds_out.items()}
                 for name, kinds_out in outputs.items() if views[name].report}
@@ -249,7 +256,11 @@ class Evaluator:
         loop = self.loop
         views = self.views()
         has_global = loop.global_state is not None and loop.eval_global
-        per_client = [self._client(k, split, views, has_global) for k in range(loop.num_clients)]
+        clients = list(range(loop.num_clients))
+        spread = loop.executor.forward_clients(clients, split, views, has_global)  # None: here, one by one
+        per_client = [self._summarize(k, views, *(spread[i] if spread is not None else
+                                                  self.forward(k, split, views, has_global)))
+                      for i, k in enumerate(clients)]
         out: dict[str, Any] = {}
         for name, v in views.items():
             if not v.report:

@@ -73,6 +73,13 @@ class ClientExecutor(ABC):
     def teardown(self) -> None:
         """Called when the federation ends (also when it stops with an error)."""
 
+    def forward_clients(self, clients: Sequence[int], split: str, views: Mapping[str, Any], has_global: bool
+                        ) -> list[tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]] | None:
+        """Evaluation's forward passes (:meth:`pl_fedsparse.evaluation.Evaluator.forward` of every client in
+        ``clients``, in that order) run elsewhere, or ``None`` to let the evaluator run them in this process (the
+        default)."""
+        return None
+
     def round_metrics(self) -> dict[str, Any]:
         """Figures of the round that just ended for its metrics row (e.g. ``worker_retries``); then reset."""
         return {}

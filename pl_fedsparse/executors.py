@@ -230,8 +230,16 @@ class FitWorker:
         loop = self.loop
         for k in _SYNCED:
             setattr(loop, k, state[k])
+        # an evaluation ships every client's state (personal models are policies reading it); fits bring their own
+        loop.client_store._data = dict(state.get("client_store") or {})
         loop._resolve_policies()
         self._synced = key
+
+    def forward(self, key: Any, state: Mapping[str, Any], clients: Sequence[int], split: str,
+                views: Mapping[str, Any], has_global: bool) -> list[Any]:
+        """Evaluation's forward passes of ``clients`` (:meth:`pl_fedsparse.evaluation.Evaluator.forward`)."""
+        self.sync(key, state)
+        return [self.loop.evaluator.forward(k, split, dict(views), has_global) for k in clients]
 
     def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest) -> ClientUpdate:
         """Run one fit and return its update (boolean tensors bit-packed, only the client-state entries it
@@ -341,7 +349,8 @@ class RayExecutor(ClientExecutor):
                     kwargs["object_store_memory"] = int(self.object_store_memory)
                 kwargs["num_cpus"] = max(int(np.ceil(self.num_workers * self.num_cpus_per_worker)), 1)
             try:
-                ray.init(address=self.address, **kwargs)
+                # "local": a fresh instance even if this machine runs a cluster (ray start) the user did not name
+                ray.init(address=self.address or "local", **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"trainer.executor.address={self.address!r} is invalid: expected a reachable Ray "
                                   f"cluster or null for a local one ({' '.join(str(e).split())[:200]})") from None
@@ -394,29 +403,22 @@ class RayExecutor(ClientExecutor):
         wires = [_to_wire(r, synced["global_state"]) for r in requests]
         results: list[ClientUpdate | None] = [None] * len(requests)
         retries = [0] * len(requests)
-        queue = list(range(len(requests)))
-        idle = list(self.actors)
-        running: dict[Any, tuple[Any, int]] = {}
-        while queue or running:
-            while queue and idle:
-                i, actor = queue.pop(0), idle.pop(0)
-                running[actor.run.remote(key, state_ref, wires[i])] = (actor, i)
-            ready, _ = ray.wait(list(running), num_returns=1)
-            actor, i = running.pop(ready[0])
-            idle.append(actor)
-            try:
-                results[i] = _unpack_update(ray.get(ready[0]))
-            except (RayActorError, WorkerCrashedError) as e:
-                retries[i] += 1
-                self._round_retries += 1
-                ctx = requests[i].context
-                if retries[i] <= self.max_retries:
-                    log.warning("round %d: the worker running client %d's %s fit died (%s); retrying (%d/%d)",
-                                ctx.round_idx, ctx.client_idx, ctx.kind, type(e).__name__, retries[i],
-                                self.max_retries)
-                    queue.append(i)
-                else:
-                    results[i] = self._lost(requests[i], f"worker died {retries[i]} times ({type(e).__name__})")
+
+        def failed(i: int, e: Exception) -> bool:
+            retries[i] += 1
+            self._round_retries += 1
+            ctx = requests[i].context
+            if retries[i] <= self.max_retries:
+                log.warning("round %d: the worker running client %d's %s fit died (%s); retrying (%d/%d)",
+                            ctx.round_idx, ctx.client_idx, ctx.kind, type(e).__name__, retries[i], self.max_retries)
+                return True
+            results[i] = self._lost(requests[i], f"worker died {retries[i]} times ({type(e).__name__})")
+            return False
+
+        def done(i: int, value: Any) -> None:
+            results[i] = _unpack_update(value)
+
+        self._dispatch(len(requests), lambda actor, i: actor.run.remote(key, state_ref, wires[i]), done, failed)
         for r, u in zip(requests, results):
             assert u is not None
             if u.client_state is not None and not u.fault:
@@ -424,6 +426,67 @@ class RayExecutor(ClientExecutor):
             elif u.fault:
                 u.client_state = r.client_state
         return results  # type: ignore[return-value]
+
+    def forward_clients(self, clients: Sequence[int], split: str, views: Mapping[str, Any], has_global: bool
+                        ) -> list[Any] | None:
+        """Evaluation's forward passes spread over the workers (contiguous chunks of clients, dealt to idle
+        workers), unless a callback keeps state in its evaluation hooks
+        (:meth:`~pl_fedsparse.callbacks.base.FederatedCallback.workers_may_evaluate`)."""
+        import ray
+
+        loop = self.loop
+        if loop is None or not self.actors or not clients:
+            return None
+        if not all(type(cb).workers_may_evaluate() for cb in loop.fed_callbacks):
+            return None
+        self._sync_key += 1
+        key = (id(self), self._sync_key)
+        state_ref = ray.put({**sync_state(loop), "client_store": loop.client_store.state_dict()})
+        size = max(1, -(-len(clients) // (4 * len(self.actors))))  # ~4 chunks per worker: balance and few calls
+        chunks = [list(clients[i:i + size]) for i in range(0, len(clients), size)]
+        results: list[list[Any] | None] = [None] * len(chunks)
+
+        def done(i: int, value: Any) -> None:
+            results[i] = value
+
+        self._dispatch(len(chunks), lambda actor, i: actor.forward.remote(key, state_ref, chunks[i], split,
+                                                                          dict(views), has_global),
+                       done, lambda i, e: True)  # evaluation has no side effects: run it again (not counted)
+        return [out for chunk in results for out in (chunk or [])]
+
+    def _dispatch(self, n: int, submit: Any, done: Any, failed: Any) -> None:
+        """Run tasks ``0..n-1``: ``submit(actor, i)`` on idle actors, ``done(i, value)`` with each result. When a
+        worker dies, ``failed(i, error)`` says whether to run task ``i`` again (on whichever actor is idle first);
+        the dead actor (restarted by Ray) gets work again only once it answers a ping."""
+        import ray
+        from ray.exceptions import RayActorError, WorkerCrashedError
+
+        queue, idle = list(range(n)), list(self.actors)
+        running: dict[Any, tuple[Any, int | None]] = {}  # task index None: a ping of a restarting actor
+        pings: dict[int, int] = {}  # failed pings per actor
+        while queue or any(i is not None for _, i in running.values()):
+            while queue and idle:
+                i, actor = queue.pop(0), idle.pop(0)
+                running[submit(actor, i)] = (actor, i)
+            ready, _ = ray.wait(list(running), num_returns=1)
+            actor, i = running.pop(ready[0])
+            try:
+                value = ray.get(ready[0])
+            except (RayActorError, WorkerCrashedError) as e:
+                if i is not None:
+                    if failed(i, e):
+                        queue.append(i)
+                else:
+                    pings[id(actor)] = pings.get(id(actor), 0) + 1
+                    if pings[id(actor)] > 50:
+                        raise RuntimeError(f"a Ray worker cannot be restarted ({type(e).__name__}: {e})") from None
+                time.sleep(0.2)
+                running[actor.ping.remote()] = (actor, None)  # back to work once restarted
+                continue
+            pings.pop(id(actor), None)
+            idle.append(actor)
+            if i is not None:
+                done(i, value)
 
     def _lost(self, request: FitRequest, detail: str) -> ClientUpdate:
         loop = self.loop

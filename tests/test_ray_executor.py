@@ -42,7 +42,7 @@ IGNORED = ("time_s", "time_cum_s", "time_train_s", "worker_retries")
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -166,3 +166,22 @@ def test_tune_malloc_respects_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("PL_FEDSPARSE_MALLOC_TUNING", "1")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")
     assert tune_malloc() is False
+
+
+def test_evaluation_runs_in_the_workers_unless_a_callback_keeps_evaluation_state(tmp_path: Path, ray_session: None,
+                                                                                  one_thread: None) -> None:
+    for j, (make, spread) in enumerate([(lambda: [SparseMask(density=0.5)], True),
+                                        (lambda: [PFedGate(density=0.5)], False)]):
+        ref = tiny_loop(tmp_path / f"ref{j}", callbacks=make())
+        ref.setup(tiny_module(), tiny_datamodule())
+        expected = ref.evaluate()
+        ref.reporter.release()
+        loop = tiny_loop(tmp_path / f"ray{j}", callbacks=make(), executor=RayExecutor(num_workers=2))
+        loop.setup(tiny_module(), tiny_datamodule())
+        try:
+            views = loop.evaluator.views()
+            assert (loop.executor.forward_clients([0, 1], "test", views, True) is not None) is spread
+            assert loop.evaluate() == expected
+        finally:
+            loop.executor.teardown()
+            loop.reporter.release()

@@ -65,6 +65,12 @@ class FederatedCallback(pl.Callback):
     #: constructor arguments that may differ when a run is resumed (they cannot change the rounds already run);
     #: any other difference from the checkpoint's configuration is refused
     resume_may_change: tuple[str, ...] = ()
+    #: whether an out-of-process executor may run this callback's evaluation hooks in its workers
+    #: (``on_client_evaluate_start``/``_end`` run where the client's forward pass runs; ``on_client_predictions``
+    #: and ``on_evaluation_end`` always run in the driver). ``None``: yes, unless the class overrides
+    #: ``on_client_evaluate_end`` — which usually collects something the driver reads later; a class that keeps
+    #: nothing there sets ``True``, one whose evaluation hooks keep state in ``self`` sets ``False``
+    evaluate_in_workers: bool | None = None
 
     # ---- per-client state -------------------------------------------------------------------------------------
     @property
@@ -183,6 +189,13 @@ class FederatedCallback(pl.Callback):
     def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
         """Return ``client_idx``'s current (bool) masks by tensor name (``None``: dense)."""
         raise NotImplementedError
+
+    @classmethod
+    def workers_may_evaluate(cls) -> bool:
+        """Whether this class's evaluation hooks may run in an executor's workers (see ``evaluate_in_workers``)."""
+        if cls.evaluate_in_workers is not None:
+            return bool(cls.evaluate_in_workers)
+        return cls.on_client_evaluate_end is FederatedCallback.on_client_evaluate_end
 
     @classmethod
     def owned_policies(cls) -> list[str]:
