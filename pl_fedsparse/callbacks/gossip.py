@@ -12,6 +12,11 @@ average is the same kernel as the server methods' (:func:`~pl_fedsparse.function
 the initial model under its initial mask (``loop.client_masks``), so round 0 is counted sparse too. Every client
 reads the snapshot only, so the order in which clients are processed cannot matter. Each link ``j → k`` is recorded in
 the communication ledger with the bytes of ``j``'s (sparse) model.
+
+Client memory: a client's last model is kept sparse — the values at its mask's positions (a 1-D tensor per masked
+tensor) beside the bit-packed mask — and expanded (zeros elsewhere) when it is sent or evaluated. For ResNet18-GN at
+density 0.5 that is 24 MB per client instead of 45 MB (``benchmarks/client_memory.py``). Before its first fit a
+client holds references to the shared initial weights (nothing per client).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 from typing_extensions import override
 
@@ -70,11 +76,24 @@ class Gossip(FederatedCallback):
         self._snapshot = {j: (self.get_client_state(loop, j, "weights"), self.get_client_state(loop, j, "mask"))
                           for j in range(loop.num_clients)}
 
+    def _expand(self, weights: dict[str, Tensor], masks: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Dense tensors from a stored model: a masked tensor stored as its values at the mask's positions is put
+        back in place (zeros elsewhere); tensors stored dense are returned as they are."""
+        out = {}
+        for name, v in weights.items():
+            m = masks.get(name)
+            if m is not None and tuple(v.shape) != self._shapes[name]:
+                dense = torch.zeros(self._shapes[name], dtype=v.dtype)
+                dense[m] = v
+                v = dense
+            out[name] = v
+        return out
+
     def sender_message(self, client_idx: int) -> Message:
         """What ``client_idx`` sends to a neighbour: its snapshot model, sparse under the mask it trained with."""
         weights, packed = self._snapshot[client_idx]
         masks = unpack_masks(packed, self._shapes) if packed else {}
-        return Message(dict(weights), masks)
+        return Message(self._expand(weights, masks), masks)
 
     @override
     def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
@@ -95,8 +114,11 @@ class Gossip(FederatedCallback):
         # after every callback's on_client_fit_end, so update.masks is final whatever the callback order; only the
         # round's own fits are here (fine-tuning fits never become a client's gossip model)
         for update in updates:
-            self.set_client_state(loop, update.client_idx, "weights", update.state)
-            self.set_client_state(loop, update.client_idx, "mask", pack_masks(update.masks) if update.masks else {})
+            masks = {n: m.to(torch.bool) for n, m in (update.masks or {}).items() if n in self._shapes}
+            # sparse: the values at the mask's positions (the trained model is zero elsewhere; see the module doc)
+            kept = {n: (t[masks[n]] if n in masks else t) for n, t in update.state.items()}
+            self.set_client_state(loop, update.client_idx, "weights", kept)
+            self.set_client_state(loop, update.client_idx, "mask", pack_masks(masks) if masks else {})
 
     @override
     def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
@@ -104,4 +126,6 @@ class Gossip(FederatedCallback):
 
     @override
     def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
-        return self.get_client_state(loop, client_idx, "weights")
+        packed = self.get_client_state(loop, client_idx, "mask")
+        weights = self.get_client_state(loop, client_idx, "weights")
+        return self._expand(weights, unpack_masks(packed, self._shapes) if packed else {})

@@ -1,0 +1,120 @@
+"""Issue 13, acceptance 5: bytes of client state the driver holds per client for DisPFL on ResNet18-GN at density 0.5.
+
+Feeds ``--clients`` synthetic trained states (the ResNet18-GN state with random values, zero outside a per-client
+ERK mask of density 0.5, as a masked fit leaves them) through :class:`pl_fedsparse.callbacks.Gossip`'s own storage
+code (``on_before_aggregate``, which keeps each client's last model and mask) and measures
+
+* the store's bytes per client (``ClientStateStore.nbytes``) — now (values at the mask's positions + bit-packed
+  mask) and as it was before (the dense model + bit-packed mask), and
+* the driver process's resident memory (``/proc/self/status`` VmRSS) before and after storing them,
+
+then extrapolates to 100 and 1,000 clients (the measured per-client bytes times the count: storage is per client,
+with nothing shared once a client has trained).
+
+    python benchmarks/client_memory.py --clients 100      # ~1 min, ~2.5 GB of RAM
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import types
+from pathlib import Path
+
+import torch
+
+from pl_fedsparse.callbacks import Gossip
+from pl_fedsparse.callbacks.masking import top_masks
+from pl_fedsparse.client import ClientStateStore, ClientUpdate
+from pl_fedsparse.functional.masks import layer_densities
+from pl_fedsparse.functional.sparse import pack_masks
+from pl_fedsparse.models import ResNet18GN
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def trim() -> None:
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--density", type=float, default=0.5)
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    init = {k: v.detach().clone() for k, v in ResNet18GN(num_classes=10).state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in init.items() if v.is_floating_point()}
+    masked_shapes = {k: s for k, s in shapes.items() if len(s) > 1}  # conv/linear weights (dense_1d)
+    densities = layer_densities(masked_shapes, args.density, "erk")
+    params = sum(v.numel() for v in init.values())
+
+    store = ClientStateStore()
+    loop = types.SimpleNamespace(client_store=store, initial_state=init, client_masks=lambda k: None,
+                                 topology=types.SimpleNamespace(has_server=False))
+    gossip = Gossip()
+    gossip.setup_federation(loop)  # type: ignore[arg-type]
+    store.materialize(range(args.clients))
+    gc.collect()
+    trim()
+    before, dense_bytes = rss_bytes(), 0
+    for k in range(args.clients):
+        g = torch.Generator().manual_seed(k)
+        masks = top_masks({n: torch.rand(s, generator=g) for n, s in masked_shapes.items()}, densities)
+        state = {n: (torch.randn(v.shape, generator=g) * masks[n] if n in masks else v.clone())
+                 for n, v in init.items()}
+        dense_bytes += sum(v.numel() * v.element_size() for v in state.values()) + sum(
+            p.numel() for p in pack_masks(masks).values())
+        gossip.on_before_aggregate(loop, [ClientUpdate(k, 0, 1, state, masks=masks)])  # type: ignore[arg-type]
+        del state, masks
+    gc.collect()
+    trim()  # hand freed heap pages back, so that RSS counts what is held, not what the allocator keeps cached
+    after = rss_bytes()
+    kept = sum(int(m.sum()) for m in top_masks({n: torch.rand(s) for n, s in masked_shapes.items()},
+                                               densities).values())
+    per_client = store.nbytes() / args.clients
+    # the mask callback (RandomRegrow / GradientRegrow) keeps each client's *current* mask besides Gossip's mask of
+    # the last fit: one more bit-packed mask per client
+    mask_cb = sum(p.numel() for p in pack_masks(top_masks({n: torch.rand(s) for n, s in masked_shapes.items()},
+                                                          densities)).values())
+    total = per_client + mask_cb
+    out = {
+        "model": "ResNet18GN(num_classes=10)", "params": params, "density": args.density,
+        "masked_params_kept": kept, "clients_measured": args.clients,
+        "bytes_per_client_sparse": per_client, "bytes_per_client_dense_before": dense_bytes / args.clients,
+        "rss_growth_per_client": (after - before) / args.clients,
+        "gb_100_clients_sparse": per_client * 100 / 1e9, "gb_100_clients_dense_before": dense_bytes / args.clients * 100 / 1e9,
+        "gb_1000_clients_sparse": per_client * 1000 / 1e9,
+        "gb_1000_clients_dense_before": dense_bytes / args.clients * 1000 / 1e9,
+        "bytes_per_client_mask_callback": mask_cb, "bytes_per_client_total": total,
+        "gb_1000_clients_total": total * 1000 / 1e9, "gib_1000_clients_total": total * 1000 / 2**30,
+        "gb_1000_clients_total_before": (dense_bytes / args.clients + mask_cb) * 1000 / 1e9,
+    }
+    print(f"ResNet18-GN, {params:,} parameters, ERK density {args.density}: {args.clients} clients measured")
+    print(f"  per client, before (dense model + packed mask): {out['bytes_per_client_dense_before'] / 1e6:8.2f} MB")
+    print(f"  per client, now (values at the mask + mask):    {per_client / 1e6:8.2f} MB "
+          f"(process RSS grew {out['rss_growth_per_client'] / 1e6:.2f} MB per client)")
+    print(f"  100 clients:   {out['gb_100_clients_dense_before']:6.2f} GB before -> {out['gb_100_clients_sparse']:6.2f} GB")
+    print(f"  1000 clients:  {out['gb_1000_clients_dense_before']:6.2f} GB before -> {out['gb_1000_clients_sparse']:6.2f} GB")
+    print(f"  with the mask callback's current mask ({mask_cb / 1e6:.2f} MB): {total / 1e6:.2f} MB per client; "
+          f"1000 clients: {out['gb_1000_clients_total']:.2f} GB = {out['gib_1000_clients_total']:.2f} GiB "
+          f"(before: {out['gb_1000_clients_total_before']:.2f} GB)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
