@@ -251,6 +251,7 @@ class FitWorker:
             assert loop.global_state is not None
             start = {**{n: loop.global_state[n] for n in wire.from_global}, **request.start}
             request = FitRequest(request.context, start, request.client_state)
+        t0 = time.perf_counter()
         k, sent = request.context.client_idx, request.client_state
         unknown = [name for name in sent if name not in loop.client_store._inits]
         if unknown:
@@ -264,7 +265,7 @@ class FitWorker:
         self.fits += 1
         if update.client_state is not None and update.client_state is not sent:
             update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
-        return _pack_update(update)
+        return _pack_update(update), time.perf_counter() - t0
 
     def ping(self) -> int:
         """The worker's process id (a cheap call to measure the round trip)."""
@@ -322,10 +323,14 @@ class RayExecutor(ClientExecutor):
         self.loop: FederatedLoop | None = None
         self.actors: list[Any] = []
         self._started_ray = False
+        self._spec_ref: Any = None
         self._sync_key = 0
         self._round_retries = 0
-        #: seconds spent starting Ray and the actors (``setup``), for ``benchmarks/ray_executor.py``
+        #: seconds spent starting Ray and the actors (``setup``), for ``benchmarks/ray_speedup.py``
         self.startup_s = 0.0
+        #: fits run, seconds the workers spent in them (from request received to update packed), wall seconds of
+        #: ``run`` and the sum over fits of (driver-side latency − worker-side seconds): scheduling + transfers
+        self.stats: dict[str, float] = {"fits": 0, "worker_fit_s": 0.0, "run_wall_s": 0.0, "fit_overhead_s": 0.0}
 
     # ---------------------------------------------------------------- life cycle
     def setup(self, loop: FederatedLoop) -> None:
@@ -359,7 +364,8 @@ class RayExecutor(ClientExecutor):
         gpu_fraction = self.num_gpus_per_worker if 0 < self.num_gpus_per_worker < 1 else None
         actor_cls = ray.remote(num_cpus=self.num_cpus_per_worker, num_gpus=self.num_gpus_per_worker,
                                max_restarts=-1, max_task_retries=0)(_RayFitWorker)
-        spec_ref = ray.put(worker_spec(loop))
+        # kept referenced for the run: a restarted actor is rebuilt from it
+        self._spec_ref = spec_ref = ray.put(worker_spec(loop))
         self.actors = [actor_cls.remote(spec_ref, threads, gpu_fraction) for _ in range(self.num_workers)]
         ray.get([a.ping.remote() for a in self.actors])  # replicas built (errors surface here, once)
         self.startup_s = time.perf_counter() - t0
@@ -371,7 +377,7 @@ class RayExecutor(ClientExecutor):
 
         for a in self.actors:
             ray.kill(a, no_restart=True)
-        self.actors = []
+        self.actors, self._spec_ref = [], None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
@@ -416,9 +422,14 @@ class RayExecutor(ClientExecutor):
             return False
 
         def done(i: int, value: Any) -> None:
-            results[i] = _unpack_update(value)
+            update, seconds = value
+            results[i] = _unpack_update(update)
+            self.stats["worker_fit_s"] += seconds
+            self.stats["fits"] += 1
 
+        t0 = time.perf_counter()
         self._dispatch(len(requests), lambda actor, i: actor.run.remote(key, state_ref, wires[i]), done, failed)
+        self.stats["run_wall_s"] += time.perf_counter() - t0
         for r, u in zip(requests, results):
             assert u is not None
             if u.client_state is not None and not u.fault:
@@ -464,12 +475,15 @@ class RayExecutor(ClientExecutor):
         queue, idle = list(range(n)), list(self.actors)
         running: dict[Any, tuple[Any, int | None]] = {}  # task index None: a ping of a restarting actor
         pings: dict[int, int] = {}  # failed pings per actor
+        submitted: dict[Any, float] = {}
         while queue or any(i is not None for _, i in running.values()):
             while queue and idle:
                 i, actor = queue.pop(0), idle.pop(0)
-                running[submit(actor, i)] = (actor, i)
+                ref = submit(actor, i)
+                running[ref], submitted[ref] = (actor, i), time.perf_counter()
             ready, _ = ray.wait(list(running), num_returns=1)
             actor, i = running.pop(ready[0])
+            latency = time.perf_counter() - submitted.pop(ready[0], time.perf_counter())
             try:
                 value = ray.get(ready[0])
             except (RayActorError, WorkerCrashedError) as e:
@@ -486,6 +500,8 @@ class RayExecutor(ClientExecutor):
             pings.pop(id(actor), None)
             idle.append(actor)
             if i is not None:
+                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], float):
+                    self.stats["fit_overhead_s"] += latency - value[1]
                 done(i, value)
 
     def _lost(self, request: FitRequest, detail: str) -> ClientUpdate:

@@ -129,7 +129,7 @@ def test_fit_worker_runs_a_request_like_the_loop(tmp_path: Path, one_thread: Non
     from pl_fedsparse.executors import _to_wire, _unpack_update, sync_state
 
     remote = _unpack_update(worker.run(1, cloudpickle.loads(cloudpickle.dumps(sync_state(loop))),
-                                       _to_wire(request, loop.global_state)))
+                                       _to_wire(request, loop.global_state))[0])
     local = loop.executor.run([request])[0]
     assert remote.state.keys() == local.state.keys()
     assert all(torch.equal(remote.state[k], local.state[k]) for k in local.state)
