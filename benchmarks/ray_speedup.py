@@ -71,13 +71,13 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads if args.mode == "inprocess" else 1)
-    data = dict(name="cifar10", root=args.data_root) if args.data_root else dict(
-        name="synthetic", synthetic={"num_train": 50000, "num_test": 1000, "channels": 3, "size": 32})
+    data: dict[str, Any] = {"name": "cifar10", "root": args.data_root} if args.data_root else {
+        "name": "synthetic", "synthetic": {"num_train": 50000, "num_test": 1000, "channels": 3, "size": 32}}
     executor = RayExecutor(num_workers=args.workers) if args.mode == "ray" else None
     run_dir = ROOT / "benchmarks" / "_runs" / "ray_speedup" / f"{args.workload}_{args.mode}_{args.malloc}"
-    common = dict(num_rounds=1000, local_epochs=5, eval_every=100000, accelerator="cpu", logger=False,
-                  enable_progress_bar=False, checkpoint_every=0, default_root_dir=str(run_dir), overwrite=True,
-                  executor=executor)
+    common: dict[str, Any] = {"num_rounds": 1000, "local_epochs": 5, "eval_every": 100000, "accelerator": "cpu",
+                              "logger": False, "enable_progress_bar": False, "checkpoint_every": 0,
+                              "default_root_dir": str(run_dir), "overwrite": True, "executor": executor}
     torch.manual_seed(0)
     if args.workload == "lenet":
         dm = FederatedDataModule(num_clients=100, partition="iid", batch_size=64, test_mode="global", **data)
@@ -162,7 +162,7 @@ def main() -> None:
             cmd += ["--data-root", args.data_root]
         print(f"== {workload} {mode} malloc={malloc}", flush=True)
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GLIBC_TUNABLES")}
-        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise SystemExit(res.stderr[-3000:])
         print("\n".join(line for line in res.stdout.splitlines() if line.startswith("  round")))

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pl_fedsparse.client import ClientStateStore, ClientUpdate, TensorTree
+from pl_fedsparse.client import ClientStateStore, ClientUpdate
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
@@ -51,7 +51,7 @@ from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["RayExecutor", "FitWorker", "worker_spec", "sync_state", "pack_tree", "unpack_tree", "tune_malloc"]
+__all__ = ["FitWorker", "RayExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree", "worker_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +241,9 @@ class FitWorker:
         self.sync(key, state)
         return [self.loop.evaluator.forward(k, split, dict(views), has_global) for k in clients]
 
-    def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest) -> ClientUpdate:
+    def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest) -> tuple[ClientUpdate, float]:
         """Run one fit and return its update (boolean tensors bit-packed, only the client-state entries it
-        changed)."""
+        changed) and the seconds it took here."""
         self.sync(key, state)
         loop = self.loop
         request = wire.request
@@ -385,7 +385,7 @@ class RayExecutor(ClientExecutor):
     def __del__(self) -> None:  # a run that stopped with an error still frees its workers
         try:
             self.teardown()
-        except Exception:  # pragma: no cover - interpreter shutdown
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: nothing left to report to
             pass
 
     # ---------------------------------------------------------------- fits
@@ -396,7 +396,6 @@ class RayExecutor(ClientExecutor):
 
     def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
         import ray
-        from ray.exceptions import RayActorError, WorkerCrashedError
 
         loop = self.loop
         assert loop is not None and self.actors, "RayExecutor.run before setup"
@@ -478,9 +477,9 @@ class RayExecutor(ClientExecutor):
         submitted: dict[Any, float] = {}
         while queue or any(i is not None for _, i in running.values()):
             while queue and idle:
-                i, actor = queue.pop(0), idle.pop(0)
-                ref = submit(actor, i)
-                running[ref], submitted[ref] = (actor, i), time.perf_counter()
+                task, free = queue.pop(0), idle.pop(0)
+                ref = submit(free, task)
+                running[ref], submitted[ref] = (free, task), time.perf_counter()
             ready, _ = ray.wait(list(running), num_returns=1)
             actor, i = running.pop(ready[0])
             latency = time.perf_counter() - submitted.pop(ready[0], time.perf_counter())

@@ -35,15 +35,16 @@ def two_node_cluster(tmp_path: Path) -> Iterator[str]:
         pytest.skip("the ray command is not installed")
     port = _free_port()
     address = f"127.0.0.1:{port}"
+    logs = [(tmp_path / "head.log").open("w"), (tmp_path / "node.log").open("w")]
     procs = [subprocess.Popen([RAY, "start", "--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false",
-                               "--block"], env=ENV, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)]
+                               "--block"], env=ENV, stdout=logs[0], stderr=subprocess.STDOUT)]
     try:
         time.sleep(3)
         procs.append(subprocess.Popen([RAY, "start", f"--address={address}", "--num-cpus=1", "--block"], env=ENV,
-                                      stdout=open(tmp_path / "node.log", "w"), stderr=subprocess.STDOUT))
+                                      stdout=logs[1], stderr=subprocess.STDOUT))
         deadline = time.time() + 90
         while time.time() < deadline:  # wait until both nodes are alive
-            out = subprocess.run([RAY, "status", f"--address={address}"], env=ENV, capture_output=True, text=True)
+            out = subprocess.run([RAY, "status", f"--address={address}"], env=ENV, capture_output=True, text=True, check=False)
             if out.returncode == 0 and out.stdout.count("node_") >= 2:
                 break
             time.sleep(2)
@@ -58,12 +59,14 @@ def two_node_cluster(tmp_path: Path) -> Iterator[str]:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
+        for f in logs:
+            f.close()
 
 
 def _fit(run_dir: Path, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "pl_fedsparse.cli", "fit", "--config", "configs/quickstart.yaml",
            "--trainer.num_rounds", "2", "--trainer.default_root_dir", str(run_dir), *extra]
-    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, check=False, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
