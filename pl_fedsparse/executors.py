@@ -282,6 +282,24 @@ class _RayFitWorker(FitWorker):
 
 
 # ------------------------------------------------------------------------------------------------ Ray
+def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
+    """Refuse a ``host:port`` cluster address nobody listens on, at once (``ray.init`` would retry for minutes)."""
+    if address is None or address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"trainer.executor.address={address!r} is invalid: expected 'auto', 'host:port', "
+                          "'ray://host:port' or null for a local instance")
+    import socket
+
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConfigError(f"trainer.executor.address={address!r} is invalid: expected a reachable Ray cluster "
+                          f"(ray start --head on that node), or null for a local one ({e.strerror or e})") from None
+
+
 class RayExecutor(ClientExecutor):
     """Run a stage's fits in parallel on long-lived Ray actors; the driver keeps every piece of state.
 
@@ -353,6 +371,7 @@ class RayExecutor(ClientExecutor):
                 if self.object_store_memory is not None:
                     kwargs["object_store_memory"] = int(self.object_store_memory)
                 kwargs["num_cpus"] = max(int(np.ceil(self.num_workers * self.num_cpus_per_worker)), 1)
+            _check_reachable(self.address)
             try:
                 # "local": a fresh instance even if this machine runs a cluster (ray start) the user did not name
                 ray.init(address=self.address or "local", **kwargs)

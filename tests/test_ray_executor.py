@@ -185,3 +185,13 @@ def test_evaluation_runs_in_the_workers_unless_a_callback_keeps_evaluation_state
         finally:
             loop.executor.teardown()
             loop.reporter.release()
+
+
+def test_an_unreachable_cluster_is_one_line_at_once() -> None:
+    from pl_fedsparse.executors import _check_reachable
+
+    with pytest.raises(ConfigError, match=r"trainer.executor.address='127.0.0.1:1' is invalid: expected a reachable"):
+        _check_reachable("127.0.0.1:1")
+    with pytest.raises(ConfigError, match="expected 'auto', 'host:port'"):
+        _check_reachable("host:port")
+    _check_reachable("auto")  # resolved by Ray itself
