@@ -1,0 +1,116 @@
+"""A resumable plan of ``pl-fed fit`` runs shared by several workers and several sessions.
+
+Each run has a name and its ``pl-fed fit`` arguments. ``run_plan`` takes the runs whose record does not exist yet,
+one at a time:
+
+* **claims** — a worker claims a run by creating ``<runs>/<name>.claim`` (O_EXCL) holding its host and pid; a claim
+  whose process is gone (a session that ended, a killed worker) is taken over, so a new session simply starts
+  workers again;
+* **resumes** — a run directory with ``checkpoints/last.ckpt`` is continued from it (``--ckpt_path``), so a long run
+  cut by the end of a session loses at most ``checkpoint_every`` rounds;
+* **records** — a finished run's ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` are copied to
+  ``<record>/<name>/`` (small, kept in git); run directories stay under ``benchmarks/_runs`` (ignored);
+* **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
+  one version of the code while this tree changes; every run log starts with that commit.
+
+Used by ``benchmarks/long_horizon.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Run:
+    """One ``pl-fed fit``: its name and its arguments after ``fit`` (``--trainer.default_root_dir`` is added)."""
+
+    name: str
+    args: list[str]
+    meta: dict = field(default_factory=dict)
+
+
+def commit_of(path: Path) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _alive(claim: Path) -> bool:
+    try:
+        host, pid = claim.read_text().split()
+    except (OSError, ValueError):
+        return False  # an empty or unreadable claim (an older runner, or a crash while writing): stale
+    if host != socket.gethostname():
+        return True  # another machine's worker: never taken over
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(runs_dir: Path, name: str) -> bool:
+    """Claim ``name`` for this process (taking over a claim whose process is gone)."""
+    marker = runs_dir / f"{name}.claim"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _alive(marker):
+                return False
+            marker.unlink(missing_ok=True)  # stale: take it over
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{socket.gethostname()} {os.getpid()}\n")
+        return True
+    return False
+
+
+def record(runs_dir: Path, record_dir: Path, name: str) -> None:
+    out = record_dir / name
+    out.mkdir(parents=True, exist_ok=True)
+    for f in ("config.yaml", "metrics.jsonl", "summary.json"):
+        shutil.copy2(runs_dir / name / f, out / f)
+
+
+def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) -> None:
+    """Run every run of ``runs`` that has no record yet and that no live worker holds (see the module doc)."""
+    for run in runs:
+        if (record_dir / run.name / "summary.json").exists():
+            continue
+        run_dir = runs_dir / run.name
+        if (run_dir / "summary.json").exists():  # written when a run ends: finished, not yet recorded
+            record(runs_dir, record_dir, run.name)
+            continue
+        if not claim(runs_dir, run.name):
+            continue
+        cmd = [sys.executable, "-m", "pl_fedsparse.cli", "fit", *run.args, "--trainer.default_root_dir", str(run_dir),
+               "--trainer.enable_progress_bar", "false"]
+        last = run_dir / "checkpoints" / "last.ckpt"
+        resumed = last.exists()
+        cmd += ["--ckpt_path", str(last)] if resumed else ["--trainer.overwrite", "true"]
+        print(("resuming " if resumed else "running ") + run.name, flush=True)
+        log = runs_dir / f"{run.name}.log"
+        with log.open("a") as fh:
+            fh.write(f"# code: {code} at {commit_of(code)}{' (resumed)' if resumed else ''}\n")
+            fh.flush()
+            rc = subprocess.call(cmd, cwd=code, stdout=fh, stderr=subprocess.STDOUT)
+        (runs_dir / f"{run.name}.claim").unlink(missing_ok=True)
+        if rc != 0:
+            print(f"FAILED {run.name} (rc {rc}, log {log})", flush=True)
+            continue
+        if (run_dir / "summary.json").exists():
+            record(runs_dir, record_dir, run.name)
