@@ -338,6 +338,8 @@ class RayExecutor(ClientExecutor):
         self.num_workers, self.num_cpus_per_worker = num_workers, float(num_cpus_per_worker)
         self.num_gpus_per_worker, self.address, self.max_retries = float(num_gpus_per_worker), address, max_retries
         self.object_store_memory = object_store_memory
+        #: how long a restarting worker may take to answer again before the run stops
+        self.restart_timeout_s = 600.0
         self.loop: FederatedLoop | None = None
         self.actors: list[Any] = []
         self._started_ray = False
@@ -492,7 +494,7 @@ class RayExecutor(ClientExecutor):
 
         queue, idle = list(range(n)), list(self.actors)
         running: dict[Any, tuple[Any, int | None]] = {}  # task index None: a ping of a restarting actor
-        pings: dict[int, int] = {}  # failed pings per actor
+        pings: dict[int, float] = {}  # when each restarting actor first failed a ping
         submitted: dict[Any, float] = {}
         while queue or any(i is not None for _, i in running.values()):
             while queue and idle:
@@ -508,11 +510,12 @@ class RayExecutor(ClientExecutor):
                 if i is not None:
                     if failed(i, e):
                         queue.append(i)
-                else:
-                    pings[id(actor)] = pings.get(id(actor), 0) + 1
-                    if pings[id(actor)] > 50:
-                        raise RuntimeError(f"a Ray worker cannot be restarted ({type(e).__name__}: {e})") from None
-                time.sleep(0.2)
+                else:  # still restarting: importing torch and rebuilding the replica can take a while on a busy host
+                    since = pings.setdefault(id(actor), time.monotonic())
+                    if time.monotonic() - since > self.restart_timeout_s:
+                        raise RuntimeError(f"a Ray worker did not come back within {self.restart_timeout_s:.0f} s "
+                                           f"({type(e).__name__}: {e})") from None
+                time.sleep(0.5)
                 running[actor.ping.remote()] = (actor, None)  # back to work once restarted
                 continue
             pings.pop(id(actor), None)

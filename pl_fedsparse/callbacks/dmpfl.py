@@ -202,15 +202,19 @@ class DualMask(UsesMaskedTraining):
         self.global_mask = {k: m.clone() for k, m in self.draw_mask(loop, 0).items()}  # m_g: the shared draw
         # m_g keeps as many positions per layer as the initial ERK draw (the personal masks' exact counts)
         self._counts = {k: int(m.sum()) for k, m in self.global_mask.items()}
+        self._upload_zero_share: float | None = None
+        self._zeros_cum = [0, 0]  # zeros and positions uploaded in every round so far (checkpointed)
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"global_mask": pack_masks(self.global_mask)}
+        return {"global_mask": pack_masks(self.global_mask), "upload_zeros": torch.tensor(self._zeros_cum)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "global_mask" in state_dict:
             self.global_mask = unpack_masks(state_dict["global_mask"], self.shapes)
+        if "upload_zeros" in state_dict:
+            self._zeros_cum = [int(x) for x in state_dict["upload_zeros"].tolist()]
 
     # ---- policies ------------------------------------------------------------------------------------------------
     def _global_message(self, loop: FederatedLoop) -> Message:
@@ -347,7 +351,30 @@ class DualMask(UsesMaskedTraining):
                         p.mul_(self.global_mask[name].to(p.device, p.dtype))
 
     @override
+    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+        # the share of uploaded mask positions that carry an exact zero (regrown positions start at zero and go into
+        # Eq. 5 as such): what the readjustment rate α_s costs the aggregation (issue 15's α_s study)
+        zeros = sent = 0
+        for u in (u for u in updates if u.kind == "train"):
+            if u.message is None:
+                continue
+            for name, m in u.message.masks.items():
+                v = u.message.tensors.get(name)
+                if v is None:
+                    continue
+                m = m.to(torch.bool)
+                sent += int(m.sum())
+                zeros += int((m & (v == 0)).sum())
+        self._upload_zero_share = zeros / sent if sent else None
+        self._zeros_cum = [self._zeros_cum[0] + zeros, self._zeros_cum[1] + sent]
+
+    @override
     def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+        share, self._upload_zero_share = self._upload_zero_share, None
+        if share is not None:
+            metrics["upload_zero_share"] = share  # this round's uploads
+        if self._zeros_cum[1]:
+            metrics["upload_zero_share_cum"] = self._zeros_cum[0] / self._zeros_cum[1]  # every upload so far
         metrics["dmpfl_phase"] = 1 if self.phase(loop, round_idx) == "mask" else 2
         total = sum(m.numel() for m in self.global_mask.values())
         metrics["global_mask_density"] = sum(int(m.sum()) for m in self.global_mask.values()) / max(total, 1)
