@@ -136,12 +136,47 @@ def unpack_tree(value: Any) -> Any:
     return value
 
 
+@dataclass
+class _SparseValues:
+    """A message tensor that is zero outside its mask, as the values at the mask's positions."""
+
+    values: Tensor
+    shape: tuple[int, ...]
+
+
+def _sparse_message_tensors(tensors: dict[str, Tensor], masks: Mapping[str, Tensor]) -> dict[str, Any]:
+    """Message tensors that are exactly zero outside their (same-name) mask travel as their values at the mask."""
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        m = masks.get(name)
+        if (m is not None and m.dtype == torch.bool and m.shape == t.shape and t.device.type == "cpu"
+                and not bool(t[~m].any())):  # (a -0.0 off the mask comes back as +0.0: equal as a value)
+            out[name] = _SparseValues(t[m], tuple(t.shape))
+        else:
+            out[name] = t
+    return out
+
+
+def _dense_message_tensors(tensors: dict[str, Any], masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        if isinstance(t, _SparseValues):
+            dense = torch.zeros(t.shape, dtype=t.values.dtype)
+            dense[masks[name]] = t.values
+            t = dense
+        out[name] = t
+    return out
+
+
 def _pack_update(update: ClientUpdate) -> ClientUpdate:
+    """Boolean tensors bit-packed; message tensors zero outside their mask as values only (undone exactly by
+    :func:`_unpack_update`)."""
+    if update.message is not None:
+        update.message.tensors = _sparse_message_tensors(update.message.tensors, update.message.masks)
+        update.message.masks = pack_tree(update.message.masks)
     update.masks = pack_tree(update.masks)
     update.client_state = pack_tree(update.client_state)
     update.extras = pack_tree(update.extras)
-    if update.message is not None:
-        update.message.masks = pack_tree(update.message.masks)
     return update
 
 
@@ -151,6 +186,7 @@ def _unpack_update(update: ClientUpdate) -> ClientUpdate:
     update.extras = unpack_tree(update.extras)
     if update.message is not None:
         update.message.masks = unpack_tree(update.message.masks)
+        update.message.tensors = _dense_message_tensors(update.message.tensors, update.message.masks)
     return update
 
 

@@ -195,3 +195,21 @@ def test_an_unreachable_cluster_is_one_line_at_once() -> None:
     with pytest.raises(ConfigError, match="expected 'auto', 'host:port'"):
         _check_reachable("host:port")
     _check_reachable("auto")  # resolved by Ray itself
+
+
+def test_packed_updates_round_trip_exactly() -> None:
+    from pl_fedsparse.client import ClientUpdate, Message
+    from pl_fedsparse.executors import _pack_update, _SparseValues, _unpack_update
+
+    m = torch.rand(4, 6) > 0.5
+    sparse = torch.randn(4, 6) * m  # zero outside its mask: travels as values
+    dense = torch.randn(4, 6)  # not zero outside its mask: travels dense
+    msg = Message({"a": sparse.clone(), "b": dense.clone(), "c": torch.ones(3)}, {"a": m, "b": m})
+    u = ClientUpdate(0, 0, 1, {"a": sparse}, message=msg, masks={"a": m}, client_state={"cb/mask": m})
+    packed = cloudpickle.loads(cloudpickle.dumps(_pack_update(u)))
+    assert isinstance(packed.message.tensors["a"], _SparseValues)
+    assert not isinstance(packed.message.tensors["b"], _SparseValues)
+    back = _unpack_update(packed)
+    assert torch.equal(back.message.tensors["a"], sparse) and torch.equal(back.message.tensors["b"], dense)
+    assert torch.equal(back.message.masks["a"], m) and torch.equal(back.masks["a"], m)
+    assert torch.equal(back.client_state["cb/mask"], m) and torch.equal(back.message.tensors["c"], torch.ones(3))
