@@ -21,13 +21,13 @@ Eq. 5 as such).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
+import runplan
 import yaml
-from runplan import Run, run_plan
+from runplan import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "dmpfl_alpha_cifar"
@@ -74,18 +74,5 @@ def table() -> None:
               f"{last.get('comm_cum_bytes_total', 0) / 1e6:.1f} | {pct('upload_zero_share_cum')} % |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("verb", choices=["run", "plan", "table"])
-    args = ap.parse_args()
-    if args.verb == "run":
-        run_plan(plan(), RUNS, RECORD, CODE)
-    elif args.verb == "plan":
-        for run in plan():
-            print(f"{run.name}: pl-fed fit {' '.join(run.args)}")
-    else:
-        table()
-
-
 if __name__ == "__main__":
-    main()
+    runplan.main(__doc__, plan, table, RUNS, RECORD, CODE)

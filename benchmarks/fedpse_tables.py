@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runplan import commit_of as _commit
+
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "fedpse_tables"
 RUNS = ROOT / "benchmarks" / "_runs" / "fedpse_tables"
@@ -132,14 +134,6 @@ def run_plan(kind: str) -> None:
             (RUNS / (run["name"] + ".claim")).unlink()  # a later worker may retry it
             continue
         _record(run["name"])
-
-
-def _commit(path: Path) -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _record(name: str) -> None:

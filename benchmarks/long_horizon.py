@@ -31,12 +31,12 @@ records alike).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
-from runplan import Run, run_plan
+import runplan
+from runplan import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "long_horizon"
@@ -96,18 +96,5 @@ def table() -> None:
               f"{last.get('comm_cum_bytes_total', 0) / 1e6:.1f} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("verb", choices=["run", "plan", "table"])
-    args = ap.parse_args()
-    if args.verb == "run":
-        run_plan(plan(), RUNS, RECORD, CODE)
-    elif args.verb == "plan":
-        for run in plan():
-            print(f"{run.name}: pl-fed fit {' '.join(run.args)}")
-    else:
-        table()
-
-
 if __name__ == "__main__":
-    main()
+    runplan.main(__doc__, plan, table, RUNS, RECORD, CODE)

@@ -18,12 +18,13 @@ Used by ``benchmarks/long_horizon.py``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,3 +115,18 @@ def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) 
             continue
         if (run_dir / "summary.json").exists():
             record(runs_dir, record_dir, run.name)
+
+
+def main(doc: str, plan: Callable[[], list[Run]], table: Callable[[], None], runs_dir: Path, record_dir: Path,
+         code: Path) -> None:
+    """The command line every plan script shares: ``run`` (a worker), ``plan`` (the commands), ``table``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("verb", choices=["run", "plan", "table"])
+    args = ap.parse_args()
+    if args.verb == "run":
+        run_plan(plan(), runs_dir, record_dir, code)
+    elif args.verb == "plan":
+        for run in plan():
+            print(f"{run.name}: pl-fed fit {' '.join(run.args)}")
+    else:
+        table()
