@@ -257,7 +257,6 @@ class FitWorker:
         self.executor = InProcessExecutor()
         self.executor.setup(loop)
         self._synced: Any = None
-        self.fits = 0
 
     def sync(self, key: Any, state: Mapping[str, Any]) -> None:
         """Take the driver's state for the coming fits (once per ``key``)."""
@@ -298,7 +297,6 @@ class FitWorker:
             update = self.executor.run_one(request)
         finally:
             loop.client_store._data.pop(k, None)
-        self.fits += 1
         if update.client_state is not None and update.client_state is not sent:
             update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
         return _pack_update(update), time.perf_counter() - t0
