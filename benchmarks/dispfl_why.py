@@ -14,7 +14,10 @@ rounds are the reference):
 * ``dispfl_d08``: density 0.8 (ERK) — how much of the gap is capacity;
 * ``dispfl_random``: the DisPFL scripts' random regrowth (``RandomRegrow``) instead of the paper's gradient regrowth;
 * ``*_data``: more data per client — 1,500 training images each (a 30,000-image subset) instead of 500;
-* ``*_e5``: the paper's 5 local epochs instead of 1 (50 rounds: 5× the steps per round).
+* ``*_e5``: the paper's 5 local epochs instead of 1 (50 rounds: 5× the steps per round);
+* ``fedspa_*_vgg``: FedSpa's four runs (DST, RSM, FedAvg, Local; ``long_horizon.py``'s FedSpa protocol) on the same
+  VGG11-GN: at 200 rounds of LeNet RSM trails FedAvg by 6.6 points and Local leads FedAvg, where the paper's VGG11-GN
+  table has RSM ≈ FedAvg > Local.
 
 Variant configs are written next to the runs (``benchmarks/_runs/dispfl_why/_configs``) from
 ``configs/cifar10_dispfl_cpu.yaml`` / ``configs/cifar10_dpsgd_cpu.yaml``; every record keeps the resolved config.
@@ -49,6 +52,8 @@ DATA = os.environ.get("DISPFL_WHY_DATA", str(ROOT / "data" / "cifar10"))
 ROUNDS = 100
 COMMON = ["--data.root", DATA, "--trainer.local_epochs", "1", "--trainer.eval_every", "10",
           "--trainer.checkpoint_every", "10", "--trainer.accelerator", "cpu", "--trainer.logger", "false"]
+#: long_horizon.py's overrides that put the dense baselines in FedSpa's CPU setting
+FEDSPA_DENSE = ["--data.num_clients", "20", "--data.max_train_samples", "10000", "--trainer.join_ratio", "0.5"]
 VGG = {"class_path": "pl_fedsparse.models.VGG11GN", "init_args": {"num_classes": 10, "width_mult": 0.25}}
 
 
@@ -89,6 +94,13 @@ def _variants() -> dict[str, tuple[str, callable, list[str]]]:
         "dispfl_d08": (dis, d08, []),
         "dispfl_e5": (dis, same, e5),
         "dpsgd_e5": (dps, same, e5),
+        # FedSpa's protocol (long_horizon.py's FEDSPA runs) on the mostly dense ERK backbone: does RSM reach FedAvg,
+        # and does FedAvg pass Local, as in the paper's VGG11-GN table?
+        "fedspa_dst_base": ("configs/cifar10_fedspa_dst_cpu.yaml", same, []),  # LeNet, T = 100 (α_t, as dispfl_base)
+        "fedspa_dst_vgg": ("configs/cifar10_fedspa_dst_cpu.yaml", vgg, []),
+        "fedspa_rsm_vgg": ("configs/cifar10_fedspa_rsm_cpu.yaml", vgg, []),
+        "fedspa_fedavg_vgg": ("configs/cifar10_fedavg.yaml", vgg, FEDSPA_DENSE),
+        "fedspa_local_vgg": ("configs/cifar10_local.yaml", vgg, FEDSPA_DENSE),
     }
 
 
@@ -124,6 +136,8 @@ def table() -> None:
     print("| run | r10 | r30 | r50 | r100 | bottom decile (last) | total MB (last) |")
     print("|---|---|---|---|---|---|---|")
     names = ["dispfl_dpsgd"] + list(_variants())
+    at = names.index("fedspa_dst_base")
+    names[at:at] = ["fedspa_rsm", "fedspa_fedavg", "fedspa_local"]  # 200-round LeNet runs: no T-dependent schedule
     for name in names:
         rows = _rows(name)
         if not rows:
