@@ -91,9 +91,6 @@ def _variants() -> dict[str, tuple[str, callable, list[str]]]:
         "dispfl_random": (dis, random_regrow, []),
         "dispfl_data": (dis, same, more_data),
         "dpsgd_data": (dps, same, more_data),
-        "dispfl_d08": (dis, d08, []),
-        "dispfl_e5": (dis, same, e5),
-        "dpsgd_e5": (dps, same, e5),
         # FedSpa's protocol (long_horizon.py's FEDSPA runs) on the mostly dense ERK backbone: does RSM reach FedAvg,
         # and does FedAvg pass Local, as in the paper's VGG11-GN table?
         "fedspa_dst_base": ("configs/cifar10_fedspa_dst_cpu.yaml", same, []),  # LeNet, T = 100 (α_t, as dispfl_base)
@@ -101,6 +98,9 @@ def _variants() -> dict[str, tuple[str, callable, list[str]]]:
         "fedspa_rsm_vgg": ("configs/cifar10_fedspa_rsm_cpu.yaml", vgg, []),
         "fedspa_fedavg_vgg": ("configs/cifar10_fedavg.yaml", vgg, FEDSPA_DENSE),
         "fedspa_local_vgg": ("configs/cifar10_local.yaml", vgg, FEDSPA_DENSE),
+        "dispfl_d08": (dis, d08, []),
+        "dispfl_e5": (dis, same, e5),
+        "dpsgd_e5": (dps, same, e5),
     }
 
 
