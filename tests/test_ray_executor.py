@@ -187,6 +187,39 @@ def test_evaluation_runs_in_the_workers_unless_a_callback_keeps_evaluation_state
             loop.reporter.release()
 
 
+class StoreWitness(FederatedCallback):
+    """Appends, at each personal evaluation, ``pid client clients-in-the-store`` to ``path`` (evaluation stays
+    spreadable: no ``on_client_evaluate_end`` override)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_client_evaluate_start(self, loop: Any, module: Any, client_idx: int, kind: str) -> None:
+        if kind == "personal":
+            held = ",".join(str(k) for k in sorted(loop.client_store._data))
+            with open(self.path, "a") as fh:
+                fh.write(f"{os.getpid()} {client_idx} {held}\n")
+
+
+def test_an_evaluation_chunk_carries_only_its_clients_state(tmp_path: Path, ray_session: None,
+                                                           one_thread: None) -> None:
+    # a worker evaluating clients [a, b] holds exactly their state, never the whole store (1,000 clients ≈ 25 GB)
+    witness = str(tmp_path / "witness")
+    make = lambda: [RandomRegrow(density=0.5, same_mask=False, mask_personal_eval=False), Gossip()]  # noqa: E731
+    ref = _history(tmp_path / "ref", make, topology=Ring())
+    loop = tiny_loop(tmp_path / "ray", callbacks=[*make(), StoreWitness(witness)], topology=Ring(),
+                     executor=RayExecutor(num_workers=2))
+    loop.fit(tiny_module(), tiny_datamodule())
+    assert [{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history] == ref
+    lines = [line.split() for line in Path(witness).read_text().splitlines()]
+    assert lines and all(int(pid) != os.getpid() for pid, _, _ in lines)  # evaluated in the workers
+    n = loop.num_clients
+    size = -(-n // 8)  # the executor's chunks: ~4 per worker
+    for _, client, held in lines:
+        clients = [int(k) for k in held.split(",")]
+        assert int(client) in clients and len(clients) <= size < n, (client, clients)
+
+
 def test_an_unreachable_cluster_is_one_line_at_once() -> None:
     from pl_fedsparse.executors import _check_reachable
 
