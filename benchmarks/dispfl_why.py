@@ -36,24 +36,24 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
+import long_horizon
 import runplan
 from runplan import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "dispfl_why"
 RUNS = ROOT / "benchmarks" / "_runs" / "dispfl_why"
-LONG = ROOT / "benchmarks" / "long_horizon"
+LONG = long_horizon.RECORD
 CODE = Path(os.environ.get("DISPFL_WHY_CODE", ROOT)).resolve()
-DATA = os.environ.get("DISPFL_WHY_DATA", str(ROOT / "data" / "cifar10"))
 ROUNDS = 100
-COMMON = ["--data.root", DATA, "--trainer.local_epochs", "1", "--trainer.eval_every", "10",
-          "--trainer.checkpoint_every", "10", "--trainer.accelerator", "cpu", "--trainer.logger", "false"]
+COMMON = long_horizon.COMMON  # the same protocol as the 200-round runs (data root: LONG_HORIZON_DATA)
 #: long_horizon.py's overrides that put the dense baselines in FedSpa's CPU setting
-FEDSPA_DENSE = ["--data.num_clients", "20", "--data.max_train_samples", "10000", "--trainer.join_ratio", "0.5"]
+FEDSPA_DENSE = long_horizon.FEDSPA["fedspa_fedavg"][1]
 VGG = {"class_path": "pl_fedsparse.models.VGG11GN", "init_args": {"num_classes": 10, "width_mult": 0.25}}
 
 
@@ -61,7 +61,7 @@ def _mask_args(cfg: dict) -> dict:
     return cfg["trainer"]["callbacks"][0]["init_args"]
 
 
-def _variants() -> dict[str, tuple[str, callable, list[str]]]:
+def _variants() -> dict[str, tuple[str, Callable[[dict], None], list[str]]]:
     """name -> (base config, edit of the loaded YAML, CLI overrides)."""
 
     def vgg(cfg):
