@@ -39,10 +39,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 import long_horizon
 import runplan
+import yaml
 from runplan import Run
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,16 +26,16 @@ import json
 import tempfile
 from pathlib import Path
 
+import pfedgate_reference_check as H
 import torch
 
-import pfedgate_reference_check as H
 from pl_fedsparse.callbacks import PFedGate
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
-    "code": dict(straight_through="code", relu_logits=True),
-    "defaults": dict(straight_through="paper", relu_logits=False),
-    "code_ste": dict(straight_through="code", relu_logits=False),
+    "code": {"straight_through": "code", "relu_logits": True},
+    "defaults": {"straight_through": "paper", "relu_logits": False},
+    "code_ste": {"straight_through": "code", "relu_logits": False},
 }
 
 
@@ -86,7 +86,7 @@ def main() -> None:
         summary[name] = {"plateau_exit_step": ex, "loss_every_100": [round(x, 4) for x in loss[::100]],
                          "loss_last50_mean": sum(loss[-50:]) / min(50, len(loss)),
                          **({"M_mean_every_100": [round(x, 4) for x in r["M_mean"][::100]]} if "M_mean" in r else {})}
-        print(f"{name:<16} {str(ex):>5}  {' '.join(f'{x:.2f}' for x in loss[::100])}")
+        print(f"{name:<16} {ex!s:>5}  {' '.join(f'{x:.2f}' for x in loss[::100])}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"steps": args.steps, "num_batches": args.num_batches, "batch": H.BATCH,
                                     "summary": summary}, indent=1) + "\n")

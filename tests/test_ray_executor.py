@@ -205,9 +205,9 @@ def test_an_evaluation_chunk_carries_only_its_clients_state(tmp_path: Path, ray_
                                                            one_thread: None) -> None:
     # a worker evaluating clients [a, b] holds exactly their state, never the whole store (1,000 clients ≈ 25 GB)
     witness = str(tmp_path / "witness")
-    make = lambda: [RandomRegrow(density=0.5, same_mask=False, mask_personal_eval=False), Gossip()]  # noqa: E731
-    ref = _history(tmp_path / "ref", make, topology=Ring())
-    loop = tiny_loop(tmp_path / "ray", callbacks=[*make(), StoreWitness(witness)], topology=Ring(),
+    make, topology = METHODS["dispfl"]
+    ref = _history(tmp_path / "ref", make, topology=topology())
+    loop = tiny_loop(tmp_path / "ray", callbacks=[*make(), StoreWitness(witness)], topology=topology(),
                      executor=RayExecutor(num_workers=2))
     loop.fit(tiny_module(), tiny_datamodule())
     assert [{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history] == ref
