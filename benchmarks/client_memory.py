@@ -9,9 +9,16 @@ code (``on_before_aggregate``, which keeps each client's last model and mask) an
 * the driver process's resident memory (``/proc/self/status`` VmRSS) before and after storing them,
 
 then extrapolates to 100 and 1,000 clients (the measured per-client bytes times the count: storage is per client,
-with nothing shared once a client has trained).
+with nothing shared once a client has trained). The mask callback's current mask (``RandomRegrow`` /
+``GradientRegrow`` keep one per client besides Gossip's mask of the last fit) is stored beside them, one more
+bit-packed mask per client.
 
-    python benchmarks/client_memory.py --clients 100      # ~1 min, ~2.5 GB of RAM
+``--codec lossless`` stores them as ``trainer.client_state_codec: lossless`` does (float32 values compressed
+without loss, :mod:`pl_fedsparse.functional.floatcodec`), checks that every client's values decode bit for bit and
+times the codec per client. ``--clients 1000`` stores all 1,000 clients for real (no extrapolation).
+
+    python benchmarks/client_memory.py --clients 100                      # ~1 min, ~2.5 GB of RAM
+    python benchmarks/client_memory.py --clients 1000 --codec lossless    # ~20 min, ~22 GB of RAM
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import time
 import types
 from pathlib import Path
 
@@ -52,6 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--density", type=float, default=0.5)
+    ap.add_argument("--codec", choices=["none", "lossless"], default="none", help="trainer.client_state_codec")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -61,15 +70,17 @@ def main() -> None:
     densities = layer_densities(masked_shapes, args.density, "erk")
     params = sum(v.numel() for v in init.values())
 
-    store = ClientStateStore()
+    store = ClientStateStore(args.codec)
     loop = types.SimpleNamespace(client_store=store, initial_state=init, client_masks=lambda k: None,
                                  topology=types.SimpleNamespace(has_server=False))
     gossip = Gossip()
     gossip.setup_federation(loop)  # type: ignore[arg-type]
+    store.declare("mask_callback/mask", lambda k: {})  # the mask callback's current mask
     store.materialize(range(args.clients))
     gc.collect()
     trim()
-    before, dense_bytes = rss_bytes(), 0
+    before, dense_bytes, kept, encode_s, decode_s = rss_bytes(), 0, 0, 0.0, 0.0
+    t_start = time.perf_counter()
     for k in range(args.clients):
         g = torch.Generator().manual_seed(k)
         masks = top_masks({n: torch.rand(s, generator=g) for n, s in masked_shapes.items()}, densities)
@@ -77,23 +88,35 @@ def main() -> None:
                  for n, v in init.items()}
         dense_bytes += sum(v.numel() * v.element_size() for v in state.values()) + sum(
             p.numel() for p in pack_masks(masks).values())
+        kept = sum(int(m.sum()) for m in masks.values())
+        t0 = time.perf_counter()
         gossip.on_before_aggregate(loop, [ClientUpdate(k, 0, 1, state, masks=masks)])  # type: ignore[arg-type]
-        del state, masks
+        encode_s += time.perf_counter() - t0
+        nxt = top_masks({n: torch.rand(s, generator=g) for n, s in masked_shapes.items()}, densities)
+        store.set(k, "mask_callback/mask", pack_masks(nxt))
+        if k < 20 or k == args.clients - 1:  # the values come back bit for bit (a sample: decoding costs time)
+            t0 = time.perf_counter()
+            back = gossip.personal_state(loop, k)  # type: ignore[arg-type]
+            decode_s += time.perf_counter() - t0
+            for n, v in state.items():  # bit for bit at the kept positions (outside them: zeros, -0.0 read as 0.0)
+                at = masks.get(n, torch.ones_like(v, dtype=torch.bool))
+                assert torch.equal(back[n][at].view(torch.int32), v[at].view(torch.int32)) and torch.equal(back[n], v), n
+        del state, masks, nxt
+        if (k + 1) % 100 == 0:
+            print(f"  {k + 1} clients stored, RSS {rss_bytes() / 1e9:.2f} GB, {time.perf_counter() - t_start:.0f} s",
+                  flush=True)
     gc.collect()
     trim()  # hand freed heap pages back, so that RSS counts what is held, not what the allocator keeps cached
     after = rss_bytes()
-    kept = sum(int(m.sum()) for m in top_masks({n: torch.rand(s) for n, s in masked_shapes.items()},
-                                               densities).values())
-    per_client = store.nbytes() / args.clients
-    # the mask callback (RandomRegrow / GradientRegrow) keeps each client's *current* mask besides Gossip's mask of
-    # the last fit: one more bit-packed mask per client
-    mask_cb = sum(p.numel() for p in pack_masks(top_masks({n: torch.rand(s) for n, s in masked_shapes.items()},
-                                                          densities)).values())
-    total = per_client + mask_cb
+    total = store.nbytes() / args.clients
+    mask_cb = sum(p.numel() for p in store.get(0, "mask_callback/mask").values())
+    per_client = total - mask_cb  # Gossip's values and mask
+    decoded_clients = min(args.clients, 21)
     out = {
-        "model": "ResNet18GN(num_classes=10)", "params": params, "density": args.density,
+        "model": "ResNet18GN(num_classes=10)", "params": params, "density": args.density, "codec": args.codec,
         "masked_params_kept": kept, "clients_measured": args.clients,
         "bytes_per_client_sparse": per_client, "bytes_per_client_dense_before": dense_bytes / args.clients,
+        "rss_before_gb": before / 1e9, "rss_after_gb": after / 1e9,
         "rss_growth_per_client": (after - before) / args.clients,
         "gb_100_clients_sparse": per_client * 100 / 1e9, "gb_100_clients_dense_before": dense_bytes / args.clients * 100 / 1e9,
         "gb_1000_clients_sparse": per_client * 1000 / 1e9,
@@ -101,16 +124,21 @@ def main() -> None:
         "bytes_per_client_mask_callback": mask_cb, "bytes_per_client_total": total,
         "gb_1000_clients_total": total * 1000 / 1e9, "gib_1000_clients_total": total * 1000 / 2**30,
         "gb_1000_clients_total_before": (dense_bytes / args.clients + mask_cb) * 1000 / 1e9,
+        "store_seconds_per_client": encode_s / args.clients, "read_seconds_per_client": decode_s / decoded_clients,
+        "torch_threads": torch.get_num_threads(),
     }
-    print(f"ResNet18-GN, {params:,} parameters, ERK density {args.density}: {args.clients} clients measured")
+    print(f"ResNet18-GN, {params:,} parameters, ERK density {args.density}, codec {args.codec}: "
+          f"{args.clients} clients stored")
     print(f"  per client, before (dense model + packed mask): {out['bytes_per_client_dense_before'] / 1e6:8.2f} MB")
-    print(f"  per client, now (values at the mask + mask):    {per_client / 1e6:8.2f} MB "
-          f"(process RSS grew {out['rss_growth_per_client'] / 1e6:.2f} MB per client)")
+    print(f"  per client, now (values at the mask + mask):    {per_client / 1e6:8.2f} MB")
+    print(f"  + the mask callback's current mask ({mask_cb / 1e6:.2f} MB): {total / 1e6:.2f} MB per client "
+          f"(the process's RSS grew {out['rss_growth_per_client'] / 1e6:.2f} MB per client, "
+          f"{before / 1e9:.2f} -> {after / 1e9:.2f} GB)")
     print(f"  100 clients:   {out['gb_100_clients_dense_before']:6.2f} GB before -> {out['gb_100_clients_sparse']:6.2f} GB")
-    print(f"  1000 clients:  {out['gb_1000_clients_dense_before']:6.2f} GB before -> {out['gb_1000_clients_sparse']:6.2f} GB")
-    print(f"  with the mask callback's current mask ({mask_cb / 1e6:.2f} MB): {total / 1e6:.2f} MB per client; "
-          f"1000 clients: {out['gb_1000_clients_total']:.2f} GB = {out['gib_1000_clients_total']:.2f} GiB "
+    print(f"  1000 clients:  {out['gb_1000_clients_total']:.2f} GB = {out['gib_1000_clients_total']:.2f} GiB "
           f"(before: {out['gb_1000_clients_total_before']:.2f} GB)")
+    print(f"  storing a client's trained state: {out['store_seconds_per_client'] * 1e3:.1f} ms; reading it back: "
+          f"{out['read_seconds_per_client'] * 1e3:.1f} ms ({torch.get_num_threads()} torch threads)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")

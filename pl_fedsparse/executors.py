@@ -193,9 +193,11 @@ def _unpack_update(update: ClientUpdate) -> ClientUpdate:
 # ------------------------------------------------------------------------------------------------ what travels
 def worker_spec(loop: FederatedLoop) -> dict[str, Any]:
     """What a worker needs once: the loop's attributes minus the driver's state (:data:`_DRIVER_ONLY`), plus the
-    declared client-state entries (their initialisers, never their values)."""
+    names of the declared client-state entries — not their initialisers: a worker never creates client state, and
+    an initialiser's closure usually holds the loop, whose pickle would carry every client's state (at 1,000
+    ResNet18 clients resumed from a checkpoint, ~25 GB to every worker)."""
     spec = {k: v for k, v in vars(loop).items() if k not in _DRIVER_ONLY}
-    spec["_state_inits"] = dict(loop.client_store._inits)
+    spec["_state_keys"] = loop.client_store.keys
     spec["run_dir"] = None
     return spec
 
@@ -226,6 +228,10 @@ def _to_wire(request: FitRequest, global_state: Mapping[str, Tensor] | None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ the worker
+def _created_by_the_driver(client_idx: int) -> Any:
+    raise AssertionError("a worker never creates client state: it arrives with the request")  # (the store is sealed)
+
+
 class FitWorker:
     """Runs fits on a replica of the loop (see the module docstring); the body of every out-of-process worker.
 
@@ -241,14 +247,14 @@ class FitWorker:
         if threads is not None:
             torch.set_num_threads(max(1, int(threads)))
         spec = dict(spec)
-        inits = spec.pop("_state_inits")
+        keys = spec.pop("_state_keys")
         loop = FederatedLoop.__new__(FederatedLoop)
         vars(loop).update(spec)
         loop.callbacks, loop.global_state, loop.server_update, loop.round_faults = [], None, None, []
         loop.history, loop.last_client_acc, loop.config_text = [], [], None
-        loop.client_store = ClientStateStore()
-        for key, init in inits.items():
-            loop.client_store.declare(key, init)
+        loop.client_store = ClientStateStore(getattr(loop, "client_state_codec", "none"))
+        for key in keys:
+            loop.client_store.declare(key, _created_by_the_driver)
         loop.client_store._sealed = True  # a worker never creates client state: it arrives with the request
         loop.evaluator = Evaluator(loop)
         loop._owners = {}

@@ -8,8 +8,32 @@ from typing import Any
 import pytest
 
 from pl_fedsparse import FederatedLoop, FederatedModule
+from pl_fedsparse.callbacks import (
+    Ditto,
+    DualMask,
+    FedSpaAggregation,
+    FineTune,
+    Gossip,
+    GradientRegrow,
+    KeepOptimizerState,
+    PFedGate,
+    RandomRegrow,
+    SparseMask,
+)
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.models import MLP
+from pl_fedsparse.topology import Ring
+
+#: one representative callback set per kind of method (server / gossip / server-side per-client messages / private
+#: state), as ``(make callbacks, topology class or None)``: what executor and storage parity tests run
+METHODS: dict[str, tuple[Any, Any]] = {
+    "fedavg_ft": (lambda: [FineTune(epochs=1)], None),
+    "fedspa": (lambda: [GradientRegrow(density=0.5), FedSpaAggregation()], None),
+    "dispfl": (lambda: [RandomRegrow(density=0.5, same_mask=False, mask_personal_eval=False), Gossip()], Ring),
+    "dmpfl": (lambda: [DualMask(density=0.5, iterations=1)], None),
+    "ditto_masked": (lambda: [SparseMask(density=0.5), Ditto(lam=0.1)], None),
+    "pfedgate": (lambda: [PFedGate(density=0.5, aggregation="index"), KeepOptimizerState()], None),
+}
 
 TINY_SYNTH = {"num_train": 400, "num_test": 100, "size": 8, "channels": 1, "num_classes": 4}
 

@@ -14,24 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_datamodule, tiny_loop, tiny_module
+from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
 
-from pl_fedsparse import FederatedCallback
-from pl_fedsparse.callbacks import (
-    Ditto,
-    DualMask,
-    FedSpaAggregation,
-    FineTune,
-    Gossip,
-    GradientRegrow,
-    KeepOptimizerState,
-    PFedGate,
-    RandomRegrow,
-    SparseMask,
-)
+from pl_fedsparse import FederatedCallback, FederatedModule
+from pl_fedsparse.callbacks import PFedGate, SparseMask
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import FitWorker, RayExecutor, pack_tree, tune_malloc, unpack_tree, worker_spec
-from pl_fedsparse.topology import Ring
+from pl_fedsparse.functional import floatcodec
+from pl_fedsparse.models import MLP
 
 ray = pytest.importorskip("ray")
 cloudpickle = pytest.importorskip("ray.cloudpickle")
@@ -61,16 +51,6 @@ def _history(tmp_path: Path, make: Any, executor: Any = None, topology: Any = No
     return [{k: v for k, v in row.items() if k not in IGNORED} for row in loop.history]
 
 
-METHODS: dict[str, tuple[Any, Any]] = {
-    "fedavg_ft": (lambda: [FineTune(epochs=1)], None),
-    "fedspa": (lambda: [GradientRegrow(density=0.5), FedSpaAggregation()], None),
-    "dispfl": (lambda: [RandomRegrow(density=0.5, same_mask=False, mask_personal_eval=False), Gossip()], Ring),
-    "dmpfl": (lambda: [DualMask(density=0.5, iterations=1)], None),
-    "ditto_masked": (lambda: [SparseMask(density=0.5), Ditto(lam=0.1)], None),
-    "pfedgate": (lambda: [PFedGate(density=0.5, aggregation="index"), KeepOptimizerState()], None),
-}
-
-
 @pytest.mark.parametrize("method", list(METHODS))
 def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_session: None, one_thread: None) -> None:
     make, topo = METHODS[method]
@@ -80,6 +60,40 @@ def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_sessi
     for w in workers:
         got = _history(tmp_path / f"ray{w}", make, RayExecutor(num_workers=w), topo() if topo else None, **kw)
         assert got == ref, (method, w)
+
+
+def test_lossless_client_state_travels_encoded_and_gives_the_same_run(tmp_path: Path, ray_session: None,
+                                                                     one_thread: None) -> None:
+    # a hidden layer of 64 x 256 weights (~8,000 kept at density 0.5): above floatcodec.MIN_NUMEL, so the driver and the workers both encode
+    make, topology = METHODS["dispfl"]
+    histories, stores = [], []
+    for name, codec, executor in [("ref", "none", None), ("ray", "lossless", RayExecutor(num_workers=2))]:
+        torch.manual_seed(0)
+        module = FederatedModule(MLP(num_classes=4, in_channels=1, input_size=8, hidden=[256]), lr=0.1)
+        loop = tiny_loop(tmp_path / name, callbacks=make(), topology=topology(), executor=executor,
+                         client_state_codec=codec)
+        loop.fit(module, tiny_datamodule())
+        histories.append([{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history])
+        stores.append(loop.client_store)
+    assert histories[1] == histories[0]
+    held = stores[1].export_client(0)["Gossip/weights"]["backbone.layers.0.weight"]
+    assert floatcodec.is_encoded(held)
+    assert stores[1].nbytes() < stores[0].nbytes()
+    assert torch.equal(stores[1].get(0, "Gossip/weights")["backbone.layers.0.weight"],
+                       stores[0].get(0, "Gossip/weights")["backbone.layers.0.weight"])
+
+
+def test_the_worker_spec_carries_no_client_state(tmp_path: Path) -> None:
+    # the initialisers' closures hold the loop: sending them would send every client's state to every worker
+    make, topology = METHODS["dispfl"]
+    loop = tiny_loop(tmp_path, callbacks=make(), topology=topology())
+    loop.setup(tiny_module(), tiny_datamodule(), stage="validate")
+    small = len(cloudpickle.dumps(worker_spec(loop)))
+    big = {n: torch.randn(250_000) for n in ("a", "b", "c", "d")}  # 4 MB for each client
+    for k in range(loop.num_clients):
+        loop.client_store.set(k, "Gossip/weights", big)
+    assert len(cloudpickle.dumps(worker_spec(loop))) == small < 1_000_000
+    assert len(cloudpickle.dumps(loop.client_store)) > 4_000_000  # (what the spec used to carry)
 
 
 class DieOnce(FederatedCallback):
