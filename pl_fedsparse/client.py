@@ -214,7 +214,12 @@ class ClientStateStore:
         return key in self._data.get(client_idx, {})
 
     def get(self, client_idx: int, key: str) -> TensorTree:
-        """The entry, created by its initialiser on first access."""
+        """The entry, created by its initialiser on first access (decoded: see ``codec``)."""
+        return self.decode(self.stored(client_idx, key))
+
+    def stored(self, client_idx: int, key: str) -> TensorTree:
+        """The entry as the store holds it — encoded where the codec encoded it: a reference to keep (e.g. a
+        snapshot of every client at the start of a round) that costs no memory; read it with :meth:`decode`."""
         slot = self._data.setdefault(client_idx, {})
         if key not in slot:
             if key not in self._inits:
@@ -223,7 +228,12 @@ class ClientStateStore:
                 raise KeyError(f"client state {key!r} of client {client_idx} does not exist: entries are created when "
                                "the federation starts (declare them in setup_federation)")
             slot[key] = self._keep(self._inits[key](client_idx))
-        return self._decoded(slot[key]) if _has_encoded(slot[key]) else slot[key]
+        return slot[key]
+
+    def decode(self, value: TensorTree) -> TensorTree:
+        """``value`` (from :meth:`stored`, :meth:`export_client`) with its encoded tensors decoded; ``value`` itself
+        where nothing is encoded."""
+        return self._decoded(value) if _has_encoded(value) else value
 
     def materialize(self, clients: Iterable[int]) -> None:
         """Create every missing entry of ``clients`` (in declaration order), then refuse lazy creation."""

@@ -30,6 +30,7 @@ worker; attributes the driver sets between fits (in ``on_round_start``, after ag
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import logging
@@ -204,8 +205,21 @@ def worker_spec(loop: FederatedLoop) -> dict[str, Any]:
 
 def sync_state(loop: FederatedLoop) -> dict[str, Any]:
     """What a worker needs before a stage's fits: the attributes the driver changes between fits (:data:`_SYNCED`),
-    in one object so that tensors shared between them stay shared."""
-    return {k: getattr(loop, k) for k in _SYNCED}
+    in one object so that tensors shared between them stay shared; callbacks without their
+    ``driver_only_attributes``."""
+    state = {k: getattr(loop, k) for k in _SYNCED}
+    state["callbacks"] = [_for_workers(cb) for cb in state["callbacks"]]
+    return state
+
+
+def _for_workers(callback: Any) -> Any:
+    drop = [a for a in getattr(callback, "driver_only_attributes", ()) if a in vars(callback)]
+    if not drop:
+        return callback
+    clone = copy.copy(callback)  # shallow: the other attributes are the same objects
+    for a in drop:
+        setattr(clone, a, None)
+    return clone
 
 
 @dataclass

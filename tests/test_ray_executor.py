@@ -17,7 +17,7 @@ import torch
 from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import FederatedCallback, FederatedModule
-from pl_fedsparse.callbacks import PFedGate, SparseMask
+from pl_fedsparse.callbacks import Gossip, PFedGate, SparseMask
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import FitWorker, RayExecutor, pack_tree, tune_malloc, unpack_tree, worker_spec
 from pl_fedsparse.functional import floatcodec
@@ -83,17 +83,25 @@ def test_lossless_client_state_travels_encoded_and_gives_the_same_run(tmp_path: 
                        stores[0].get(0, "Gossip/weights")["backbone.layers.0.weight"])
 
 
-def test_the_worker_spec_carries_no_client_state(tmp_path: Path) -> None:
-    # the initialisers' closures hold the loop: sending them would send every client's state to every worker
+def test_what_workers_receive_carries_no_client_state(tmp_path: Path) -> None:
+    # the initialisers' closures hold the loop, Gossip's round snapshot holds every client's model: sending either
+    # would send every client's state to every worker (once per run, once per stage)
+    from pl_fedsparse.executors import sync_state
+
     make, topology = METHODS["dispfl"]
     loop = tiny_loop(tmp_path, callbacks=make(), topology=topology())
     loop.setup(tiny_module(), tiny_datamodule(), stage="validate")
-    small = len(cloudpickle.dumps(worker_spec(loop)))
+    gossip = next(cb for cb in loop.callbacks if isinstance(cb, Gossip))
+    gossip.on_round_start(loop, 0)
+    small = len(cloudpickle.dumps(worker_spec(loop))), len(cloudpickle.dumps(sync_state(loop)))
     big = {n: torch.randn(250_000) for n in ("a", "b", "c", "d")}  # 4 MB for each client
     for k in range(loop.num_clients):
         loop.client_store.set(k, "Gossip/weights", big)
-    assert len(cloudpickle.dumps(worker_spec(loop))) == small < 1_000_000
-    assert len(cloudpickle.dumps(loop.client_store)) > 4_000_000  # (what the spec used to carry)
+    gossip.on_round_start(loop, 1)
+    assert len(cloudpickle.dumps(worker_spec(loop))) == small[0] < 1_000_000
+    assert len(cloudpickle.dumps(sync_state(loop))) == small[1] < 1_000_000
+    assert len(cloudpickle.dumps(gossip)) > 4_000_000  # (what the sync used to carry)
+    assert gossip._snapshot  # the driver's callback keeps its snapshot
 
 
 class DieOnce(FederatedCallback):

@@ -178,3 +178,19 @@ def test_a_lossless_run_resumed_without_the_codec_is_the_uninterrupted_run(tmp_p
     resumed = tiny_loop(run, num_rounds=4, callbacks=make(), topology=topo())  # codec "none" now
     resumed.fit(tiny_module(seed=1), tiny_datamodule(), ckpt_path=str(ckpt))
     assert _rows(run) == _rows(tmp_path / "full" / "none")
+
+
+def test_gossips_round_snapshot_holds_the_encoded_state_not_decoded_copies(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # decoding every client's model at the start of a round would hold all of them twice: 1,000 ResNet18 clients
+    monkeypatch.setattr(floatcodec, "MIN_NUMEL", 16)
+    loop = _fit(tmp_path, "dispfl", "lossless", num_rounds=1)
+    gossip = next(cb for cb in loop.callbacks if type(cb).__name__ == "Gossip")
+    gossip.on_round_start(loop, 1)
+    for k in range(loop.num_clients):
+        weights, _ = gossip._snapshot[k]
+        assert weights is loop.client_store.export_client(k)["Gossip/weights"]
+        assert _any_encoded(weights)
+    sent = gossip.sender_message(0).tensors
+    expected = loop.personal_state(0)
+    assert all(torch.equal(sent[n], expected[n]) for n in expected)

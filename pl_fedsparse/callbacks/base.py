@@ -71,6 +71,10 @@ class FederatedCallback(pl.Callback):
     #: ``on_client_evaluate_end`` — which usually collects something the driver reads later; a class that keeps
     #: nothing there sets ``True``, one whose evaluation hooks keep state in ``self`` sets ``False``
     evaluate_in_workers: bool | None = None
+    #: attributes only driver-side hooks read: an out-of-process executor ships the callback to its workers with
+    #: these set to ``None`` — e.g. a snapshot of every client's state taken in ``on_round_start`` for
+    #: ``client_message`` (shipped, it would carry every client's state to every worker before every stage)
+    driver_only_attributes: tuple[str, ...] = ()
 
     # ---- per-client state -------------------------------------------------------------------------------------
     @property

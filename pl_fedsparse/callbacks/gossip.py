@@ -21,8 +21,8 @@ client holds references to the shared initial weights (nothing per client).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -55,9 +55,12 @@ class Gossip(FederatedCallback):
                 - class_path: pl_fedsparse.callbacks.Gossip
     """
 
+    driver_only_attributes = ("_snapshot", "_decode")  # (client_message runs in the driver)
+
     def __init__(self) -> None:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._snapshot: dict[int, tuple[dict[str, Tensor], dict[str, Tensor]]] = {}
+        self._decode: Callable[[Any], Any] = lambda value: value
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
@@ -72,9 +75,13 @@ class Gossip(FederatedCallback):
 
     @override
     def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
-        # references to the stored tensors: entries are replaced, never mutated, when clients finish training
-        self._snapshot = {j: (self.get_client_state(loop, j, "weights"), self.get_client_state(loop, j, "mask"))
+        # references to the stored tensors, as stored (encoded with trainer.client_state_codec: lossless — decoded
+        # per message, so the snapshot of every client costs no memory): entries are replaced, never mutated, when
+        # clients finish training
+        store, key = loop.client_store, self.client_state_prefix
+        self._snapshot = {j: (store.stored(j, f"{key}/weights"), store.stored(j, f"{key}/mask"))
                           for j in range(loop.num_clients)}
+        self._decode = store.decode
 
     def _expand(self, weights: dict[str, Tensor], masks: dict[str, Tensor]) -> dict[str, Tensor]:
         """Dense tensors from a stored model: a masked tensor stored as its values at the mask's positions is put
@@ -93,7 +100,7 @@ class Gossip(FederatedCallback):
         """What ``client_idx`` sends to a neighbour: its snapshot model, sparse under the mask it trained with."""
         weights, packed = self._snapshot[client_idx]
         masks = unpack_masks(packed, self._shapes) if packed else {}
-        return Message(self._expand(weights, masks), masks)
+        return Message(self._expand(self._decode(weights), masks), masks)
 
     @override
     def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
