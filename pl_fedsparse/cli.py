@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main(words[1:])
     _current_run = None
-    from pl_fedsparse.executors import tune_malloc
+    from pl_fedsparse.allocator import tune_malloc
 
     tune_malloc()  # glibc: keep freed fit buffers in the heap (issue 13; PL_FEDSPARSE_MALLOC_TUNING=0 opts out)
     main_thread = threading.current_thread() is threading.main_thread()

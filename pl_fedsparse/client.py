@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch  # noqa: F401  (the doctests)
+import torch  # the doctests
 from torch import Tensor
 
+from pl_fedsparse.allocator import release_free_memory
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import floatcodec
@@ -116,6 +117,12 @@ def _compact(value: TensorTree) -> TensorTree:
     return value
 
 
+def _nbytes(value: TensorTree) -> int:
+    if isinstance(value, Mapping):
+        return sum(_nbytes(x) for x in value.values())
+    return value.numel() * value.element_size() if isinstance(value, Tensor) else 0
+
+
 def _has_encoded(value: TensorTree) -> bool:
     if floatcodec.is_encoded(value):
         return True
@@ -149,7 +156,14 @@ class ClientStateStore:
             :meth:`export_client` and :meth:`state_dict` hand out the encoded form (it travels to workers and
             into checkpoints as it is); :meth:`load_state_dict` converts a checkpoint written with the other codec.
             A tensor shared by many clients (e.g. the initial weights) is encoded once and stays shared.
+
+    After every :attr:`release_every` bytes of newly stored state the store hands the heap's free pages back to the
+    system (:func:`~pl_fedsparse.allocator.release_free_memory`): without that, the driver of a long federation
+    grows by the free space its fits leave in the heap — measured: 2-3× the stored state for ResNet18 clients.
     """
+
+    #: bytes of newly stored client state after which the heap's free pages are handed back (0: never)
+    release_every: int = 64 << 20
 
     def __init__(self, codec: Literal["none", "lossless"] = "none") -> None:
         check(codec in STATE_CODECS, "trainer.client_state_codec", codec, "one of " + ", ".join(STATE_CODECS))
@@ -159,6 +173,7 @@ class ClientStateStore:
         self._sealed = False
         # id(tensor) -> (weak reference, version counter, encoded form): shared tensors stay shared when encoded
         self._memo: dict[int, tuple[weakref.ref, int, Any]] = {}
+        self._written = 0  # bytes stored since the heap was last trimmed
 
     def __getstate__(self) -> dict[str, Any]:
         return {**vars(self), "_memo": {}}  # (weak references do not pickle; the memo is only a shortcut)
@@ -255,12 +270,20 @@ class ClientStateStore:
         for key, value in entries.items():
             if slot.get(key) is not value:
                 slot[key] = self._keep(value)
+                self._count(slot[key])
 
     def set(self, client_idx: int, key: str, value: TensorTree) -> None:
         """Replace the entry (stored compact on CPU)."""
         if key not in self._inits:
             raise KeyError(f"client state {key!r} was never declared")
-        self._data.setdefault(client_idx, {})[key] = self._keep(value)
+        kept = self._data.setdefault(client_idx, {})[key] = self._keep(value)
+        self._count(kept)
+
+    def _count(self, value: TensorTree) -> None:
+        self._written += _nbytes(value)
+        if self.release_every and self._written >= self.release_every:
+            self._written = 0
+            release_free_memory()
 
     def clients(self) -> Iterator[int]:
         """Clients that have at least one entry."""
@@ -280,10 +303,4 @@ class ClientStateStore:
 
     def nbytes(self) -> int:
         """Memory held by all entries (encoded tensors at their encoded size; shared tensors counted per client)."""
-
-        def size(v: TensorTree) -> int:
-            if isinstance(v, Mapping):
-                return sum(size(x) for x in v.values())
-            return v.numel() * v.element_size() if isinstance(v, Tensor) else 0
-
-        return sum(size(v) for slot in self._data.values() for v in slot.values())
+        return sum(_nbytes(v) for slot in self._data.values() for v in slot.values())

@@ -31,8 +31,6 @@ worker; attributes the driver sets between fits (in ``on_round_start``, after ag
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 import logging
 import os
 import time
@@ -44,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.client import ClientStateStore, ClientUpdate
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
@@ -64,37 +63,6 @@ _SYNCED = ("round_idx", "global_state", "server_update", "callbacks")
 
 
 # ------------------------------------------------------------------------------------------------ allocator
-def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
-    """Keep glibc malloc from handing large buffers back to the kernel after every client fit.
-
-    With glibc's defaults, freed blocks above the (dynamic) mmap threshold are unmapped and the next fit faults them
-    in again page by page: on a 20-client DisPFL round, 27–30 s of *system* CPU per round (issue 13). Fixing the
-    mmap threshold at 32 MiB and the trim threshold at 1 GiB keeps them in the heap — the same as
-    ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``, but without the
-    user setting anything (``mallopt(3)`` through ctypes). ``pl-fed`` and every Ray worker call it at start-up.
-
-    Skipped (returns ``False``) when the C library is not glibc, when ``GLIBC_TUNABLES`` already sets either value,
-    or when ``PL_FEDSPARSE_MALLOC_TUNING=0``.
-    """
-    if os.environ.get("PL_FEDSPARSE_MALLOC_TUNING", "1") == "0":
-        return False
-    if "malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc.trim_threshold" in os.environ.get(
-            "GLIBC_TUNABLES", ""):
-        return False
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        if not hasattr(libc, "gnu_get_libc_version"):
-            return False
-        m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-        return bool(libc.mallopt(m_mmap_threshold, int(mmap_threshold))) and bool(
-            libc.mallopt(m_trim_threshold, int(trim_threshold)))
-    except (OSError, AttributeError):  # pragma: no cover - exotic libc
-        return False
-
-
 # ------------------------------------------------------------------------------------------------ compact tensors
 @dataclass
 class _Packed:

@@ -194,3 +194,33 @@ def test_gossips_round_snapshot_holds_the_encoded_state_not_decoded_copies(tmp_p
     sent = gossip.sender_message(0).tensors
     expected = loop.personal_state(0)
     assert all(torch.equal(sent[n], expected[n]) for n in expected)
+
+
+@pytest.mark.parametrize("codec", ["none", "lossless"])
+def test_the_store_hands_free_heap_pages_back_after_every_release_every_bytes(codec: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import pl_fedsparse.client as client_module
+
+    calls: list[int] = []
+    monkeypatch.setattr(client_module, "release_free_memory", lambda: calls.append(1) or True)
+    store, init = _store(codec)
+    monkeypatch.setattr(store, "release_every", 100_000)
+    sizes = []
+    for r in range(10):
+        for k in range(5):
+            kept = {n: t + r + 1 if t.is_floating_point() else t for n, t in init.items()}  # new tensors each time
+            store.set(k, "cb/weights", kept)
+            sizes.append(client_module._nbytes(store.export_client(k)["cb/weights"]))
+    # a release once 100,000 bytes were stored since the last one: between total / (100,000 + one set) and
+    # total / 100,000 of them
+    total, n = sum(sizes), len(calls)
+    assert total // (100_000 + max(sizes)) <= n <= total // 100_000 and n > 0
+    monkeypatch.setattr(store, "release_every", 0)  # 0: never
+    store.set(0, "cb/weights", {**init, "w": init["w"] * 3})
+    assert len(calls) == n
+
+
+def test_release_free_memory_runs_on_this_libc() -> None:
+    from pl_fedsparse.allocator import release_free_memory
+
+    assert release_free_memory() in (True, False)  # False only off glibc; never raises
