@@ -18,7 +18,10 @@ without loss, :mod:`pl_fedsparse.functional.floatcodec`), checks that every clie
 times the codec per client. ``--clients 1000`` stores all 1,000 clients for real (no extrapolation).
 
     python benchmarks/client_memory.py --clients 100                      # ~1 min, ~2.5 GB of RAM
-    python benchmarks/client_memory.py --clients 1000 --codec lossless    # ~20 min, ~22 GB of RAM
+    python benchmarks/client_memory.py --clients 1000 --codec lossless    # ~45 min, ~22 GB of RAM
+
+``--ratio-of CKPT`` instead reports what the codec makes of the float32 client state of a real run's checkpoint
+(bytes before and after, and that every tensor decodes bit for bit).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.callbacks import Gossip
 from pl_fedsparse.callbacks.masking import top_masks
 from pl_fedsparse.client import ClientStateStore, ClientUpdate
@@ -56,13 +60,50 @@ def trim() -> None:
         pass
 
 
+def ratio_of(path: Path, out: Path | None) -> None:
+    from pl_fedsparse.functional import floatcodec
+
+    store = torch.load(path, weights_only=True, map_location="cpu")["client_store"]
+    raw = enc = tensors = encoded = 0
+
+    def visit(tree: object) -> None:
+        nonlocal raw, enc, tensors, encoded
+        if isinstance(tree, dict):
+            for v in tree.values():
+                visit(v)
+        elif isinstance(tree, torch.Tensor) and tree.dtype == torch.float32:
+            e = floatcodec.encode(tree)
+            tensors += 1
+            raw += tree.numel() * 4
+            if floatcodec.is_encoded(e):
+                encoded += 1
+                enc += floatcodec.encoded_nbytes(e)
+                assert torch.equal(floatcodec.decode(e).view(torch.int32), tree.view(torch.int32))
+            else:
+                enc += tree.numel() * 4
+
+    visit(store)
+    res = {"checkpoint": str(path), "clients": len(store), "float32_tensors": tensors, "encoded": encoded,
+           "bytes_raw": raw, "bytes_encoded": enc, "ratio": enc / raw, "bytes_per_value": 4 * enc / raw}
+    print(f"{path}: {len(store)} clients, {tensors} float32 tensors ({encoded} encoded, all bit-exact): "
+          f"{raw / 1e6:.2f} MB -> {enc / 1e6:.2f} MB ({enc / raw:.3f}, {4 * enc / raw:.2f} bytes per value)")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--density", type=float, default=0.5)
     ap.add_argument("--codec", choices=["none", "lossless"], default="none", help="trainer.client_state_codec")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ap.add_argument("--ratio-of", type=Path, default=None, help="a checkpoint: the codec's ratio on its client state")
     args = ap.parse_args()
+    if args.ratio_of:
+        ratio_of(args.ratio_of, args.out)
+        return
+    tuned = tune_malloc()  # as every pl-fed run does at start-up
     torch.manual_seed(0)
     init = {k: v.detach().clone() for k, v in ResNet18GN(num_classes=10).state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in init.items() if v.is_floating_point()}
@@ -125,7 +166,8 @@ def main() -> None:
         "gb_1000_clients_total": total * 1000 / 1e9, "gib_1000_clients_total": total * 1000 / 2**30,
         "gb_1000_clients_total_before": (dense_bytes / args.clients + mask_cb) * 1000 / 1e9,
         "store_seconds_per_client": encode_s / args.clients, "read_seconds_per_client": decode_s / decoded_clients,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "tune_malloc": tuned,
+        "release_every_bytes": store.release_every,
     }
     print(f"ResNet18-GN, {params:,} parameters, ERK density {args.density}, codec {args.codec}: "
           f"{args.clients} clients stored")

@@ -15,8 +15,10 @@ the communication ledger with the bytes of ``j``'s (sparse) model.
 
 Client memory: a client's last model is kept sparse — the values at its mask's positions (a 1-D tensor per masked
 tensor) beside the bit-packed mask — and expanded (zeros elsewhere) when it is sent or evaluated. For ResNet18-GN at
-density 0.5 that is 24 MB per client instead of 45 MB (``benchmarks/client_memory.py``). Before its first fit a
-client holds references to the shared initial weights (nothing per client).
+density 0.5 that is 24 MB per client instead of 45 MB (``benchmarks/client_memory.py``; 21.6 MB with
+``trainer.client_state_codec: lossless``). Before its first fit a client holds references to the shared initial
+weights (nothing per client). The round's snapshot holds the entries as stored (encoded under the lossless codec) and
+decodes one sender at a time; it stays in the driver (``driver_only_attributes``).
 """
 
 from __future__ import annotations
