@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
+from conftest import METHODS, TINY_CLI, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse.callbacks import ElementwiseAggregation, PersonalizedDownstream, TopKUpload
 from pl_fedsparse.client import ClientStateStore
@@ -224,3 +224,23 @@ def test_release_free_memory_runs_on_this_libc() -> None:
     from pl_fedsparse.allocator import release_free_memory
 
     assert release_free_memory() in (True, False)  # False only off glibc; never raises
+
+
+def test_the_cli_may_turn_the_codec_on_when_resuming(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the way a run that outgrew the memory is continued: the same numbers, so not a configuration change
+    def fit(run: Path, *extra: str) -> None:
+        code, _, err = run_main(["fit", *TINY_CLI, "--trainer.default_root_dir", str(run), *extra], capsys)
+        assert code == 0, err
+
+    fit(tmp_path / "full", "--trainer.num_rounds", "3")
+    run = tmp_path / "run"
+    fit(run, "--trainer.num_rounds", "1")
+    fit(run, "--trainer.num_rounds", "3", "--trainer.client_state_codec", "lossless",
+        "--ckpt_path", str(run / "checkpoints" / "last.ckpt"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumes"] == [{"round": 1, "changed": {"trainer.num_rounds": [1, 3],
+                                                           "trainer.client_state_codec": ["none", "lossless"]}}]
+    assert _rows(run) == _rows(tmp_path / "full")
+    code, _, err = run_main(["fit", *TINY_CLI, "--trainer.default_root_dir", str(tmp_path / "bad"),
+                             "--trainer.client_state_codec", "zstd"], capsys)
+    assert code != 0 and "client_state_codec" in err.strip().splitlines()[-1]
