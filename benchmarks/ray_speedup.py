@@ -9,7 +9,8 @@ Workloads (CIFAR-10, LeNet-CIFAR, batch 64, lr 0.05 / 0.1, 5 local epochs, no ev
 
 Modes: ``inprocess`` (the default executor; torch's intra-op threads = ``--threads``, default 2 = both cores) and
 ``ray`` (``RayExecutor``, ``--workers`` × 1 CPU, one torch thread each). ``--malloc off`` skips the glibc tuning
-(``pl_fedsparse.executors.tune_malloc``) that ``pl-fed`` and every Ray worker apply at start-up.
+(``pl_fedsparse.allocator.tune_malloc``) that ``pl-fed`` and every Ray worker apply at start-up. ``--codec lossless``
+runs with ``trainer.client_state_codec: lossless`` (what it costs a round).
 
 One configuration per process (the allocator setting is per process)::
 
@@ -74,10 +75,11 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     data: dict[str, Any] = {"name": "cifar10", "root": args.data_root} if args.data_root else {
         "name": "synthetic", "synthetic": {"num_train": 50000, "num_test": 1000, "channels": 3, "size": 32}}
     executor = RayExecutor(num_workers=args.workers) if args.mode == "ray" else None
-    run_dir = ROOT / "benchmarks" / "_runs" / "ray_speedup" / f"{args.workload}_{args.mode}_{args.malloc}"
+    run_dir = ROOT / "benchmarks" / "_runs" / "ray_speedup" / f"{args.workload}_{args.mode}_{args.malloc}_{args.codec}"
     common: dict[str, Any] = {"num_rounds": 1000, "local_epochs": 5, "eval_every": 100000, "accelerator": "cpu",
                               "logger": False, "enable_progress_bar": False, "checkpoint_every": 0,
-                              "default_root_dir": str(run_dir), "overwrite": True, "executor": executor}
+                              "default_root_dir": str(run_dir), "overwrite": True, "executor": executor,
+                              "client_state_codec": args.codec}
     torch.manual_seed(0)
     if args.workload == "lenet":
         dm = FederatedDataModule(num_clients=100, partition="iid", batch_size=64, test_mode="global", **data)
@@ -122,6 +124,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "workload": args.workload, "mode": args.mode, "workers": args.workers if args.mode == "ray" else 1,
         "threads": args.threads if args.mode == "inprocess" else 1, "malloc_tuning": bool(tuned),
+        "client_state_codec": args.codec,
         "data": "cifar10" if args.data_root else "synthetic", "rounds_timed": len(timed),
         "round_s_median": statistics.median(r["wall_s"] for r in timed),
         "system_cpu_s_per_round": statistics.mean(r["system_s"] for r in timed),
@@ -146,6 +149,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="in-process torch threads")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
     ap.add_argument("--malloc", choices=["on", "off"], default="on")
+    ap.add_argument("--codec", choices=["none", "lossless"], default="none", help="trainer.client_state_codec")
     ap.add_argument("--data-root", default=None, help="CIFAR-10 folder (synthetic data of the same shape if omitted)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "scale_out" / "ray_speedup.json")
     args = ap.parse_args()
