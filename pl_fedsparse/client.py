@@ -150,9 +150,10 @@ class ClientStateStore:
     Args:
         codec: ``"none"`` keeps tensors as they are. ``"lossless"`` keeps every float32 tensor of at least
             :data:`~pl_fedsparse.functional.floatcodec.MIN_NUMEL` values compressed
-            (:mod:`~pl_fedsparse.functional.floatcodec`: 3.4-3.5 bytes per value instead of 4 for trained weights)
+            (:mod:`~pl_fedsparse.functional.floatcodec`: ~3.4 bytes per value instead of 4 for trained weights)
             and decodes it on :meth:`get`, bit for bit — results do not change; each :meth:`set` and :meth:`get` of
-            a large tensor costs a few vectorised passes over it (~25 ms per 5.6 M values on one CPU thread).
+            a large tensor costs a few vectorised passes over it (5.6 M values, one CPU thread: 30-45 ms to encode,
+            20-40 ms to decode).
             :meth:`export_client` and :meth:`state_dict` hand out the encoded form (it travels to workers and
             into checkpoints as it is); :meth:`load_state_dict` converts a checkpoint written with the other codec.
             A tensor shared by many clients (e.g. the initial weights) is encoded once and stays shared.
