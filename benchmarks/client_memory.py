@@ -129,7 +129,8 @@ def main() -> None:
                  for n, v in init.items()}
         dense_bytes += sum(v.numel() * v.element_size() for v in state.values()) + sum(
             p.numel() for p in pack_masks(masks).values())
-        kept = sum(int(m.sum()) for m in masks.values())
+        if k == 0:  # (the same count for every client: top-k of fixed sizes)
+            kept = sum(int(m.sum()) for m in masks.values())
         t0 = time.perf_counter()
         gossip.on_before_aggregate(loop, [ClientUpdate(k, 0, 1, state, masks=masks)])  # type: ignore[arg-type]
         encode_s += time.perf_counter() - t0

@@ -59,6 +59,21 @@ def tiny_loop(tmp_path: Any, **kw: Any) -> FederatedLoop:
     return FederatedLoop(**args)
 
 
+def fit_until_interrupted(loop: FederatedLoop, round_idx: int, module: Any, datamodule: Any) -> None:
+    """``loop.fit`` stopped by Ctrl-C just before round ``round_idx`` (its checkpoint then holds ``round_idx``
+    finished rounds): what the resume tests resume from."""
+    real_round = loop.run_round
+
+    def stop(r: int) -> Any:
+        if r == round_idx:
+            raise KeyboardInterrupt
+        return real_round(r)
+
+    loop.run_round = stop  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        loop.fit(module, datamodule)
+
+
 # the CLI tests' expected argv for the tiny task
 TINY_CLI = [
     "--seed_everything", "0",

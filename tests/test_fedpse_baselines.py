@@ -5,11 +5,10 @@ re-implementations written here, bytes, resume of the server's residual, bad opt
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_CLI, fit_rows, tiny_datamodule, tiny_loop, tiny_module
+from conftest import TINY_CLI, fit_rows, fit_until_interrupted, tiny_datamodule, tiny_loop, tiny_module
 from test_fedpse import _train
 
 from pl_fedsparse import ConfigError, FederatedCallback
@@ -142,16 +141,7 @@ def test_fedstc_server_residual_survives_a_resume(tmp_path: Path) -> None:
     full = tiny_loop(tmp_path / "full", num_rounds=3, callbacks=fedstc())
     full.fit(tiny_module(), tiny_datamodule())
     cut = tiny_loop(tmp_path / "cut", num_rounds=3, callbacks=fedstc())
-    real_round = cut.run_round
-
-    def stop_at_two(r: int) -> dict[str, Any]:
-        if r == 2:
-            raise KeyboardInterrupt
-        return real_round(r)
-
-    cut.run_round = stop_at_two  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        cut.fit(tiny_module(), tiny_datamodule())
+    fit_until_interrupted(cut, 2, tiny_module(), tiny_datamodule())
     resumed = tiny_loop(tmp_path / "cut", num_rounds=3, callbacks=fedstc())
     resumed.fit(tiny_module(), tiny_datamodule(), ckpt_path=str(tmp_path / "cut" / "checkpoints" / "last.ckpt"))
     a, b = full.callbacks[-1], resumed.callbacks[-1]

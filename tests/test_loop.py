@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import fit_until_interrupted, tiny_datamodule, tiny_loop, tiny_module
 
-from conftest import tiny_datamodule, tiny_loop, tiny_module
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import FineTune, LocalTraining
 from pl_fedsparse.errors import CheckpointError
@@ -195,16 +195,7 @@ def test_resume_after_round_two_of_four_is_identical(tmp_path: Path, callbacks: 
     full.fit(tiny_module(), tiny_datamodule())
 
     stopped = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, callbacks=callbacks)
-    real_round = stopped.run_round
-
-    def stop_at_two(r: int) -> dict[str, Any]:
-        if r == 2:
-            raise KeyboardInterrupt
-        return real_round(r)
-
-    stopped.run_round = stop_at_two  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        stopped.fit(tiny_module(), tiny_datamodule())
+    fit_until_interrupted(stopped, 2, tiny_module(), tiny_datamodule())
     ckpt = tmp_path / "cut" / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["round"] == 2
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import fit_rows, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
+from conftest import fit_rows, fit_until_interrupted, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import KeepOptimizerState, NovelClients, PFedGate
@@ -172,16 +172,7 @@ def test_resume_mid_run_restores_gates_and_their_momentum_bit_exactly(tmp_path: 
     full = tiny_loop(tmp_path / "full", num_rounds=4, clients_per_round=2, callbacks=callbacks())
     full.fit(tiny_module(momentum=0.9), tiny_datamodule())
     stopped = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, callbacks=callbacks())
-    real_round = stopped.run_round
-
-    def stop_at_two(r: int) -> dict[str, Any]:
-        if r == 2:
-            raise KeyboardInterrupt
-        return real_round(r)
-
-    stopped.run_round = stop_at_two  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        stopped.fit(tiny_module(momentum=0.9), tiny_datamodule())
+    fit_until_interrupted(stopped, 2, tiny_module(momentum=0.9), tiny_datamodule())
     ckpt = tmp_path / "cut" / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=True)["round"] == 2
     resumed = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, callbacks=callbacks())

@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_CLI, fit_rows, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
+from conftest import (
+    TINY_CLI,
+    fit_rows,
+    fit_until_interrupted,
+    one_line,
+    run_main,
+    tiny_datamodule,
+    tiny_loop,
+    tiny_module,
+)
 
 from pl_fedsparse import ConfigError, FederatedCallback, FederatedModule
 from pl_fedsparse.callbacks import FedEM, KeepOptimizerState, PersonalLayers
@@ -281,16 +290,7 @@ def test_resume_after_round_two_of_four_is_identical(tmp_path: Path, method: str
     full.fit(make(0), tiny_datamodule())
     callbacks, make = setup()
     stopped = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, local_epochs=2, callbacks=callbacks)
-    real_round = stopped.run_round
-
-    def stop_at_two(r: int) -> dict[str, Any]:
-        if r == 2:
-            raise KeyboardInterrupt
-        return real_round(r)
-
-    stopped.run_round = stop_at_two  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        stopped.fit(make(0), tiny_datamodule())
+    fit_until_interrupted(stopped, 2, make(0), tiny_datamodule())
     ckpt = tmp_path / "cut" / "checkpoints" / "last.ckpt"
     callbacks, make = setup()
     resumed = tiny_loop(tmp_path / "cut", num_rounds=4, clients_per_round=2, local_epochs=2, callbacks=callbacks)

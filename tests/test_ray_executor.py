@@ -48,6 +48,11 @@ def one_thread() -> Iterator[None]:
 def _history(tmp_path: Path, make: Any, executor: Any = None, topology: Any = None, **kw: Any) -> list[dict]:
     loop = tiny_loop(tmp_path, callbacks=make(), executor=executor, topology=topology, **kw)
     loop.fit(tiny_module(), tiny_datamodule())
+    return _rows(loop)
+
+
+def _rows(loop: Any) -> list[dict]:
+    """The run's history without what may differ between executors (times, retries)."""
     return [{k: v for k, v in row.items() if k not in IGNORED} for row in loop.history]
 
 
@@ -64,7 +69,8 @@ def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_sessi
 
 def test_lossless_client_state_travels_encoded_and_gives_the_same_run(tmp_path: Path, ray_session: None,
                                                                      one_thread: None) -> None:
-    # a hidden layer of 64 x 256 weights (~8,000 kept at density 0.5): above floatcodec.MIN_NUMEL, so the driver and the workers both encode
+    # a hidden layer of 64 x 256 weights (~8,000 kept at density 0.5): above floatcodec.MIN_NUMEL, so the driver
+    # and the workers both encode
     make, topology = METHODS["dispfl"]
     histories, stores = [], []
     for name, codec, executor in [("ref", "none", None), ("ray", "lossless", RayExecutor(num_workers=2))]:
@@ -73,7 +79,7 @@ def test_lossless_client_state_travels_encoded_and_gives_the_same_run(tmp_path: 
         loop = tiny_loop(tmp_path / name, callbacks=make(), topology=topology(), executor=executor,
                          client_state_codec=codec)
         loop.fit(module, tiny_datamodule())
-        histories.append([{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history])
+        histories.append(_rows(loop))
         stores.append(loop.client_store)
     assert histories[1] == histories[0]
     held = stores[1].export_client(0)["Gossip/weights"]["backbone.layers.0.weight"]
@@ -128,7 +134,7 @@ def test_a_dead_worker_is_retried_and_the_run_is_unchanged(tmp_path: Path, ray_s
     loop.fit(tiny_module(), tiny_datamodule())
     assert Path(marker).read_text() == "1"
     assert [r.get("worker_retries", 0) for r in loop.history] == [0, 1]
-    assert [{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history] == ref
+    assert _rows(loop) == ref
 
 
 def test_a_client_whose_worker_keeps_dying_is_skipped(tmp_path: Path, ray_session: None) -> None:
@@ -232,7 +238,7 @@ def test_an_evaluation_chunk_carries_only_its_clients_state(tmp_path: Path, ray_
     loop = tiny_loop(tmp_path / "ray", callbacks=[*make(), StoreWitness(witness)], topology=topology(),
                      executor=RayExecutor(num_workers=2))
     loop.fit(tiny_module(), tiny_datamodule())
-    assert [{k: v for k, v in r.items() if k not in IGNORED} for r in loop.history] == ref
+    assert _rows(loop) == ref
     lines = [line.split() for line in Path(witness).read_text().splitlines()]
     assert lines and all(int(pid) != os.getpid() for pid, _, _ in lines)  # evaluated in the workers
     n = loop.num_clients

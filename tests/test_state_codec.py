@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import METHODS, TINY_CLI, run_main, tiny_datamodule, tiny_loop, tiny_module
+from conftest import METHODS, TINY_CLI, fit_until_interrupted, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse.callbacks import ElementwiseAggregation, PersonalizedDownstream, TopKUpload
 from pl_fedsparse.client import ClientStateStore
@@ -163,16 +163,7 @@ def test_a_lossless_run_resumed_without_the_codec_is_the_uninterrupted_run(tmp_p
     _fit(tmp_path / "full", "dispfl", "none", num_rounds=4)
     run = tmp_path / "cut"
     stopped = tiny_loop(run, num_rounds=4, callbacks=make(), topology=topo(), client_state_codec="lossless")
-    real_round = stopped.run_round
-
-    def stop_at_two(r: int) -> dict[str, Any]:
-        if r == 2:
-            raise KeyboardInterrupt
-        return real_round(r)
-
-    stopped.run_round = stop_at_two  # type: ignore[method-assign]
-    with pytest.raises(KeyboardInterrupt):
-        stopped.fit(tiny_module(), tiny_datamodule())
+    fit_until_interrupted(stopped, 2, tiny_module(), tiny_datamodule())
     ckpt = run / "checkpoints" / "last.ckpt"
     assert _any_encoded(torch.load(ckpt, weights_only=True)["client_store"])
     resumed = tiny_loop(run, num_rounds=4, callbacks=make(), topology=topo())  # codec "none" now

@@ -142,5 +142,5 @@ def is_encoded(value: Any) -> bool:
 
 
 def encoded_nbytes(enc: Mapping[str, Tensor]) -> int:
-    """Bytes the encoded tensor holds."""
-    return sum(v.numel() * v.element_size() for v in enc.values())
+    """Bytes the encoded tensor holds (its one buffer)."""
+    return int(enc[MARK].numel())
