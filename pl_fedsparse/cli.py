@@ -55,6 +55,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import lightning.pytorch as pl
 import yaml
 from jsonargparse import Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value, seed_everything
@@ -66,7 +67,11 @@ from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
 
-__all__ = ["FedCLI", "main"]
+__all__ = ["FedCLI", "main", "DEFAULT_MODEL", "DEFAULT_DATA"]
+
+#: the ``class_path`` of a ``model:`` / ``data:`` section that names none
+DEFAULT_MODEL = f"{FederatedModule.__module__}.{FederatedModule.__qualname__}"
+DEFAULT_DATA = "pl_fedsparse.data.FederatedDataModule"
 
 PROG = "pl-fed"
 DESCRIPTION = ("Personalized sparse federated learning with PyTorch Lightning. `pl-fed configs` lists the shipped "
@@ -90,6 +95,25 @@ class _OneLineErrors(LightningArgumentParser):
         sys.exit(2)
 
 
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        """jsonargparse's dump, with ``model:``/``data:`` of the default classes written without ``class_path``
+        (:func:`~pl_fedsparse.reporting.canonical_config`): ``--print_config`` and ``config.yaml`` read like the
+        shipped configs, and a user class keeps its ``class_path``."""
+        text = super().dump(cfg, *args, **kwargs)
+        fmt = kwargs.get("format", args[0] if args else "parser_mode")
+        if fmt not in ("parser_mode", "yaml"):
+            return text
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        if not isinstance(data, dict) or not ({"model", "data"} & set(data)):
+            return text
+        from pl_fedsparse.reporting import canonical_config
+
+        return yaml.safe_dump(canonical_config(data), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
 def _help_command(prog: str) -> str:
     """``pl-fed <subcommand> --help`` for a subcommand's parser (prog ``"<prog> [options] fit"``), else
     ``pl-fed --help``, whatever the program was called (``pl-fed``, ``cli.py``, ``-c``, ...)."""
@@ -102,8 +126,12 @@ class FedCLI(LightningCLI):
     """LightningCLI whose trainer is a :class:`~pl_fedsparse.loop.FederatedLoop`."""
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
-        kwargs.setdefault("model_class", FederatedModule)
+        # any LightningModule / any FederatedDataModule by class_path (LightningCLI's subclass mode); a section
+        # without class_path configures the defaults, FederatedModule and FederatedDataModule (see add_core_arguments)
+        kwargs.setdefault("model_class", pl.LightningModule)
+        kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("datamodule_class", FederatedDataModule)
+        kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("trainer_class", FederatedLoop)  # type: ignore[arg-type]
         kwargs.setdefault("save_config_callback", None)
         kwargs.setdefault("seed_everything_default", 0)
@@ -137,6 +165,12 @@ class FedCLI(LightningCLI):
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items()})
         parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
         parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+        defaults = {}
+        if self.subclass_mode_model:
+            defaults["model"] = {"class_path": DEFAULT_MODEL}
+        if self.subclass_mode_data:
+            defaults["data"] = {"class_path": DEFAULT_DATA}
+        parser.set_defaults(defaults)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

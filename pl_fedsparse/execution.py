@@ -32,13 +32,13 @@ from torch import Tensor
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError
-from pl_fedsparse.module import FederatedModule
+from pl_fedsparse.protocol import check_model, training_loss
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
 __all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning",
-           "check_environment", "find_fault", "ClientFaultError"]
+           "check_environment", "find_fault", "ClientFaultError", "FitMeter"]
 
 
 @dataclass
@@ -116,8 +116,8 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
     """Sum of the dense gradients of ``names`` over the first ``max_batches`` batches, at the module's current
     weights, in training mode; returns the gradients (on ``device``) and the number of samples used.
 
-    The loss is the module's ``loss`` (cross-entropy for a plain module). Gradients of other parameters are
-    discarded; the module's ``.grad`` fields are left empty.
+    The loss is the module's optional ``loss(logits, y)`` (:mod:`pl_fedsparse.protocol`), else cross-entropy.
+    Gradients of other parameters are discarded; the module's ``.grad`` fields are left empty.
     """
     module.to(device).train()
     params = dict(module.named_parameters())
@@ -128,9 +128,7 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
             break
         x, y = x.to(device), y.to(device)
         module.zero_grad(set_to_none=True)
-        out = module(x)
-        loss = module.loss(out, y) if isinstance(module, FederatedModule) else torch.nn.functional.cross_entropy(
-            out, y)
+        loss = training_loss(module, module(x), y)
         loss.backward()
         for n, g in grads.items():
             grad = params[n].grad
@@ -139,6 +137,48 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
         seen += int(y.shape[0])
     module.zero_grad(set_to_none=True)
     return grads, seen
+
+
+class FitMeter(pl.Callback):
+    """Mean training loss and samples seen of one fit, for a module without ``fit_metrics`` (the optional protocol
+    method, :mod:`pl_fedsparse.protocol`): the loss each ``training_step`` returned, weighted by the number of labels
+    in its batch (the batch's last element, or its ``"y"``/``"label"``/``"labels"`` entry), summed on the device
+    (no host sync per step)."""
+
+    def __init__(self) -> None:
+        self._loss_sum: Tensor | None = None
+        self._samples = 0
+
+    @staticmethod
+    def batch_size(batch: Any) -> int:
+        """Number of samples in a batch: the length of its labels (or of its first tensor)."""
+        if isinstance(batch, Mapping):
+            for key in ("y", "label", "labels", "target", "targets"):
+                if isinstance(batch.get(key), Tensor):
+                    return int(batch[key].shape[0])
+            batch = list(batch.values())
+        if isinstance(batch, (list, tuple)) and batch:
+            last = batch[-1]
+            if isinstance(last, Tensor) and last.ndim >= 1:
+                return int(last.shape[0])
+            batch = batch[0]
+        return int(batch.shape[0]) if isinstance(batch, Tensor) and batch.ndim >= 1 else 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if not isinstance(loss, Tensor):
+            return  # a manual-optimisation step that returned nothing: no loss to record
+        n = self.batch_size(batch)
+        value = loss.detach().float() * n
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._samples += n
+
+    def metrics(self) -> dict[str, float]:
+        """``{"train_loss", "samples_seen"}`` of the fit."""
+        n = self._samples
+        loss = float(self._loss_sum) / n if (self._loss_sum is not None and n) else float("nan")
+        return {"train_loss": loss, "samples_seen": float(n)}
 
 
 class InProcessExecutor(ClientExecutor):
@@ -181,9 +221,11 @@ class InProcessExecutor(ClientExecutor):
             with fit_scope(ctx):
                 loop.call("on_client_fit_start", module, ctx)
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
-                self._fit(ctx.epochs, module, loader)
+                own_metrics = callable(getattr(module, "fit_metrics", None))
+                meter = None if own_metrics else FitMeter()
+                self._fit(ctx.epochs, module, loader, meter)
                 state = to_cpu_state(module.state_dict())
-                metrics = module.fit_metrics() if isinstance(module, FederatedModule) else {}
+                metrics = module.fit_metrics() if meter is None else meter.metrics()
                 update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
                                       message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
                 loop.call("on_client_fit_end", module, update)
@@ -200,10 +242,13 @@ class InProcessExecutor(ClientExecutor):
         update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
         return update
 
-    def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any) -> None:
+    def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any,
+             meter: FitMeter | None = None) -> None:
         handler = signal.getsignal(signal.SIGINT)
         with quiet_lightning():
             trainer = self.make_trainer(epochs)
+            if meter is not None:  # last: it reads what training_step returned
+                trainer.callbacks.append(meter)
         try:
             with quiet_lightning():
                 trainer.fit(module, train_dataloaders=loader)
@@ -242,23 +287,13 @@ def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:
 
 
 def check_environment(loop: FederatedLoop) -> None:
-    """Validate the device, the precision and that the model accepts the data (one-line ConfigErrors)."""
+    """Validate the device, the precision and the model protocol on the data
+    (:func:`~pl_fedsparse.protocol.check_model`; one-line ConfigErrors)."""
     if loop.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(f"trainer.accelerator={loop.accelerator!r} is invalid: expected cpu or auto "
                           "(no CUDA device is available)")
     if loop.device.type == "cpu" and loop.precision == "16-mixed":
         raise ConfigError("trainer.precision='16-mixed' is invalid on CPU: expected 32-true or bf16-mixed")
     assert loop.model is not None
-    x = loop.datamodule.example_input(2)
-    try:
-        with torch.no_grad():
-            out = loop.model(x)
-    except RuntimeError as e:
-        raise ConfigError(
-            f"model.backbone={type(getattr(loop.model, 'backbone', loop.model)).__name__} is invalid: expected a "
-            f"network accepting inputs of shape {tuple(x.shape[1:])} from data.name="
-            f"{loop.datamodule.name!r} ({' '.join(str(e).split())})") from None
-    nc = int(loop.datamodule.num_classes)
-    if out.ndim != 2 or out.shape[1] != nc:
-        raise ConfigError(f"model.backbone.init_args.num_classes={out.shape[-1]} is invalid: expected "
-                          f"{nc} (the number of classes of data.name={loop.datamodule.name!r})")
+    dm = loop.datamodule
+    check_model(loop.model, dm.example_input(2), int(dm.num_classes), str(getattr(dm, "name", type(dm).__name__)))

@@ -48,6 +48,7 @@ from pl_fedsparse.execution import (
     local_gradients,
     quiet_lightning,
 )
+from pl_fedsparse.protocol import check_datamodule
 from pl_fedsparse.metrics import EVAL_METRICS, SERVER, Accounting, TrainFlops
 from pl_fedsparse.reporting import RunReporter, results_table
 from pl_fedsparse.streams import Streams, stream_seed
@@ -433,6 +434,7 @@ class FederatedLoop:
     def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
         """Set the federation up (data, policies, accounting, client state, checkpoint restore, run directory)
         without running a round; `fit`, `validate` and `test` call it."""
+        check_datamodule(datamodule)
         self.model, self.datamodule = model, datamodule
         datamodule.setup("fit")
         check_environment(self)

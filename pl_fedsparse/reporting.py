@@ -175,7 +175,7 @@ def run_hparams(loop: FederatedLoop) -> dict[str, Any]:
                     hp[f"{_callback_name(cb)}.{k}"] = v
         for key, v in _flatten({k: v for k, v in cfg.items() if k not in ("trainer",)}).items():
             if isinstance(v, (int, float, str, bool)) and not key.startswith("ckpt"):
-                hp[key] = v
+                hp[key.replace(".init_args.", ".")] = v  # model.width of a user module, as model.lr
         for k, v in (cfg.get("trainer") or {}).items():
             if isinstance(v, (int, float, str, bool)) and k not in ("default_root_dir", "enable_progress_bar"):
                 hp[f"trainer.{k}"] = v
@@ -254,6 +254,50 @@ def _may_change(key: str, old_cfg: Any, new_cfg: Any) -> bool:
     return False
 
 
+#: the class a ``model:`` / ``data:`` section without ``class_path`` configures (``pl-fed``'s defaults)
+DEFAULT_SECTION_CLASSES = {"model": "pl_fedsparse.FederatedModule", "data": "pl_fedsparse.data.FederatedDataModule"}
+
+
+def _class_key(path: Any) -> Any:
+    """One spelling per class: ``pl_fedsparse.module.FederatedModule`` and ``pl_fedsparse.FederatedModule`` name the
+    same class (jsonargparse writes the shortest importable path)."""
+    if not isinstance(path, str) or "." not in path:
+        return path
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return path
+    return f"{getattr(cls, '__module__', module)}.{getattr(cls, '__qualname__', name)}"
+
+
+def canonical_config(cfg: Any) -> Any:
+    """``cfg`` with its ``model:`` and ``data:`` sections in one layout: the default class's arguments written
+    directly (``model: {lr: 0.1}``, as every shipped config writes them), any other class as ``{class_path,
+    init_args}`` — so that configurations written either way compare equal and keep their keys (``model.lr``).
+
+    Example:
+        >>> canonical_config({"model": {"class_path": "pl_fedsparse.module.FederatedModule", "init_args": {"lr": 0.1}}})
+        {'model': {'lr': 0.1}}
+        >>> canonical_config({"model": {"class_path": "mypkg.Net", "init_args": {"width": 8}}})["model"]["class_path"]
+        'mypkg.Net'
+    """
+    if not isinstance(cfg, dict):
+        return cfg
+    out = dict(cfg)
+    for section, default in DEFAULT_SECTION_CLASSES.items():
+        value = out.get(section)
+        if not isinstance(value, dict) or "class_path" not in value:
+            continue
+        args = value.get("init_args") or {}
+        path = value["class_path"]
+        if _class_key(path) == _class_key(default):
+            out[section] = dict(args)
+        else:
+            out[section] = {"class_path": path, "init_args": dict(args)}
+    return out
+
+
 def config_changes(old_text: str | None, new_text: str | None) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     """Compare two resolved configurations (YAML) key by key: ``(allowed, refused)`` differences, each
     ``{dotted key: [old, new]}`` (a missing key is ``"(absent)"``); both empty when either text is ``None``.
@@ -264,7 +308,7 @@ def config_changes(old_text: str | None, new_text: str | None) -> tuple[dict[str
     """
     if old_text is None or new_text is None:
         return {}, {}
-    old_cfg, new_cfg = yaml.safe_load(old_text) or {}, yaml.safe_load(new_text) or {}
+    old_cfg, new_cfg = canonical_config(yaml.safe_load(old_text) or {}), canonical_config(yaml.safe_load(new_text) or {})
     old, new = _flatten(old_cfg), _flatten(new_cfg)
     allowed: dict[str, list[Any]] = {}
     refused: dict[str, list[Any]] = {}

@@ -136,8 +136,11 @@ class FedEM(FederatedCallback):
         assert model is not None
         mixture = getattr(model, "backbone", None)
         if not isinstance(mixture, Mixture):
-            raise ConfigError(f"model.backbone={type(mixture).__name__} is invalid for FedEM: expected "
-                              "pl_fedsparse.models.Mixture (init_args: {backbone: <the network>, num_components: M})")
+            what = f"model.backbone={type(mixture).__name__}" if mixture is not None else \
+                f"model={type(model).__name__} (no backbone attribute)"
+            raise ConfigError(f"{what} is invalid for FedEM: expected a module whose `backbone` is a "
+                              "pl_fedsparse.models.Mixture (init_args: {backbone: <the network>, num_components: M}); "
+                              "FedEM replaces its forward and loss during training")
         check(mixture.num_components == self.num_components, "FedEM.num_components", self.num_components,
               f"{mixture.num_components}, the number of components of model.backbone (a Mixture)")
         check(callable(getattr(model, "loss", None)), "model", type(model).__name__,
