@@ -332,7 +332,7 @@ MIXTURE = ("model:\n  backbone:\n    class_path: pl_fedsparse.models.Mixture\n  
     (("trainer:\n  callbacks: [{class_path: pl_fedsparse.callbacks.PersonalLayers, init_args: {mode: lg, "
       "personal: [backbone.conv9]}}]\n"), "PersonalLayers.personal='backbone.conv9' is invalid: expected a prefix"),
     ("trainer:\n  callbacks: [{class_path: pl_fedsparse.callbacks.FedEM}]\n",
-     "model.backbone=MLP is invalid for FedEM: expected pl_fedsparse.models.Mixture"),
+     "model.backbone=MLP is invalid for FedEM: expected a module whose `backbone` is a pl_fedsparse.models.Mixture"),
     ("trainer:\n  callbacks: [{class_path: pl_fedsparse.callbacks.FedEM}]\n" + MIXTURE,
      "FedEM.num_components=3 is invalid: expected 2, the number of components"),
 ])
