@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.data.corruptions import CORRUPTIONS
-from pl_fedsparse.errors import check
+from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.execution import load_state
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 
@@ -205,6 +205,12 @@ class Evaluator:
         views: dict[str, EvalView] = {CLEAN.name: CLEAN}
         for cb in self.loop.fed_callbacks:
             merge_views(views, list(cb.eval_views(self.loop)))
+        dm = self.loop.datamodule
+        if not getattr(dm, "supports_corruptions", True):
+            bad = [v.name for v in views.values() if v.corruption is not None]
+            if bad:
+                raise ConfigError(f"trainer.callbacks is invalid: evaluation views {bad} corrupt images, but "
+                                  f"{dm.source_label()} has {dm.input_kind} inputs; expected no corruption views")
         return views
 
     def forward(self, k: int, split: str, views: dict[str, EvalView], has_global: bool

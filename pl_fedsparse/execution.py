@@ -296,4 +296,4 @@ def check_environment(loop: FederatedLoop) -> None:
         raise ConfigError("trainer.precision='16-mixed' is invalid on CPU: expected 32-true or bf16-mixed")
     assert loop.model is not None
     dm = loop.datamodule
-    check_model(loop.model, dm.example_input(2), int(dm.num_classes), str(getattr(dm, "name", type(dm).__name__)))
+    check_model(loop.model, dm.example_input(2), int(dm.num_classes), dm.source_label())

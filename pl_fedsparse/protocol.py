@@ -72,14 +72,14 @@ def check_datamodule(datamodule: Any) -> None:
                           "docs/your-own-data.md)")
 
 
-def check_model(model: Any, example: Tensor, num_classes: int, data_name: str) -> None:
+def check_model(model: Any, example: Tensor, num_classes: int, data_label: str) -> None:
     """Check the module protocol (module docstring) on one example batch; raise a one-line :class:`ConfigError`.
 
     Args:
         model: the configured module.
         example: a batch of inputs as the datamodule yields them (on the CPU).
         num_classes: the dataset's number of classes (the logits' width).
-        data_name: the dataset's name, for messages.
+        data_label: how messages name the data (``data.name='cifar10'``, ``data=MyData``).
     """
     name = model_name(model)
     if not isinstance(model, pl.LightningModule):
@@ -102,7 +102,7 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_name: str) -
     except RuntimeError as e:  # shape/dtype mismatches of the network and the data
         detail = f"model.backbone={type(model.backbone).__name__}" if _has_backbone(model) else f"model={name}"
         raise ConfigError(f"{detail} is invalid: expected a network accepting inputs of shape "
-                          f"{tuple(example.shape[1:])} ({example.dtype}) from data.name={data_name!r} "
+                          f"{tuple(example.shape[1:])} ({example.dtype}) from {data_label} "
                           f"({' '.join(str(e).split())})") from None
     finally:
         model.train(was_training)
@@ -113,7 +113,7 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_name: str) -
     if out.ndim != 2 or out.shape[1] != num_classes:
         where = "model.backbone.init_args.num_classes" if _has_backbone(model) else f"model={name}: its logits' width"
         raise ConfigError(f"{where}={out.shape[-1] if out.ndim else out.shape} is invalid: expected {num_classes} "
-                          f"(the number of classes of data.name={data_name!r}; forward(x) returned shape "
+                          f"(the number of classes of {data_label}; forward(x) returned shape "
                           f"{tuple(out.shape)})")
 
 

@@ -299,8 +299,9 @@ class PFedGate(FederatedCallback):
     def setup_federation(self, loop: FederatedLoop) -> None:
         assert loop.model is not None
         x = loop.datamodule.example_input(2)
-        check(x.dim() == 4 and x.shape[2] * x.shape[3] >= 2, "data.name", loop.datamodule.name,
-              f"image data [N, C, H, W] for PFedGate's gating layer (got inputs of shape {tuple(x.shape[1:])})")
+        if not (x.dim() == 4 and x.shape[2] * x.shape[3] >= 2):
+            raise ConfigError(f"{loop.datamodule.source_label()} is invalid for PFedGate: expected image inputs "
+                              f"[N, C, H, W] for its gating layer (got inputs of shape {tuple(x.shape[1:])})")
         self._num_rounds = loop.num_rounds
         self.table = block_table(loop.model, self.num_splits, split=self.split, s_min=self.s_min)
         for d in sorted(set(self.client_densities or [self.density])):  # refuse an impossible budget now

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.data.corruptions import CORRUPTIONS
-from pl_fedsparse.errors import check
+from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import CLEAN, EvalView, view_metric_prefix
 
 if TYPE_CHECKING:
@@ -91,6 +91,14 @@ class ShiftEvaluation(FederatedCallback):
         out = [EvalView(self.shift_view_name(x), shift=x) for x in self.shifts if x > 0]
         out += [EvalView(f"{c}_s{s}", corruption=c, severity=s) for c in self.corruptions for s in self.severities]
         return out
+
+    @override
+    def setup_federation(self, loop: FederatedLoop) -> None:
+        dm = loop.datamodule
+        if self.corruptions and not getattr(dm, "supports_corruptions", True):
+            raise ConfigError(f"ShiftEvaluation.corruptions={self.corruptions!r} is invalid: expected [] for "
+                              f"{dm.source_label()} (corruptions are image transforms; its inputs are "
+                              f"{dm.input_kind}); shifts work for any data")
 
     def _due(self, loop: FederatedLoop) -> bool:
         return self.when == "every" or loop.round_idx >= loop.num_rounds - 1

@@ -6,6 +6,10 @@ Typical use::
     dm.setup()
     for x, y in dm.train_loader(client_idx=0, seed=0):
         ...
+
+Your own data: a built-in source (``data.name``: ``image_folder``, ``tensors``, ``torchvision``, ``leaf``; see
+:mod:`pl_fedsparse.data.sources`), or a subclass of :class:`FederatedDataModule` overriding
+:meth:`FederatedDataModule.load_base_dataset` to return a :class:`BaseDataset`.
 """
 
 from pl_fedsparse.data.datamodule import FederatedDataModule
@@ -14,12 +18,14 @@ from pl_fedsparse.data.datasets import (
     EMNIST_SPLITS,
     SYNTHETIC_DEFAULTS,
     BaseDataset,
+    channel_stats,
     clear_memo,
+    input_kind,
     load_dataset,
     make_synthetic,
     read_idx,
 )
-from pl_fedsparse.data.loaders import TensorBatchLoader, normalize
+from pl_fedsparse.data.loaders import TensorBatchLoader, dataset_loader, normalize
 from pl_fedsparse.data.partition import (
     SCHEMES,
     client_test_from_global,
@@ -33,6 +39,7 @@ from pl_fedsparse.data.partition import (
     shards,
 )
 from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
+from pl_fedsparse.data.sources import validate_base_dataset
 
 __all__ = [
     "BaseDataset",
@@ -42,12 +49,15 @@ __all__ = [
     "FederatedDataModule",
     "SCHEMES",
     "TensorBatchLoader",
+    "channel_stats",
     "clear_memo",
     "client_test_from_global",
+    "dataset_loader",
     "dirichlet",
     "fedem_client_split",
     "fedem_dirichlet",
     "iid",
+    "input_kind",
     "load_dataset",
     "make_synthetic",
     "noniid_ratio",
@@ -58,4 +68,5 @@ __all__ = [
     "shards",
     "shifted_test_indices",
     "shifted_test_split",
+    "validate_base_dataset",
 ]

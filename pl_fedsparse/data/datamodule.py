@@ -1,8 +1,21 @@
 """``FederatedDataModule``: a base dataset split into per-client train / val / test sets.
 
 The federated loop asks it for one client's loaders at a time (:meth:`FederatedDataModule.train_loader`,
-:meth:`FederatedDataModule.eval_loader`); every client set is an index array into the base dataset's uint8 tensors,
-which stay in one place (CPU, or the GPU with ``device="cuda"``) and are never copied per client.
+:meth:`FederatedDataModule.eval_loader`); every client set is an index array into the base dataset's tensors, which
+stay in one place (CPU, or the GPU with ``device="cuda"``) and are never copied per client.
+
+The base dataset comes from :meth:`FederatedDataModule.load_base_dataset`: by default one of the built-in sources
+chosen by ``data.name`` (:mod:`pl_fedsparse.data.datasets`, :mod:`pl_fedsparse.data.sources`: synthetic, CIFAR,
+(Fashion-/E)MNIST, any image folder, a ``.pt``/``.npz`` file of tensors, any torchvision dataset, LEAF's JSON), or
+your own: subclass the module, override that one method, and select it with
+``data: {class_path: mypkg.MyDataModule, init_args: {...}}``. Inputs may be images, float features or token ids
+(:class:`~pl_fedsparse.data.datasets.BaseDataset`); augmentation and corruptions are for images only
+(:attr:`FederatedDataModule.supports_corruptions`).
+
+Partitions: a synthetic, label-based scheme (:mod:`pl_fedsparse.data.partition`; it reads the labels only, never
+the inputs), or ``partition="natural"``: the dataset's own per-sample client ids (``train_client`` /
+``test_client``: a ``tensors`` file's ids, LEAF's users, a subclass's), where client ``k`` is the ``k``-th smallest
+id and ``num_clients`` must be the number of distinct ids (``null`` sets it).
 
 Four ways to build personal test sets:
 
@@ -22,10 +35,17 @@ Four ways to build personal test sets:
   authors' split (see :func:`~pl_fedsparse.data.partition.fedem_dirichlet`). Client indices index the pooled
   arrays: ``i < len(train)`` is base train sample ``i``, otherwise base test sample ``i - len(train)``. Shifted
   evaluation (``eval_loader(shift=...)``) still draws its replacements from the base test split.
+
+With ``partition="natural"`` the modes mean: ``"split"`` — each client's own training samples are split by
+``split_ratios``; ``"partition"`` — client ``k`` trains on its training samples and is tested on its own test samples
+(``test_client`` ids required: LEAF's and most natural benchmarks' protocol); ``"global"`` — tested on base test
+samples following its label distribution; ``"pooled"`` — its train and test samples are pooled and split by
+``split_ratios`` (``test_client`` required).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Literal
 
@@ -33,8 +53,16 @@ import lightning
 import numpy as np
 import torch
 
-from pl_fedsparse.data.datasets import DATASETS, EMNIST_SPLITS, BaseDataset, load_dataset, synthetic_params
-from pl_fedsparse.data.loaders import TensorBatchLoader, normalize
+from pl_fedsparse.data.corruptions import CORRUPTIONS, corrupt
+from pl_fedsparse.data.datasets import (
+    DATASETS,
+    EMNIST_SPLITS,
+    BaseDataset,
+    InputKind,
+    load_dataset,
+    synthetic_params,
+)
+from pl_fedsparse.data.loaders import TensorBatchLoader, dataset_loader, item_input, normalize
 from pl_fedsparse.data.partition import (
     SCHEMES,
     client_test_from_global,
@@ -42,8 +70,8 @@ from pl_fedsparse.data.partition import (
     fedem_dirichlet,
     partition,
 )
-from pl_fedsparse.data.corruptions import CORRUPTIONS, corrupt
 from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
+from pl_fedsparse.data.sources import image_size_pair, resolve_torchvision_class, validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check
 
 __all__ = ["FederatedDataModule"]
@@ -51,7 +79,9 @@ __all__ = ["FederatedDataModule"]
 _FINGERPRINT_VERSION = 1
 _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_samples"),
                   "pathological": ("classes_per_client",), "shards": ("shards_per_client",),
-                  "noniid_ratio": ("noniid_ratio",), "fedem_dirichlet": ("alpha", "sample_fraction")}
+                  "noniid_ratio": ("noniid_ratio",), "fedem_dirichlet": ("alpha", "sample_fraction"), "natural": ()}
+#: ``partition="natural"``: the dataset's own client ids instead of a scheme of :data:`SCHEMES`
+NATURAL = "natural"
 _TEST_MODES = ("split", "global", "partition", "pooled")
 
 
@@ -66,11 +96,19 @@ def _is_num(value: Any) -> bool:
 class FederatedDataModule(lightning.LightningDataModule):
     """Federated split of a base dataset (see the module docstring).
 
+    Your own data: subclass it and override :meth:`load_base_dataset` (nothing else), then select the subclass with
+    ``data: {class_path: mypkg.MyDataModule, init_args: {num_clients: 20, partition: dirichlet}}``; every option
+    below (partition, test mode, batch sizes, ...) applies to it as to a built-in dataset.
+
     Args:
-        name: base dataset, one of :data:`~pl_fedsparse.data.datasets.DATASETS`.
+        name: base dataset, one of :data:`~pl_fedsparse.data.datasets.DATASETS` (ignored by a subclass whose
+            :meth:`load_base_dataset` does not call this class's).
         root: data folder (not needed for ``synthetic``); unset: the download folder ``~/.cache/pl_fedsparse/<name>``.
-        num_clients: number of clients ``K``.
-        partition: partition scheme (see :mod:`pl_fedsparse.data.partition`).
+            For ``name="tensors"`` the ``.pt``/``.npz`` file itself.
+        num_clients: number of clients ``K``; with ``partition="natural"`` the number of distinct client ids, or
+            ``None`` to take it from the data.
+        partition: partition scheme (see :mod:`pl_fedsparse.data.partition`), or ``"natural"``: the dataset's own
+            per-sample client ids (module docstring).
         alpha: Dirichlet concentration for ``partition="dirichlet"`` and ``"fedem_dirichlet"``.
         quantity_skew: Dirichlet per-class split with unequal client sizes (DM-PFL) instead of DisPFL's.
         classes_per_client: classes per client for ``partition="pathological"``.
@@ -95,12 +133,37 @@ class FederatedDataModule(lightning.LightningDataModule):
         synthetic: overrides of the synthetic task's parameters.
         emnist_split: EMNIST split.
         seed: seed of the subsample, the partition and the per-client splits (``< 2**32`` in ``"pooled"`` mode and
-            for ``fedem_dirichlet``, which use numpy's ``RandomState`` as FedEM does).
+            for ``fedem_dirichlet``, which use numpy's ``RandomState`` as FedEM does), and of the train/test split of
+            a source without a test split.
+        test_fraction: for ``image_folder`` (single ``root/<class>/`` folder) and ``tensors`` (``x``/``y`` file)
+            sources without a test split: the share of each class (of each client, with client ids) held out as the
+            base test split.
+        image_size: ``image_folder`` and ``torchvision``: resize every image to ``size`` × ``size`` or
+            ``[height, width]``; ``None`` requires images of one size.
+        torchvision_class: for ``name="torchvision"``: a class of ``torchvision.datasets`` (``SVHN``, ``KMNIST``,
+            ``QMNIST``, ``STL10``, ``USPS``, ...) or the dotted path of a class with torchvision's constructor.
+        torchvision_args: extra constructor arguments of that class (e.g. ``{split: digits}`` for ``EMNIST``).
+
+    Example:
+        A subclass providing its own data (float features; ``partition: natural`` would use ``train_client``)::
+
+            class MyData(FederatedDataModule):
+                def load_base_dataset(self) -> BaseDataset:
+                    x, y = torch.randn(1000, 20), torch.randint(0, 3, (1000,))
+                    return BaseDataset("mine", x[:800], y[:800], x[800:], y[800:], num_classes=3)
+
+        >>> class MyData(FederatedDataModule):
+        ...     def load_base_dataset(self) -> BaseDataset:
+        ...         x, y = torch.randn(100, 20, generator=torch.Generator().manual_seed(0)), torch.arange(100) % 3
+        ...         return BaseDataset("mine", x[:80], y[:80], x[80:], y[80:], num_classes=3)
+        >>> dm = MyData(num_clients=4, partition="iid")
+        >>> dm.input_shape, dm.input_kind, dm.supports_corruptions, next(iter(dm.train_loader(0, seed=0)))[0].shape
+        ((20,), 'features', False, torch.Size([15, 20]))
     """
 
-    def __init__(self, name: str = "synthetic", root: str | None = None, num_clients: int = 10,
+    def __init__(self, name: str = "synthetic", root: str | None = None, num_clients: int | None = 10,
                  partition: Literal["iid", "dirichlet", "pathological", "shards", "noniid_ratio",
-                                    "fedem_dirichlet"] = "dirichlet",
+                                    "fedem_dirichlet", "natural"] = "dirichlet",
                  alpha: float = 0.3, quantity_skew: bool = False, classes_per_client: int = 2,
                  shards_per_client: int = 2, noniid_ratio: float = 1.0, min_samples: int = 1,
                  sample_fraction: float = 1.0,
@@ -109,12 +172,17 @@ class FederatedDataModule(lightning.LightningDataModule):
                  test_per_client: int | None = None, max_train_samples: int | None = None,
                  batch_size: int = 64, eval_batch_size: int = 512, augment: bool = False,
                  download: bool = True, device: str | None = None,
-                 synthetic: dict | None = None, emnist_split: str = "balanced", seed: int = 0) -> None:
+                 synthetic: dict | None = None, emnist_split: str = "balanced", seed: int = 0,
+                 test_fraction: float = 0.2, image_size: int | tuple[int, int] | None = None,
+                 torchvision_class: str | None = None, torchvision_args: dict | None = None) -> None:
         super().__init__()
         check(name in DATASETS, "data.name", name, f"one of {', '.join(DATASETS)}")
         check(root is None or isinstance(root, str), "data.root", root, "a folder path or None")
-        check(_is_int(num_clients) and num_clients >= 1, "data.num_clients", num_clients, "an int >= 1")
-        check(partition in SCHEMES, "data.partition", partition, f"one of {', '.join(SCHEMES)}")
+        check((isinstance(num_clients, int) and not isinstance(num_clients, bool) and num_clients >= 1)
+              or (num_clients is None and partition == NATURAL),
+              "data.num_clients", num_clients, "an int >= 1 (or null with data.partition='natural')")
+        check(partition in SCHEMES or partition == NATURAL, "data.partition", partition,
+              f"one of {', '.join(SCHEMES)}, {NATURAL}")
         check(_is_num(alpha) and alpha > 0, "data.alpha", alpha, "a number > 0")
         check(_is_int(classes_per_client) and classes_per_client >= 1, "data.classes_per_client",
               classes_per_client, "an int >= 1")
@@ -143,6 +211,19 @@ class FederatedDataModule(lightning.LightningDataModule):
         check(_is_int(seed) and seed >= 0, "data.seed", seed, "an int >= 0")
         check(seed < 2**32 or (test_mode != "pooled" and partition != "fedem_dirichlet"), "data.seed", seed,
               "an int in [0, 2**32 - 1] with test_mode 'pooled' or partition 'fedem_dirichlet' (numpy's RandomState)")
+        check(_is_num(test_fraction) and 0 < test_fraction < 1, "data.test_fraction", test_fraction,
+              "a number in (0, 1)")
+        self.image_size = image_size_pair(image_size)
+        check(image_size is None or name in ("image_folder", "torchvision") or self._custom_source,
+              "data.image_size", image_size, "None unless data.name is 'image_folder' or 'torchvision'")
+        if name == "torchvision" and not self._custom_source:
+            resolve_torchvision_class(torchvision_class)
+        else:
+            check(torchvision_class is None, "data.torchvision_class", torchvision_class,
+                  "None unless data.name='torchvision'")
+        check(torchvision_args is None or (isinstance(torchvision_args, dict) and name == "torchvision"),
+              "data.torchvision_args", torchvision_args, "None, or a dict of constructor arguments with "
+              "data.name='torchvision'")
         self._synthetic = synthetic_params(synthetic) if name == "synthetic" else None
         if device is not None:
             try:
@@ -161,26 +242,130 @@ class FederatedDataModule(lightning.LightningDataModule):
         self.max_train_samples, self.batch_size, self.eval_batch_size = max_train_samples, batch_size, eval_batch_size
         self.augment, self.download, self.device = augment, download, device
         self.emnist_split, self.seed = emnist_split, seed
+        self.test_fraction = float(test_fraction)
+        self.torchvision_class = torchvision_class
+        self.torchvision_args = None if torchvision_args is None else dict(torchvision_args)
         self._base: BaseDataset | None = None
         self._splits: dict[str, list[np.ndarray]] = {}
 
-    # ------------------------------------------------------------------------------------------- setup
+    # ------------------------------------------------------------------------------------------- the base dataset
 
-    def _load(self) -> BaseDataset:
-        return load_dataset(self.name, self.root, self.download, synthetic=self._synthetic,
-                            emnist_split=self.emnist_split)
+    def load_base_dataset(self) -> BaseDataset:
+        """Return the whole (centralised) dataset that the clients' data is drawn from.
+
+        The one hook for your own data: override it in a subclass (and nothing else); :meth:`prepare_data` and
+        :meth:`setup` call it and check what it returns (one-line :class:`~pl_fedsparse.errors.ConfigError` naming
+        the class and the problem). It may be called more than once (memoise expensive work yourself, or use
+        :func:`~pl_fedsparse.data.datasets.load_dataset`'s cache); it must return the same data each time, and only
+        options that :meth:`fingerprint` covers may change it (extend :meth:`fingerprint` for your own options).
+
+        The default loads the built-in source ``name`` (:func:`~pl_fedsparse.data.datasets.load_dataset`).
+
+        Returns:
+            A :class:`~pl_fedsparse.data.datasets.BaseDataset`: train and test inputs (``uint8 [N, C, H, W]`` images
+            with per-channel ``mean``/``std``; float features of any shape; integer token ids; or, slower, map-style
+            ``torch.utils.data.Dataset`` objects), ``int64`` labels in ``[0, num_classes)``, a non-empty test split,
+            and for ``partition="natural"`` per-sample ``train_client`` (and ``test_client``) ids.
+
+        Example:
+            ::
+
+                class MyData(FederatedDataModule):
+                    def __init__(self, *, csv: str, **kwargs):
+                        super().__init__(**kwargs)
+                        self.csv = csv
+
+                    def load_base_dataset(self) -> BaseDataset:
+                        table = np.loadtxt(self.csv, delimiter=",", dtype=np.float32)
+                        x, y = torch.from_numpy(table[:, :-1]), torch.from_numpy(table[:, -1]).long()
+                        n = int(0.8 * len(y))
+                        return BaseDataset("my-csv", x[:n], y[:n], x[n:], y[n:], num_classes=int(y.max()) + 1)
+        """
+        return load_dataset(str(self.name), self.root, self.download, synthetic=self._synthetic,
+                            emnist_split=self.emnist_split, test_fraction=self.test_fraction, seed=self.seed,
+                            image_size=self.image_size, torchvision_class=self.torchvision_class,
+                            torchvision_args=self.torchvision_args)
+
+    @property
+    def _custom_source(self) -> bool:
+        """Whether a subclass provides its own :meth:`load_base_dataset`."""
+        return type(self).load_base_dataset is not FederatedDataModule.load_base_dataset
+
+    def source_label(self) -> str:
+        """How messages name the data: ``data=MyData`` for a subclass's own hook, else ``data.name='...'``."""
+        return f"data={type(self).__name__}" if self._custom_source else f"data.name={self.name!r}"
+
+    def _checked_base(self) -> BaseDataset:
+        """:meth:`load_base_dataset`'s result, validated, and checked against the image-only options."""
+        owner = (f"{type(self).__name__}.load_base_dataset()" if self._custom_source
+                 else f"data.name={self.name!r}")
+        base = validate_base_dataset(self.load_base_dataset(), owner)
+        if self.augment and base.kind != "image":
+            raise ConfigError(f"data.augment=True is invalid: expected false for {self.source_label()} "
+                              f"({self._not_images(base)})")
+        return base
+
+    @staticmethod
+    def _not_images(base: BaseDataset) -> str:
+        what = "dataset items" if base.kind == "dataset" else f"{base.kind} inputs of shape {base.sample_shape}"
+        return f"{what} are not images"
 
     def prepare_data(self) -> None:
         """Download (if enabled) / decode the base dataset once."""
-        self._load()
+        self._checked_base()
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    def _natural_clients(self, base: BaseDataset, pooled: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Client index (0-based, by sorted id) of every train (pooled: train then test) sample and every test
+        sample (``None`` without ``test_client``); sets ``num_clients`` when it is ``None``."""
+        label = self.source_label()
+        if base.train_client is None:
+            raise ConfigError(f"data.partition='natural' is invalid: expected per-sample client ids (train_client) "
+                              f"from {label}, which has none; use a synthetic scheme such as 'dirichlet'")
+        ids = base.train_client.cpu().numpy()
+        uniq = np.unique(ids)
+        if self._num_clients is None:
+            self._num_clients = len(uniq)
+        elif self._num_clients != len(uniq):
+            raise ConfigError(f"data.num_clients={self._num_clients} is invalid: expected {len(uniq)} (the number "
+                              f"of distinct client ids of {label}) or null with data.partition='natural'")
+        train_c = np.searchsorted(uniq, ids)
+        test_c = None
+        if base.test_client is not None:
+            tids = base.test_client.cpu().numpy()
+            known = np.isin(tids, uniq)
+            if not known.all():
+                raise ConfigError(f"data.partition='natural' is invalid: {label} has test_client id "
+                                  f"{int(tids[~known][0])} without training samples; expected every test client id "
+                                  f"among the train_client ids")
+            test_c = np.searchsorted(uniq, tids)
+        elif self.test_mode in ("partition", "pooled"):
+            raise ConfigError(f"data.test_mode={self.test_mode!r} is invalid: expected 'split' or 'global' with "
+                              f"data.partition='natural' when {label} has no test_client ids")
+        if pooled:
+            assert test_c is not None
+            train_c = np.concatenate([train_c, test_c])
+        return train_c, test_c
+
+    @staticmethod
+    def _groups(client_of: np.ndarray, num_clients: int) -> list[np.ndarray]:
+        """Sorted positions of every client's samples (``client_of``: one client index per position)."""
+        order = np.argsort(client_of, kind="stable")
+        cuts = np.searchsorted(client_of[order], np.arange(1, num_clients))
+        return [np.sort(part) for part in np.split(order, cuts)]
 
     def setup(self, stage: str | None = None) -> None:
         """Load the base dataset and build every client's index sets (idempotent)."""
         if self._base is not None:
             return
-        base = self._load()
+        base = self._checked_base()
         pooled = self.test_mode == "pooled"  # FedEM: ConcatDataset([train, test])
         train_y = np.concatenate([base.train_y.numpy(), base.test_y.numpy()]) if pooled else base.train_y.numpy()
+        natural = self.partition == NATURAL
+        client_of, test_client_of = self._natural_clients(base, pooled) if natural else (None, None)
+        num_clients = self._num_clients  # known now (``None`` only before a natural partition has read its ids)
+        assert num_clients is not None
         pool = np.arange(len(train_y))
         if self.max_train_samples is not None and self.max_train_samples < len(pool):
             rng = np.random.default_rng([self.seed, 1])
@@ -188,11 +373,18 @@ class FederatedDataModule(lightning.LightningDataModule):
         kw: dict[str, Any] = {p: getattr(self, p) for p in _SCHEME_PARAMS[self.partition]}
         if self.partition == "noniid_ratio":
             kw = {"ratio": self.noniid_ratio}
-        if pooled and self.partition == "fedem_dirichlet":  # FedEM's order, for its per-client split
-            raw = fedem_dirichlet(train_y[pool], self._num_clients, self.alpha, self.seed, self.sample_fraction,
+        if natural:  # the data's own clients: only the client ids are read (as the schemes read only labels)
+            assert client_of is not None
+            raw = self._groups(client_of[pool], num_clients)
+            empty = [k for k, r in enumerate(raw) if len(r) == 0]
+            if empty:
+                raise ConfigError(f"data.max_train_samples={self.max_train_samples} is invalid: natural client "
+                                  f"{empty[0]} has no training samples left; expected None or a larger number")
+        elif pooled and self.partition == "fedem_dirichlet":  # FedEM's order, for its per-client split
+            raw = fedem_dirichlet(train_y[pool], num_clients, self.alpha, self.seed, self.sample_fraction,
                                   ordered=True)
         else:
-            raw = partition(train_y[pool], self.partition, self._num_clients, self.seed, **kw)
+            raw = partition(train_y[pool], self.partition, num_clients, self.seed, **kw)
         parts = [pool[p] for p in raw]
         r_train, r_val, r_test = self.split_ratios
         splits: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
@@ -216,9 +408,12 @@ class FederatedDataModule(lightning.LightningDataModule):
             splits["test"].append(np.sort(perm[:n_test]))
             splits["val"].append(np.sort(perm[n_test:n_test + n_val]))
             splits["train"].append(np.sort(perm[n_test + n_val:]))
-        if self.test_mode == "partition":  # the base test split, partitioned like the training data (FedPSE App. C.1)
+        if self.test_mode == "partition" and natural:  # client k is tested on its own test samples
+            assert test_client_of is not None
+            splits["test"] = self._groups(test_client_of, num_clients)
+        elif self.test_mode == "partition":  # the base test split, partitioned like the training data (FedPSE C.1)
             test_y = base.test_y.numpy()
-            splits["test"] = [np.sort(p) for p in partition(test_y, self.partition, self._num_clients, self.seed + 1,
+            splits["test"] = [np.sort(p) for p in partition(test_y, self.partition, num_clients, self.seed + 1,
                                                             **kw)]
         if self.test_mode == "global":
             splits["test"] = client_test_from_global(base.test_y.numpy(), [train_y[p] for p in parts],
@@ -228,10 +423,13 @@ class FederatedDataModule(lightning.LightningDataModule):
                 a.setflags(write=False)
         self._splits = splits
         train_x, train_t = base.train_x, base.train_y
-        if pooled:  # one copy of the images, train then test (the indices above index it)
-            train_x, train_t = torch.cat([base.train_x, base.test_x]), torch.cat([base.train_y, base.test_y])
+        in_memory = isinstance(base.train_x, torch.Tensor)
+        if pooled:  # one copy of the inputs, train then test (the indices above index it)
+            train_x = (torch.cat([base.train_x, base.test_x]) if in_memory
+                       else torch.utils.data.ConcatDataset([base.train_x, base.test_x]))
+            train_t = torch.cat([base.train_y, base.test_y])
         self._train_x, self._train_y, self._test_x, self._test_y = train_x, train_t, base.test_x, base.test_y
-        if self.device is not None:  # GPU-resident base tensors, moved once
+        if self.device is not None and in_memory:  # GPU-resident base tensors, moved once
             self._train_x, self._train_y, self._test_x, self._test_y = (
                 t.to(self.device) for t in (train_x, train_t, base.test_x, base.test_y))
         self._train_y_np, self._test_y_np = train_y, base.test_y.numpy()
@@ -248,7 +446,10 @@ class FederatedDataModule(lightning.LightningDataModule):
 
     @property
     def num_clients(self) -> int:
-        """Number of clients."""
+        """Number of clients (with ``partition="natural"`` and ``num_clients=None``, read from the data)."""
+        if self._num_clients is None:
+            self.setup()
+        assert self._num_clients is not None
         return self._num_clients
 
     @property
@@ -257,18 +458,31 @@ class FederatedDataModule(lightning.LightningDataModule):
         return self.base.num_classes
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of one image."""
-        c, h, w = self.base.train_x.shape[1:]
-        return int(c), int(h), int(w)
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one input: ``(C, H, W)`` of an image, ``(20,)`` of a tabular row, ``(80,)`` of a sequence."""
+        return self.base.sample_shape
+
+    @property
+    def input_kind(self) -> InputKind:
+        """``"image"``, ``"features"``, ``"tokens"`` or ``"dataset"`` (:func:`~pl_fedsparse.data.datasets.input_kind`).
+        """
+        kind = self.base.kind
+        assert kind is not None
+        return kind
+
+    @property
+    def supports_corruptions(self) -> bool:
+        """Whether image corruptions (``eval_loader(corruption=...)``) and augmentation apply: ``uint8`` images only.
+        Shift evaluation (``eval_loader(shift=...)``) works for every kind of input."""
+        return self.input_kind == "image"
 
     # ------------------------------------------------------------------------------------------- per-client API
 
     def _check_client(self, client_idx: int, split: str, allowed: tuple[str, ...] = ("train", "val", "test")) -> None:
-        check(_is_int(client_idx) and 0 <= client_idx < self._num_clients, "client_idx", client_idx,
-              f"an int in [0, {self._num_clients})")
-        check(split in allowed, "split", split, " or ".join(repr(s) for s in allowed))
         self.setup()
+        check(_is_int(client_idx) and 0 <= client_idx < self.num_clients, "client_idx", client_idx,
+              f"an int in [0, {self.num_clients})")
+        check(split in allowed, "split", split, " or ".join(repr(s) for s in allowed))
 
     def client_indices(self, client_idx: int, split: Literal["train", "val", "test"] = "train") -> np.ndarray:
         """Read-only indices of a client's split into the base train arrays (the base *test* arrays for the test
@@ -277,7 +491,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         self._check_client(client_idx, split)
         return self._splits[split][client_idx]
 
-    def _source(self, split: str) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def _source(self, split: str) -> tuple[Any, torch.Tensor, np.ndarray]:
         if split == "test" and self.test_mode in ("global", "partition"):
             return self._test_x, self._test_y, self._test_y_np
         return self._train_x, self._train_y, self._train_y_np
@@ -291,32 +505,47 @@ class FederatedDataModule(lightning.LightningDataModule):
         idx = self.client_indices(client_idx, split)
         return np.bincount(self._source(split)[2][idx], minlength=self.num_classes)
 
-    def train_loader(self, client_idx: int, seed: int) -> TensorBatchLoader:
-        """Shuffled (and, if configured, augmented) training batches of one client, reproducible from ``seed``."""
+    def train_loader(self, client_idx: int, seed: int) -> TensorBatchLoader | torch.utils.data.DataLoader:
+        """Shuffled (and, if configured, augmented) training batches of one client, reproducible from ``seed``.
+
+        In-memory inputs give a :class:`~pl_fedsparse.data.loaders.TensorBatchLoader`; a base dataset of
+        ``torch.utils.data.Dataset`` objects gives a (slower) ``torch.utils.data.DataLoader`` with a generator seeded
+        from ``seed``.
+        """
         idx = self.client_indices(client_idx, "train")
+        if not isinstance(self._train_x, torch.Tensor):
+            return dataset_loader([(self._train_x, self._train_y, idx)], self.batch_size, shuffle=True, seed=seed)
         return TensorBatchLoader(self._train_x, self._train_y, self.batch_size, shuffle=True, generator_seed=seed,
                                  mean=self.base.mean, std=self.base.std, augment=self.augment, indices=idx)
 
     def eval_loader(self, client_idx: int, split: Literal["train", "val", "test"] = "test", shift: float = 0.0,
-                    seed: int = 0, corruption: str | None = None, severity: int = 0) -> TensorBatchLoader:
+                    seed: int = 0, corruption: str | None = None,
+                    severity: int = 0) -> TensorBatchLoader | torch.utils.data.DataLoader:
         """Unshuffled, unaugmented evaluation batches of a client's train/val/test split.
 
         With ``shift > 0`` a fraction ``shift`` of the samples is replaced by samples drawn uniformly from the base
-        test split (DM-PFL, :mod:`pl_fedsparse.data.shift`), seeded by ``(seed, client_idx)``. With ``corruption``
-        every image is corrupted at ``severity`` (1-5; :mod:`pl_fedsparse.data.corruptions`), seeded by
-        ``(seed, client_idx, corruption, severity)``.
+        test split (DM-PFL, :mod:`pl_fedsparse.data.shift`), seeded by ``(seed, client_idx)``; this works for every
+        kind of input. With ``corruption`` every image is corrupted at ``severity`` (1-5;
+        :mod:`pl_fedsparse.data.corruptions`), seeded by ``(seed, client_idx, corruption, severity)``; images only
+        (:attr:`supports_corruptions`), anything else is refused in one line.
         """
         self._check_client(client_idx, split)
         check(_is_num(shift) and 0 <= shift <= 1, "shift", shift, "a number in [0, 1]")
-        idx = self.client_indices(client_idx, split)
+        if corruption is not None and not self.supports_corruptions:
+            raise ConfigError(f"corruption={corruption!r} is invalid: expected None for {self.source_label()} "
+                              f"({self._not_images(self.base)})")
+        own = self.client_indices(client_idx, split)
         images, labels, _ = self._source(split)
+        if not isinstance(images, torch.Tensor):
+            return self._dataset_eval_loader(client_idx, own, images, labels, shift, seed)
+        idx: np.ndarray | None = own
         mean, std = self.base.mean, self.base.std
         if shift > 0:
             shift_seed = int(np.random.SeedSequence([seed, client_idx]).generate_state(1)[0])
             if images is self._test_x:  # client and pool index the same array
-                idx = shifted_test_indices(idx, len(self._test_y), shift, shift_seed)
+                idx = shifted_test_indices(own, len(self._test_y), shift, shift_seed)
             else:
-                kept, drawn = shifted_test_split(idx, len(self._test_y), shift, shift_seed)
+                kept, drawn = shifted_test_split(own, len(self._test_y), shift, shift_seed)
                 images = torch.cat([images[torch.as_tensor(kept, device=images.device)],
                                     self._test_x[torch.as_tensor(drawn, device=images.device)]])
                 labels = torch.cat([labels[torch.as_tensor(kept, device=labels.device)],
@@ -333,17 +562,36 @@ class FederatedDataModule(lightning.LightningDataModule):
         return TensorBatchLoader(images, labels, self.eval_batch_size, shuffle=False, generator_seed=seed, mean=mean,
                                  std=std, augment=False, indices=idx)
 
+    def _dataset_eval_loader(self, client_idx: int, idx: np.ndarray, data: Any, labels: torch.Tensor, shift: float,
+                             seed: int) -> torch.utils.data.DataLoader:
+        """:meth:`eval_loader` for a base dataset of ``Dataset`` objects (the same shift draws as in memory)."""
+        parts = [(data, labels, idx)]
+        if shift > 0:
+            shift_seed = int(np.random.SeedSequence([seed, client_idx]).generate_state(1)[0])
+            if data is self._test_x:
+                parts = [(data, labels, shifted_test_indices(idx, len(self._test_y), shift, shift_seed))]
+            else:
+                kept, drawn = shifted_test_split(idx, len(self._test_y), shift, shift_seed)
+                parts = [(data, labels, kept), (self._test_x, self._test_y, drawn)]
+        return dataset_loader(parts, self.eval_batch_size, shuffle=False, seed=seed)
+
     def example_input(self, batch_size: int = 2) -> torch.Tensor:
-        """The first ``batch_size`` base train images, normalised, as a float CPU tensor."""
+        """The first ``batch_size`` base train inputs as the loaders yield them (normalised float images, float32
+        features or int64 token ids), on the CPU."""
         check(_is_int(batch_size) and batch_size >= 1, "batch_size", batch_size, "an int >= 1")
         base = self.base
+        if not isinstance(base.train_x, torch.Tensor):
+            n = min(batch_size, len(base.train_y))
+            return torch.utils.data.default_collate([item_input(base.train_x[i]) for i in range(n)])
         return normalize(base.train_x[:batch_size], base.mean, base.std)
 
     def fingerprint(self) -> dict[str, Any]:
         """JSON-able description of everything that determines the clients' data (not paths, devices, batch sizes).
 
-        Only the options of the chosen partition scheme are included, so e.g. ``alpha`` does not matter for
-        ``partition="iid"``.
+        Only the options of the chosen partition scheme and data source are included, so e.g. ``alpha`` does not
+        matter for ``partition="iid"`` (and existing configurations keep their fingerprints). A subclass with its
+        own :meth:`load_base_dataset` is recorded by its class path; one with options of its own that change the
+        data must add them (``fp = super().fingerprint(); fp["my_option"] = self.my_option; return fp``).
         """
         fp: dict[str, Any] = {"version": _FINGERPRINT_VERSION, "name": self.name, "num_clients": self._num_clients,
                               "partition": self.partition, "test_mode": self.test_mode,
@@ -356,6 +604,15 @@ class FederatedDataModule(lightning.LightningDataModule):
             fp["synthetic"] = dict(sorted(self._synthetic.items()))  # type: ignore[union-attr]
         if self.name == "emnist":
             fp["emnist_split"] = self.emnist_split
+        if self.name in ("image_folder", "tensors"):  # their train/test split when the source has none
+            fp["test_fraction"] = self.test_fraction
+        if self.name in ("image_folder", "torchvision") and self.image_size is not None:
+            fp["image_size"] = list(self.image_size)
+        if self.name == "torchvision":
+            fp["torchvision_class"] = self.torchvision_class
+            fp["torchvision_args"] = json.loads(json.dumps(self.torchvision_args or {}, sort_keys=True, default=repr))
+        if self._custom_source:
+            fp["source"] = f"{type(self).__module__}.{type(self).__qualname__}"
         return fp
 
     def __repr__(self) -> str:

@@ -1,10 +1,21 @@
-"""Base (centralised) datasets as in-memory uint8 tensors.
+"""Base (centralised) datasets held in memory.
 
-:func:`load_dataset` returns a :class:`BaseDataset` holding the whole train and test splits as ``uint8 [N, C, H, W]``
-image tensors and ``int64 [N]`` labels; partitioning into clients (:mod:`pl_fedsparse.data.partition`) and batching
-(:mod:`pl_fedsparse.data.loaders`) work on indices into these tensors, so no image is ever copied per client.
+:func:`load_dataset` returns a :class:`BaseDataset` holding the whole train and test splits as tensors and ``int64
+[N]`` labels; partitioning into clients (:mod:`pl_fedsparse.data.partition`) and batching
+(:mod:`pl_fedsparse.data.loaders`) work on indices into these tensors, so no sample is ever copied per client.
+Inputs come in three kinds (:func:`input_kind`), all batched by the same fast in-memory loader:
 
-Sources, in order of preference:
+* ``"image"`` — ``uint8 [N, C, H, W]`` images, normalised per channel by the dataset's ``mean``/``std``; the only
+  kind that augmentation and corruptions apply to.
+* ``"features"`` — float tensors of any shape (``[N, 20]`` tabular rows, ``[N, 784]`` FEMNIST pixels, ...), passed
+  through as float32 (normalised only when the dataset gives ``mean``/``std``).
+* ``"tokens"`` — integer token ids of any shape (``[N, 80]`` Shakespeare characters, ...), passed through as int64.
+
+A fourth kind, ``"dataset"``, holds map-style ``torch.utils.data.Dataset`` objects for data that does not fit in
+memory (see :class:`BaseDataset`); it is batched by a ``torch.utils.data.DataLoader`` and is slower.
+
+Sources (``data.name``), in order of preference for the fixed ones:
+
 * ``synthetic`` — a Gaussian-mixture image task generated from its parameters (no files; the quickstart default).
 * ``cifar10`` / ``cifar100`` — torchvision's pickled layout under ``root`` (``cifar-10-batches-py`` /
   ``cifar-100-python``), else an ImageFolder copy (``root/train/<class>/*.jpg`` and ``root/test/<class>/*.jpg``,
@@ -12,6 +23,9 @@ Sources, in order of preference:
 * ``mnist`` / ``fashion_mnist`` / ``emnist`` — the original IDX files (plain or ``.gz``) directly in ``root`` or in
   torchvision's ``root/<Class>/raw`` layout (for Fashion-MNIST, Debian's ``dataset-fashion-mnist`` package in
   ``/usr/share/datasets/fashion-mnist`` when ``root`` is unset), else torchvision's download.
+* ``image_folder``, ``tensors``, ``torchvision``, ``leaf`` — your own data (:mod:`pl_fedsparse.data.sources`): an
+  image folder with any number of classes, a ``.pt``/``.npz`` file of tensors (any input shape, optional per-sample
+  client ids), any torchvision dataset class by name, or LEAF's per-user JSON files (one natural client per user).
 
 Downloads (``download=True``, the default of ``data.download``): a local copy always wins; only when none is found
 does torchvision download the dataset, into ``root`` when it is given, else into :func:`download_dir`
@@ -19,9 +33,10 @@ does torchvision download the dataset, into ``root`` when it is given, else into
 network the download fails with the same one-line :class:`~pl_fedsparse.errors.DataNotFoundError` as a missing copy
 with ``download=False``, saying where to put one.
 
-Decoded image folders and IDX files are cached (``torch.save``) under ``$PL_FEDSPARSE_CACHE`` (default
-``~/.cache/pl_fedsparse``), keyed by dataset name, absolute folder and every source file's size and mtime: the second
-run loads in well under a second. An in-process memo makes repeated calls with the same arguments free.
+Decoded image folders, IDX files, torchvision datasets and LEAF JSON files are cached (``torch.save``) under
+``$PL_FEDSPARSE_CACHE`` (default ``~/.cache/pl_fedsparse``), keyed by dataset name, absolute folder and every source
+file's size and mtime: the second run loads in well under a second. An in-process memo makes repeated calls with the
+same arguments free.
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -46,9 +61,12 @@ from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
 __all__ = ["BaseDataset", "DATASETS", "EMNIST_SPLITS", "SYNTHETIC_DEFAULTS", "CACHE_ENV", "load_dataset",
            "synthetic_params", "clear_memo", "cache_dir", "download_dir", "read_idx", "make_synthetic",
-           "channel_stats"]
+           "channel_stats", "input_kind", "InputKind"]
 
-DATASETS: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "emnist")
+DATASETS: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "emnist", "image_folder",
+                             "tensors", "torchvision", "leaf")
+#: the kinds of inputs a :class:`BaseDataset` may hold (see the module docstring)
+InputKind = Literal["image", "features", "tokens", "dataset"]
 #: EMNIST split -> number of classes (``letters`` labels are shifted from 1..26 to 0..25).
 EMNIST_SPLITS: dict[str, int] = {"balanced": 47, "byclass": 62, "bymerge": 47, "digits": 10, "letters": 26,
                                  "mnist": 10}
@@ -69,28 +87,75 @@ _PRETTY = {"cifar10": "CIFAR-10", "cifar100": "CIFAR-100", "mnist": "MNIST", "fa
            "emnist": "EMNIST"}
 _TV_IDX_FOLDER = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "emnist": "EMNIST"}
 _MEMO: dict[tuple, BaseDataset] = {}
+#: the sources of :mod:`pl_fedsparse.data.sources` (your own data)
+SOURCES: tuple[str, ...] = ("image_folder", "tensors", "torchvision", "leaf")
+
+
+def input_kind(x: Any) -> InputKind | None:
+    """The kind of a dataset's inputs (see the module docstring), ``None`` when they are none of them.
+
+    Example:
+        >>> input_kind(torch.zeros(2, 3, 8, 8, dtype=torch.uint8)), input_kind(torch.zeros(2, 20))
+        ('image', 'features')
+        >>> input_kind(torch.zeros(2, 80, dtype=torch.int64)), input_kind(torch.zeros(2, 8, dtype=torch.uint8))
+        ('tokens', None)
+    """
+    if isinstance(x, torch.Tensor):
+        if x.ndim < 1 or x.dtype == torch.bool or x.is_complex():
+            return None
+        if x.dtype == torch.uint8:  # uint8 means pixels; token ids come as another integer type
+            return "image" if x.ndim == 4 else None
+        return "features" if x.is_floating_point() else "tokens"
+    if isinstance(x, torch.utils.data.Dataset) and hasattr(x, "__getitem__") and hasattr(x, "__len__"):
+        return "dataset"
+    return None
 
 
 @dataclass
 class BaseDataset:
-    """A whole dataset in memory.
+    """A whole dataset: the train and test splits' inputs and labels (what
+    :meth:`~pl_fedsparse.data.FederatedDataModule.load_base_dataset` returns).
 
     Attributes:
-        name: one of :data:`DATASETS`.
-        train_x, test_x: ``uint8 [N, C, H, W]`` images of the train / test split.
+        name: a short name for messages (one of :data:`DATASETS` for the built-in sources).
+        train_x, test_x: the inputs of the train / test split, one of the kinds of :func:`input_kind`:
+            ``uint8 [N, C, H, W]`` images, float features ``[N, ...]``, integer token ids ``[N, ...]``, or (slower,
+            for data that does not fit in memory) a map-style ``torch.utils.data.Dataset`` whose item ``i`` is the
+            input of sample ``i`` or a tuple ``(input, ...)`` (the label is taken from ``train_y``/``test_y``, so the
+            partition never reads an input).
         train_y, test_y: ``int64 [N]`` labels in ``[0, num_classes)``.
         num_classes: number of classes.
-        mean, std: per-channel mean / standard deviation in ``[0, 1]`` units, for normalisation.
+        mean, std: for images, the per-channel mean / standard deviation in ``[0, 1]`` units (required); for float
+            features, optional values (one, or one per entry of dimension 1) to normalise by as ``(x - mean) / std``;
+            ``None`` otherwise.
+        train_client, test_client: optional ``int64 [N]`` per-sample client ids for ``data.partition=natural``
+            (any distinct integers; sorted, they become clients ``0 .. K-1``).
     """
 
     name: str
-    train_x: torch.Tensor
+    train_x: Any
     train_y: torch.Tensor
-    test_x: torch.Tensor
+    test_x: Any
     test_y: torch.Tensor
     num_classes: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    train_client: torch.Tensor | None = None
+    test_client: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> InputKind | None:
+        """The kind of the inputs (:func:`input_kind` of ``train_x``)."""
+        return input_kind(self.train_x)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """The shape of one input (``(C, H, W)`` for images)."""
+        if isinstance(self.train_x, torch.Tensor):
+            return tuple(int(d) for d in self.train_x.shape[1:])
+        first = self.train_x[0]
+        first = first[0] if isinstance(first, (tuple, list)) else first
+        return tuple(int(d) for d in torch.as_tensor(first).shape)
 
 
 def cache_dir() -> Path:
@@ -137,8 +202,10 @@ def synthetic_params(synthetic: dict | None) -> dict[str, Any]:
 
 
 def load_dataset(name: str, root: str | None = None, download: bool = True, *, synthetic: dict | None = None,
-                 emnist_split: str = "balanced") -> BaseDataset:
-    """Load a base dataset as uint8 tensors (memoised per process, cached on disk after decoding).
+                 emnist_split: str = "balanced", test_fraction: float = 0.2, seed: int = 0,
+                 image_size: int | tuple[int, int] | None = None, torchvision_class: str | None = None,
+                 torchvision_args: dict | None = None) -> BaseDataset:
+    """Load a base dataset into memory (memoised per process, cached on disk after decoding).
 
     Args:
         name: one of :data:`DATASETS`.
@@ -148,6 +215,14 @@ def load_dataset(name: str, root: str | None = None, download: bool = True, *, s
             or :func:`download_dir` when ``root`` is unset; ``False`` never downloads.
         synthetic: overrides of :data:`SYNTHETIC_DEFAULTS` for ``name="synthetic"``.
         emnist_split: the EMNIST split (one of :data:`EMNIST_SPLITS`), for ``name="emnist"``.
+        test_fraction: share of each class (of each client, with client ids) held out as the test split when an
+            ``image_folder`` or ``tensors`` source has no test split of its own.
+        seed: seed of that train/test split.
+        image_size: resize every image to ``size`` × ``size`` (or ``(height, width)``) for ``image_folder`` and
+            ``torchvision``; ``None`` requires images of one size.
+        torchvision_class: for ``name="torchvision"``, a class of ``torchvision.datasets`` (``"SVHN"``) or the dotted
+            path of a class with the same constructor (``"mypkg.MyDataset"``).
+        torchvision_args: extra keyword arguments of that class's constructor.
 
     Returns:
         The dataset; the same object for repeated calls with equal arguments (do not modify its tensors).
@@ -166,12 +241,23 @@ def load_dataset(name: str, root: str | None = None, download: bool = True, *, s
     else:
         abs_root = None if root is None else os.path.abspath(os.path.expanduser(os.fspath(root)))
         key = (name, abs_root, bool(download), emnist_split if name == "emnist" else None)
+        if name in SOURCES:
+            from pl_fedsparse.data.sources import source_key
+
+            key += source_key(name, abs_root, test_fraction=test_fraction, seed=seed, image_size=image_size,
+                              torchvision_class=torchvision_class, torchvision_args=torchvision_args)
     if key in _MEMO:
         return _MEMO[key]
     if name == "synthetic":
         dataset = make_synthetic(**params)
     elif name in ("cifar10", "cifar100"):
         dataset = _load_cifar(name, key[1], bool(download))
+    elif name in SOURCES:
+        from pl_fedsparse.data.sources import load_source
+
+        dataset = load_source(name, key[1], bool(download), test_fraction=test_fraction, seed=seed,
+                              image_size=image_size, torchvision_class=torchvision_class,
+                              torchvision_args=torchvision_args)
     else:
         dataset = _load_idx_dataset(name, key[1], bool(download), emnist_split)
     _MEMO[key] = dataset
@@ -302,14 +388,16 @@ def _list_images(split_dir: Path, classes: list[str]) -> tuple[list[str], list[i
     return files, labels
 
 
-def _decode_files(files: list[str], root: str) -> torch.Tensor:
-    """Decode image files to one RGB ``uint8 [N, 3, H, W]`` tensor (equal sizes required) with a thread pool; chunks
-    of JPEGs use the batched ``decode_jpeg`` (twice as fast as ``decode_image`` per file)."""
+def _decode_files(files: list[str], root: str, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Decode image files to one RGB ``uint8 [N, 3, H, W]`` tensor (equal sizes required unless ``size`` resizes
+    every image to ``(H, W)``) with a thread pool; chunks of JPEGs use the batched ``decode_jpeg`` (twice as fast as
+    ``decode_image`` per file)."""
     from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 
     def fail(i: int, why: str) -> ConfigError:
+        hint = "" if size is not None else " (or set data.image_size to resize them)"
         return ConfigError(f"data.root={root!r} is invalid: image {files[i]} {why}; expected readable JPEG/PNG "
-                           f"files of one size")
+                           f"files of one size{hint}")
 
     def decode_range(lo: int, hi: int) -> list[torch.Tensor]:
         datas = []
@@ -333,6 +421,15 @@ def _decode_files(files: list[str], root: str) -> torch.Tensor:
                 raise fail(i, f"cannot be decoded ({why})") from None
         return imgs
 
+    if size is not None:
+        from torchvision.transforms.v2.functional import resize
+
+        plain = decode_range
+
+        def decode_range(lo: int, hi: int) -> list[torch.Tensor]:  # the resizing variant
+            return [img if tuple(img.shape[1:]) == size else resize(img, list(size), antialias=True)
+                    for img in plain(lo, hi)]
+
     shape = decode_range(0, 1)[0].shape
     out = torch.empty((len(files), *shape), dtype=torch.uint8)
 
@@ -351,23 +448,28 @@ def _decode_files(files: list[str], root: str) -> torch.Tensor:
     return out
 
 
-def _load_image_folder(name: str, folder: Path, expected_classes: int, root: str) -> dict[str, torch.Tensor]:
+def _load_image_folder(name: str, folder: Path, expected_classes: int | None, root: str,
+                       size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Decode (or load from the cache) ``folder/train/<class>/*`` and ``folder/test/<class>/*``; the sorted class
+    names are the labels. ``expected_classes=None`` accepts any number of classes."""
     classes = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())
     test_classes = sorted(p.name for p in (folder / "test").iterdir() if p.is_dir())
     check(classes == test_classes, "data.root", root,
           f"the same class folders in train/ and test/ (got {len(classes)} and {len(test_classes)})")
-    check(len(classes) == expected_classes, "data.root", root,
-          f"{expected_classes} class folders in {folder / 'train'} for {_PRETTY[name]} (found {len(classes)})")
+    check(expected_classes is None or len(classes) == expected_classes, "data.root", root,
+          f"{expected_classes} class folders in {folder / 'train'} for {_PRETTY.get(name, name)} "
+          f"(found {len(classes)})")
     train_files, train_labels = _list_images(folder / "train", classes)
     test_files, test_labels = _list_images(folder / "test", classes)
     check(len(train_files) > 0 and len(test_files) > 0, "data.root", root,
           f"image files ({', '.join(_IMAGE_SUFFIXES)}) under {folder}/train/<class>/ and test/<class>/")
 
     def build() -> dict[str, torch.Tensor]:
-        return {"train_x": _decode_files(train_files, root), "train_y": torch.tensor(train_labels),
-                "test_x": _decode_files(test_files, root), "test_y": torch.tensor(test_labels)}
+        return {"train_x": _decode_files(train_files, root, size), "train_y": torch.tensor(train_labels),
+                "test_x": _decode_files(test_files, root, size), "test_y": torch.tensor(test_labels)}
 
-    return _cached(name, str(folder), train_files + test_files, build, extra="|".join(classes))
+    extra = "|".join(classes) + ("" if size is None else f"|size={size[0]}x{size[1]}")
+    return _cached(name, str(folder), train_files + test_files, build, extra=extra)
 
 
 def _load_cifar(name: str, root: str | None, download: bool) -> BaseDataset:

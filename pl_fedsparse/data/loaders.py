@@ -1,33 +1,65 @@
-"""A fast batch iterator over uint8 images already in memory (CPU or GPU).
+"""A fast batch iterator over inputs already in memory (CPU or GPU), and the slower path for datasets that are not.
 
 :class:`TensorBatchLoader` replaces ``torch.utils.data.DataLoader`` for the small in-memory datasets of federated
-learning: a batch is one advanced-indexing gather of the uint8 tensor followed by vectorised normalisation and
-(optionally) CIFAR augmentation, with no per-sample Python work and no worker processes. It is a plain iterable with
-``__len__``, which ``lightning.Trainer.fit(model, train_dataloaders=loader)`` accepts.
+learning: a batch is one advanced-indexing gather of the input tensor followed by vectorised normalisation and
+(optionally, for images) CIFAR augmentation, with no per-sample Python work and no worker processes. It is a plain
+iterable with ``__len__``, which ``lightning.Trainer.fit(model, train_dataloaders=loader)`` accepts. Inputs are
+``uint8 [n, C, H, W]`` images (normalised to float by ``mean``/``std``), float features of any shape (float32,
+normalised only when ``mean``/``std`` are given) or integer token ids (int64, as they are); see
+:func:`~pl_fedsparse.data.datasets.input_kind`.
+
+:func:`dataset_loader` batches rows of map-style ``torch.utils.data.Dataset`` objects with a
+``torch.utils.data.DataLoader`` whose shuffling generator is seeded: reproducible, but per-sample Python work, so
+slower — for data that does not fit in memory.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from pl_fedsparse.data.datasets import input_kind
 from pl_fedsparse.errors import check
 
-__all__ = ["TensorBatchLoader", "normalize", "epoch_seed"]
+__all__ = ["TensorBatchLoader", "normalize", "epoch_seed", "dataset_loader", "item_input"]
 
 
-def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
-    """uint8 ``[B, C, H, W]`` -> float ``(x / 255 - mean) / std`` per channel (on the images' device).
+def normalize(images: torch.Tensor, mean: Sequence[float] | None = None,
+              std: Sequence[float] | None = None) -> torch.Tensor:
+    """Model inputs from stored inputs: uint8 images ``[B, C, H, W]`` -> float ``(x / 255 - mean) / std`` per channel;
+    float features -> float32 ``(x - mean) / std`` (unchanged without ``mean``/``std``); token ids -> int64.
 
     Example:
         >>> normalize(torch.full((1, 1, 1, 1), 255, dtype=torch.uint8), [0.5], [0.5]).item()
         1.0
+        >>> normalize(torch.tensor([[1.0, 3.0]]), [1.0, 1.0], [2.0, 2.0]).tolist(), normalize(torch.tensor([[7]])).dtype
+        ([[0.0, 1.0]], torch.int64)
     """
-    scale, shift = _affine(mean, std, images.device)
-    return images.float() * scale + shift
+    kind = input_kind(images)
+    if kind == "image":
+        assert mean is not None and std is not None
+        scale, shift = _affine(mean, std, images.device)
+        return images.float() * scale + shift
+    if kind == "features":
+        x = images.float()
+        if mean is None or std is None:
+            return x
+        m, s = _feature_stats(mean, std, x.ndim, x.device)
+        return (x - m) / s
+    return images.long()
+
+
+def _feature_stats(mean: Sequence[float], std: Sequence[float], ndim: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mean``/``std`` (one value, or one per entry of dimension 1) shaped to broadcast over a ``[B, ...]`` batch."""
+    shape = (1, -1) + (1,) * max(ndim - 2, 0) if len(mean) > 1 else (1,)
+    m = torch.as_tensor(tuple(mean), dtype=torch.float32, device=device).view(shape)
+    s = torch.as_tensor(tuple(std), dtype=torch.float32, device=device).view(shape)
+    return m, s
 
 
 def _affine(mean: Sequence[float], std: Sequence[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,25 +81,28 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class TensorBatchLoader:
-    """Iterate ``(x, y)`` batches of normalised float images from uint8 tensors in memory.
+    """Iterate ``(x, y)`` batches from tensors in memory: normalised float images from uint8 images, float32
+    features (normalised when ``mean``/``std`` are given) or int64 token ids.
 
     Every ``__iter__`` (an epoch) seeds a CPU ``torch.Generator`` with ``epoch_seed(generator_seed, epoch)`` and
     increments ``epoch``, so consecutive epochs differ while the whole sequence is reproducible from the seed
     (:meth:`set_epoch` rewinds it). The generator draws the permutation and the augmentation parameters.
 
-    Augmentation (``augment=True``) is the standard CIFAR one, vectorised on the batch: random crop back to the
-    original size from the image zero-padded by 4 pixels on each side, and a random horizontal flip (p = 0.5).
+    Augmentation (``augment=True``, images only) is the standard CIFAR one, vectorised on the batch: random crop back
+    to the original size from the image zero-padded by 4 pixels on each side, and a random horizontal flip (p = 0.5).
     Padding happens *after* normalisation, so the border is the per-channel mean rather than black pixels.
 
     Args:
-        images: ``uint8 [n, C, H, W]`` images (or the base tensor when ``indices`` selects from it).
+        images: the inputs ``[n, ...]`` (or the base tensor when ``indices`` selects from it): ``uint8 [n, C, H, W]``
+            images, float features or integer token ids.
         labels: ``int [n]`` labels (tensor or array), aligned with ``images``.
         batch_size: samples per batch.
         shuffle: draw a random permutation per epoch (else keep the order).
         generator_seed: seed of the per-epoch generator; ``None`` draws one from torch's global RNG.
-        mean: per-channel mean in ``[0, 1]`` units.
-        std: per-channel standard deviation in ``[0, 1]`` units.
-        augment: apply random crop (padding 4) + horizontal flip.
+        mean: images: per-channel mean in ``[0, 1]`` units (required); features: ``None`` or one value or one per
+            entry of dimension 1 (``(x - mean) / std``); token ids: ``None``.
+        std: the matching standard deviations.
+        augment: apply random crop (padding 4) + horizontal flip (images only).
         drop_last: drop the last incomplete batch.
         device: move the images and labels there once (GPU-resident batches); ``None`` keeps them where they are.
         indices: optional ``int [m]`` rows of ``images``/``labels`` to iterate over (avoids copying a client's data).
@@ -80,15 +115,30 @@ class TensorBatchLoader:
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor | np.ndarray, batch_size: int, shuffle: bool,
-                 generator_seed: int | None, mean: Sequence[float], std: Sequence[float], augment: bool = False,
-                 drop_last: bool = False, device: str | torch.device | None = None,
-                 indices: torch.Tensor | np.ndarray | None = None) -> None:
-        check(isinstance(images, torch.Tensor) and images.dtype == torch.uint8 and images.ndim == 4, "images",
-              getattr(images, "shape", type(images).__name__), "a uint8 tensor [n, C, H, W]")
+                 generator_seed: int | None, mean: Sequence[float] | None = None,
+                 std: Sequence[float] | None = None, augment: bool = False, drop_last: bool = False,
+                 device: str | torch.device | None = None, indices: torch.Tensor | np.ndarray | None = None) -> None:
+        kind = input_kind(images) if isinstance(images, torch.Tensor) else None
+        check(kind in ("image", "features", "tokens"), "images",
+              getattr(images, "shape", type(images).__name__),
+              "a uint8 tensor [n, C, H, W], a float tensor [n, ...] or an integer tensor [n, ...]")
         check(isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1,
               "data.batch_size", batch_size, "an int >= 1")
-        check(len(mean) == images.shape[1] and len(std) == images.shape[1] and min(std) > 0, "mean/std",
-              (tuple(mean), tuple(std)), f"{images.shape[1]} values each, std > 0")
+        stats = None if mean is None and std is None else (tuple(mean or ()), tuple(std or ()))
+        if kind == "image":
+            c = images.shape[1]
+            check(stats is not None and len(stats[0]) == c and len(stats[1]) == c and min(stats[1]) > 0,
+                  "mean/std", stats, f"{c} values each, std > 0")
+        elif kind == "features":
+            width = images.shape[1] if images.ndim >= 2 else 1
+            check(stats is None or (len(stats[0]) in (1, width) and len(stats[1]) == len(stats[0])
+                                    and min(stats[1]) > 0), "mean/std", stats,
+                  f"None or 1 or {width} values each, std > 0")
+        else:
+            check(stats is None, "mean/std", stats, "None for token ids")
+        check(not augment or kind == "image", "augment", augment,
+              f"False for inputs of shape {tuple(images.shape[1:])} ({images.dtype}; augmentation is for uint8 "
+              f"images [n, C, H, W])")
         check(generator_seed is None or (isinstance(generator_seed, int) and generator_seed >= 0), "generator_seed",
               generator_seed, "None or an int >= 0")
         labels = _as_index_tensor(labels)
@@ -101,8 +151,17 @@ class TensorBatchLoader:
         self.batch_size, self.shuffle, self.augment, self.drop_last = batch_size, bool(shuffle), bool(augment), \
             bool(drop_last)
         self.generator_seed = int(torch.randint(0, 2**62, (1,)).item()) if generator_seed is None else generator_seed
-        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
-        self._scale, self._shift = _affine(self.mean, self.std, images.device)
+        self.kind = kind
+        self.mean = None if stats is None else tuple(float(m) for m in stats[0])
+        self.std = None if stats is None else tuple(float(s) for s in stats[1])
+        self._scale, self._shift = torch.ones(()), torch.zeros(())
+        self._normalize_features = False
+        if self.mean is not None and self.std is not None:
+            if kind == "image":
+                self._scale, self._shift = _affine(self.mean, self.std, images.device)
+            else:  # features: here _shift is the mean and _scale the std
+                self._shift, self._scale = _feature_stats(self.mean, self.std, images.ndim, images.device)
+                self._normalize_features = True
         self.epoch = 0
 
     @property
@@ -133,9 +192,16 @@ class TensorBatchLoader:
             order = self.indices[order]
         for b in range(len(self)):
             rows = order[b * self.batch_size:(b + 1) * self.batch_size]
-            x = self.images[rows].float().mul_(self._scale).add_(self._shift)
-            if self.augment:
-                x = self._augment(x, gen)
+            if self.kind == "image":
+                x = self.images[rows].float().mul_(self._scale).add_(self._shift)
+                if self.augment:
+                    x = self._augment(x, gen)
+            elif self.kind == "features":
+                x = self.images[rows].float()
+                if self._normalize_features:
+                    x = x.sub_(self._shift).div_(self._scale)
+            else:
+                x = self.images[rows].long()
             yield x, self.labels[rows]
 
     def _augment(self, x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:
@@ -155,3 +221,50 @@ class TensorBatchLoader:
     def __repr__(self) -> str:
         return (f"TensorBatchLoader(n={self.num_samples}, batch_size={self.batch_size}, shuffle={self.shuffle}, "
                 f"augment={self.augment}, device={self.device})")
+
+
+# ----------------------------------------------------------------------------------------------- Dataset objects
+def item_input(item: Any) -> Any:
+    """The input of one item of a map-style dataset: the item itself, or its first element when it is a tuple."""
+    return item[0] if isinstance(item, (tuple, list)) else item
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Rows of one or more datasets, each item paired with its label from a label tensor."""
+
+    def __init__(self, parts: Sequence[tuple[Any, torch.Tensor, np.ndarray]]) -> None:
+        self.parts = [(ds, labels, np.asarray(rows, dtype=np.int64)) for ds, labels, rows in parts]
+        self.offsets = np.cumsum([0] + [len(rows) for _, _, rows in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, i: int) -> tuple[Any, torch.Tensor]:
+        p = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        ds, labels, rows = self.parts[p]
+        row = int(rows[i - self.offsets[p]])
+        return item_input(ds[row]), labels[row]
+
+
+def dataset_loader(parts: Sequence[tuple[Any, torch.Tensor, np.ndarray]], batch_size: int, shuffle: bool,
+                   seed: int, num_workers: int = 0) -> torch.utils.data.DataLoader:
+    """A ``DataLoader`` over rows of map-style datasets (slower than :class:`TensorBatchLoader`: per-sample work).
+
+    Args:
+        parts: ``(dataset, labels, rows)`` triples; the batches hold ``dataset[row]``'s input (see
+            :func:`item_input`) and ``labels[row]`` for every row of every part, in this order.
+        batch_size: samples per batch.
+        shuffle: shuffle with a ``torch.Generator`` seeded by ``seed`` (each new epoch continues its stream, so the
+            whole sequence is reproducible from ``seed``).
+        seed: the generator's seed.
+        num_workers: ``DataLoader`` worker processes.
+
+    Example:
+        >>> ds = torch.utils.data.TensorDataset(torch.arange(10.0).view(10, 1))
+        >>> loader = dataset_loader([(ds, torch.arange(10) % 2, np.array([1, 3, 5]))], 2, shuffle=False, seed=0)
+        >>> [(x.view(-1).tolist(), y.tolist()) for x, y in loader]
+        [([1.0, 3.0], [1, 1]), ([5.0], [1])]
+    """
+    gen = torch.Generator().manual_seed(epoch_seed(seed, 0))
+    return torch.utils.data.DataLoader(_Rows(parts), batch_size=batch_size, shuffle=shuffle, generator=gen,
+                                       num_workers=num_workers)
