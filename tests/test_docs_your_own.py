@@ -1,13 +1,14 @@
 """The examples of ``docs/your-own-model.md`` and ``docs/your-own-data.md`` run as written.
 
 Every fenced block preceded by ``<!-- file: PATH -->`` is written to ``PATH`` in an empty folder outside the
-repository; every YAML among them is then run with ``pl-fed fit --config`` from that folder (shortened to 2 rounds).
+repository; the top-level scripts among them (data preparation) are run, then every YAML with ``pl-fed fit --config`` from that folder (shortened to 2 rounds).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from conftest import run_main
 from test_your_project import in_project
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = ["your-own-model.md"]
+PAGES = ["your-own-model.md", "your-own-data.md"]
 _FILE = re.compile(r"<!-- file: (\S+) -->\s*```[a-z]*\n(.*?)```", re.DOTALL)
 
 
@@ -37,12 +38,9 @@ def test_page_examples_run(page: str, tmp_path: Path, capsys: pytest.CaptureFixt
             for parent in path.relative_to(project).parents:
                 if str(parent) != ".":
                     (project / parent / "__init__.py").touch()
-    prepare = project / "prepare.py"
-    if prepare.exists():  # a page's data-preparation script, run as the user would
-        import runpy
-
+    for script in sorted(p for p in files if p.endswith(".py") and "/" not in p):  # data preparation, as a user
         with in_project(project):
-            runpy.run_path(str(prepare), run_name="__main__")
+            runpy.run_path(str(project / script), run_name="__main__")
     for rel in sorted(p for p in files if p.endswith(".yaml")):
         run = tmp_path / f"run_{Path(rel).stem}"
         with in_project(project):
