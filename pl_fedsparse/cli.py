@@ -18,9 +18,27 @@ line, never a traceback:
 
 Configs by name: ``--config NAME.yaml`` (or ``NAME``) that names no file in the working directory is the config of
 that name shipped with the package (:mod:`pl_fedsparse.shipped`; a real path always wins; an unknown name is a one-line
-error listing close matches); ``pl-fed configs`` lists the shipped configs with their one-line descriptions. The
+error listing close matches); ``pl-fed configs`` lists the shipped configs with their descriptions. The
 ``--config`` values are resolved before jsonargparse parses the command line, so several ``--config`` flags,
 ``--print_config`` and resuming behave as with paths.
+
+Help: ``pl-fed`` (or ``pl-fed --help``) lists every subcommand (``fit``, ``validate``, ``test``, ``configs``,
+``report``); ``pl-fed fit --help`` lists every option, with the classes a class-typed option accepts summarised
+(the shipped ones by name, the frameworks' counted; :class:`_FedHelpFormatter`); ``--model.help CLASS``,
+``--data.help CLASS``, ``--trainer.callbacks.help CLASS``, ``--model.help FederatedModule --model.backbone.help
+CLASS`` show one class's arguments.
+
+One callback's argument from the command line: ``--trainer.callbacks.NAME.ARG VALUE`` (``NAME``: the class name, or
+the full class path, of a callback in ``trainer.callbacks``) or ``--trainer.callbacks.INDEX.ARG VALUE`` (0-based
+position), also as ``--...ARG=VALUE``; a dotted ``ARG`` (``a.b``) sets a nested key. jsonargparse's own
+``--trainer.callbacks.ARG VALUE`` sets the *last* callback's argument and is left as it is. The overrides are taken
+out of the command line (:func:`split_callback_overrides`), the rest is parsed, the overrides are applied to the
+resulting ``trainer.callbacks`` (values read as YAML; after every other argument, whatever their order) and the list
+is appended as one ``--trainer.callbacks=[...]`` and parsed again: jsonargparse checks the new values exactly as
+config values, the constructors validate them when the callbacks are built, and ``--print_config`` and
+``config.yaml`` show them. An unknown name, an index out of range, a name two callbacks share (give the index), an
+argument the class does not take or a value of the wrong type is one ``error: ...`` line naming the option and
+listing the configured callbacks.
 
 Seeds: ``--seed_everything N`` with ``0 <= N <= 2**32 - 1`` (the range Lightning's ``seed_everything`` and numpy
 accept) seeds the global generators and is the federation seed; ``true`` draws a random seed, which is recorded in
@@ -39,6 +57,7 @@ the finder; every client fit runs in this process today.)
 
 from __future__ import annotations
 
+import argparse
 import errno
 import importlib
 import importlib.abc
@@ -48,16 +67,19 @@ import re
 import secrets
 import signal
 import sys
+import textwrap
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from copy import deepcopy
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
 import yaml
-from jsonargparse import Namespace
+from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value, seed_everything
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
@@ -82,9 +104,102 @@ CONFIG_HELP = ("Path to a configuration file in json or yaml format, or the name
 #: ``(subcommand, loop)`` of the run :func:`main` is executing: where an interrupted or failed run writes
 _current_run: tuple[str | None, FederatedLoop] | None = None
 
+#: the subcommands :func:`main` handles itself, before LightningCLI, with their one-line help
+OWN_SUBCOMMANDS = {
+    "configs": "List the shipped configs with their descriptions (run one with `pl-fed fit --config NAME`).",
+    "report": "Compare run directories: a table of their final metrics (markdown + CSV) and figures.",
+}
+
+#: the end of ``pl-fed fit|validate|test --help``: how to see a class's arguments and address one callback
+SUBCOMMAND_EPILOG = f"""\
+Class arguments: `model:`, `data:`, `trainer.callbacks`, `trainer.topology`, `trainer.executor` and
+`model.backbone` take a class by `class_path` (or its name) with its `init_args`; the help lists the shipped
+classes only. Show one class's arguments with `--<option>.help CLASS`, e.g.:
+
+  {PROG} fit --model.help FederatedModule
+  {PROG} fit --model.help FederatedModule --model.backbone.help LeNetCIFAR
+  {PROG} fit --data.help FederatedDataModule
+  {PROG} fit --trainer.callbacks.help DualMask
+
+Override one callback's argument from the command line by class name or position in `trainer.callbacks`
+(`--trainer.callbacks.ARG` alone sets the last callback's):
+
+  {PROG} fit --config synthetic_dmpfl --trainer.callbacks.DualMask.iterations 2
+  {PROG} fit --config synthetic_dmpfl --trainer.callbacks.0.iterations 2
+
+`--print_config` shows the resulting configuration; `{PROG} configs` lists the shipped configs."""
+
+#: top-level packages whose classes the help counts instead of listing (torch alone has ~700 ``nn.Module``\ s)
+_FRAMEWORKS = ("torch", "torchvision", "torchaudio", "torchmetrics", "torchtext", "lightning", "pytorch_lightning",
+               "lightning_fabric", "lightning_utilities")
+#: jsonargparse's ``, known subclasses: a.B, c.D)`` at the end of a class-typed option's help
+_KNOWN_SUBCLASSES = re.compile(r", known subclasses: ([^()]*)\)\s*$")
+
+
+def summarize_class_paths(paths: Sequence[str], option: str) -> str:
+    """A short text for the classes an option accepts: every class outside the big frameworks listed, grouped by
+    module (``pl_fedsparse.models.{LeNetCIFAR, MLP}``), the frameworks' classes counted.
+
+    Example:
+        >>> summarize_class_paths(["torch.nn.Linear", "torch.nn.ReLU", "pl_fedsparse.models.MLP",
+        ...                        "pl_fedsparse.models.LeNetCIFAR", "my.Net"], "--model.backbone")
+        'any subclass by class_path or name; shipped/imported: pl_fedsparse.models.{MLP, LeNetCIFAR}, my.Net; 2 more \
+from torch; `--model.backbone.help CLASS` shows its arguments'
+    """
+    listed: dict[str, list[str]] = {}
+    counted: dict[str, int] = {}
+    for path in paths:
+        top = path.split(".", 1)[0]
+        if top in _FRAMEWORKS:
+            counted[top] = counted.get(top, 0) + 1
+        else:
+            module, _, name = path.rpartition(".")
+            listed.setdefault(module, []).append(name)
+    groups = [(f"{m}." if m else "") + (names[0] if len(names) == 1 else "{" + ", ".join(names) + "}")
+              for m, names in listed.items()]
+    text = "any subclass by class_path or name"
+    if groups:
+        text += "; shipped/imported: " + ", ".join(groups)
+    if counted:
+        total = sum(counted.values())
+        text += f"; {total} {'more ' if groups else ''}from " + ", ".join(counted)
+    return text + f"; `{option}.help CLASS` shows its arguments"
+
+
+class _FedHelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help formatter with the "known subclasses" of a class-typed option summarised
+    (:func:`summarize_class_paths`) and with paragraphs (blank-line separated; indented lines kept as they are) in
+    descriptions and epilogs.
+
+    jsonargparse's ``--X.help CLASS`` builds its parser with ``type(parser)(...)`` and so with this formatter too.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = super()._get_help_string(action)
+        m = _KNOWN_SUBCLASSES.search(text)
+        if m is None or not action.option_strings:
+            return text
+        paths = [p.strip() for p in m.group(1).split(",") if p.strip()]
+        return text[:m.start()] + ", " + summarize_class_paths(paths, action.option_strings[0]) + ")"
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in re.split(r"\n\s*\n", text.strip("\n")):
+            if all(line.startswith("  ") for line in para.splitlines()):
+                out.append("\n".join(indent + line for line in para.splitlines()))
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
+
 
 class _OneLineErrors(LightningArgumentParser):
-    """Report parse errors in one line (``error: ...``), exit status 2, no usage dump."""
+    """Report parse errors in one line (``error: ...``), exit status 2, no usage dump; help with class lists
+    summarised (:class:`_FedHelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _FedHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> Any:  # type: ignore[override]
         if not self.exit_on_error:
@@ -149,16 +264,63 @@ class FedCLI(LightningCLI):
         return parser
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse the command line after resolving every ``--config`` value (a path, or a shipped config's name)."""
+        """Parse the command line after resolving every ``--config`` value (a path, or a shipped config's name)
+        and applying the per-callback overrides (``--trainer.callbacks.NAME_OR_INDEX.ARG VALUE``, see
+        :func:`split_callback_overrides`)."""
         if args is None:
-            resolved = shipped.rewrite_config_args(sys.argv[1:])
-            if resolved != sys.argv[1:]:
-                # what LightningCLI does with a list, without its warning about passing args *and* sys.argv
-                self.config = parser.parse_args(resolved)
-                return
+            words = sys.argv[1:]
+            resolved = shipped.rewrite_config_args(words)
         elif isinstance(args, (list, tuple)):
-            args = shipped.rewrite_config_args([str(a) for a in args])
-        super().parse_arguments(parser, args)
+            words = [str(a) for a in args]
+            resolved = shipped.rewrite_config_args(words)
+        else:
+            super().parse_arguments(parser, args)
+            return
+        rest, overrides = split_callback_overrides(resolved)
+        if overrides:
+            resolved = rest + [f"--trainer.callbacks={self._overridden_callbacks(parser, rest, overrides)}"]
+        if args is None and resolved == words:
+            super().parse_arguments(parser, None)
+        else:
+            # what LightningCLI does with a list, without its warning about passing args *and* sys.argv
+            self.config = parser.parse_args(resolved)
+
+    @staticmethod
+    def _overridden_callbacks(parser: LightningArgumentParser, args: list[str],
+                              overrides: list[CallbackOverride]) -> str:
+        """``trainer.callbacks`` as ``args`` configure it, with ``overrides`` applied, as a JSON list: appended to
+        the command line and parsed again, so jsonargparse checks the new values exactly as config values."""
+        import json
+
+        # a first parse, only to learn the configured callbacks (--print_config would print and exit)
+        first = parser.parse_args([a for a in args if a != "--print_config" and not a.startswith("--print_config=")])
+        sub = first.get("subcommand")
+        callbacks = (first[sub] if sub else first).get("trainer.callbacks")
+        entries = [cb.as_dict() if isinstance(cb, Namespace) else dict(cb) for cb in callbacks or []]
+        return json.dumps(apply_callback_overrides(entries, overrides), default=str)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """LightningCLI's subcommands, and in ``pl-fed --help`` also the ones :func:`main` handles itself."""
+        super()._add_subcommands(parser, **kwargs)
+        action = parser._subcommands_action
+        if action is None:  # pragma: no cover - LightningCLI always adds them
+            return
+        for name, text in OWN_SUBCOMMANDS.items():  # listed only: main() runs them before LightningCLI
+            action._choices_actions.append(action._ChoicesPseudoAction(name, [], text))  # type: ignore[attr-defined]
+        action.metavar = "{" + ",".join([*self.subcommands(), *OWN_SUBCOMMANDS]) + "}"
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's subcommand parser, with readable section titles and an epilog on class arguments."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        parser.epilog = SUBCOMMAND_EPILOG
+        titles = {"model": f"Model (`model:`): any LightningModule by class_path, default {DEFAULT_MODEL}",
+                  "data": f"Data (`data:`): any FederatedDataModule by class_path, default {DEFAULT_DATA}"}
+        for group in parser._action_groups:
+            dests = {a.dest for a in group._group_actions}
+            for dest, title in titles.items():
+                if dest in dests:
+                    group.title = title
+        return parser
 
     def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(FederatedLoop, "trainer", instantiate=False, sub_configs=True, skip={"seed"})
@@ -225,6 +387,171 @@ class FedCLI(LightningCLI):
         data = yaml.safe_load(text)
         header = "# written by pl-fed; reproduce with: pl-fed fit --config config.yaml\n"
         return header + yaml.safe_dump(data, sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------- callback overrides
+#: ``--trainer.callbacks.<selector>.<arg>[=value]``; a first part in this set is jsonargparse's own syntax
+_CALLBACK_OPTION = re.compile(r"^--trainer\.callbacks\.(?P<rest>[^=]+)(?:=(?P<value>.*))?$", flags=re.DOTALL)
+_JSONARGPARSE_KEYS = {"help", "class_path", "init_args", "dict_kwargs"}
+_SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+@dataclass(frozen=True)
+class CallbackOverride:
+    """One ``--trainer.callbacks.<selector>.<arg> VALUE`` of the command line.
+
+    Args:
+        option: the option as typed, without the value (named in errors).
+        path: what follows ``--trainer.callbacks.``: ``"DualMask.iterations"``, ``"0.iterations"`` or
+            ``"pl_fedsparse.callbacks.DualMask.iterations"``.
+        value: the value, as typed (parsed as YAML when applied).
+    """
+
+    option: str
+    path: str
+    value: str
+
+
+def split_callback_overrides(args: Sequence[str]) -> tuple[list[str], list[CallbackOverride]]:
+    """Take the per-callback overrides out of a command line.
+
+    ``--trainer.callbacks.NAME.ARG VALUE`` (``NAME``: a configured callback's class name or class path) and
+    ``--trainer.callbacks.INDEX.ARG VALUE`` (0-based position in ``trainer.callbacks``), also with ``=VALUE``;
+    ``--trainer.callbacks.ARG VALUE`` (jsonargparse's own form: the last callback), ``--trainer.callbacks.help``
+    and everything after ``--`` are left as they are.
+
+    Example:
+        >>> rest, found = split_callback_overrides(["fit", "--trainer.callbacks.DualMask.iterations", "2",
+        ...                                         "--trainer.callbacks.1.shifts=[0.5]", "--trainer.num_rounds", "3"])
+        >>> rest, [(o.path, o.value) for o in found]
+        (['fit', '--trainer.num_rounds', '3'], [('DualMask.iterations', '2'), ('1.shifts', '[0.5]')])
+
+    Raises:
+        ConfigError: an override without a value.
+    """
+    rest: list[str] = []
+    found: list[CallbackOverride] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest.extend(args[i:])
+            break
+        m = _CALLBACK_OPTION.match(arg)
+        if m is None or "." not in m["rest"] or m["rest"].split(".", 1)[0] in _JSONARGPARSE_KEYS:
+            rest.append(arg)
+            i += 1
+            continue
+        option = arg.split("=", 1)[0]
+        if m["value"] is not None:
+            value, i = m["value"], i + 1
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value, i = args[i + 1], i + 2
+        else:
+            raise ConfigError(f"{option} expects a value: {option} VALUE")
+        found.append(CallbackOverride(option, m["rest"], value))
+    return rest, found
+
+
+def _yaml_value(text: str) -> Any:
+    """A command-line value as YAML (``1e-3`` is a float, as jsonargparse reads it)."""
+    if _SCIENTIFIC.match(text.strip()):
+        return float(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _listing(entries: Sequence[dict[str, Any]]) -> str:
+    return ", ".join(f"{i}: {str(e.get('class_path', '?')).rsplit('.', 1)[-1]}" for i, e in enumerate(entries)) \
+        or "none"
+
+
+def apply_callback_overrides(entries: list[dict[str, Any]], overrides: Sequence[CallbackOverride]
+                             ) -> list[dict[str, Any]]:
+    """``entries`` (``trainer.callbacks`` as ``{"class_path", "init_args"}`` dicts) with ``overrides`` applied, in
+    order; ``entries`` is not changed.
+
+    Raises:
+        ConfigError: an override names no configured callback, an index out of range, a class name that two
+            callbacks share (the index is then required) or an argument the class does not take; the message names
+            the option and lists the configured callbacks.
+    """
+    out = deepcopy(entries)
+    touched: dict[int, list[tuple[CallbackOverride, str]]] = {}
+    for o in overrides:
+        configured = f"trainer.callbacks is [{_listing(out)}]"
+        head, _, key = o.path.partition(".")
+        if head.isdigit():
+            idx = int(head)
+            if idx >= len(out):
+                raise ConfigError(f"{o.option}: no callback at index {idx}; {configured} (indices from 0)")
+        else:
+            paths = [str(e.get("class_path", "")) for e in out]
+            full = [i for i, p in enumerate(paths) if o.path.startswith(p + ".")]
+            if full:
+                idx = full[0]
+                key = o.path[len(paths[idx]) + 1:]
+            else:
+                named = [i for i, p in enumerate(paths) if p.rsplit(".", 1)[-1] == head]
+                if not named:
+                    raise ConfigError(f"{o.option}: no configured callback is named {head!r}; {configured} (address "
+                                      f"one by class name or index, e.g. --trainer.callbacks.0.{key})")
+                if len(named) > 1:
+                    raise ConfigError(f"{o.option}: {len(named)} callbacks are named {head!r} (indices "
+                                      f"{', '.join(map(str, named))}): address one by index, e.g. "
+                                      f"--trainer.callbacks.{named[0]}.{key}; {configured}")
+                idx = named[0]
+        init = out[idx].get("init_args")
+        init = {} if init is None else init
+        out[idx]["init_args"] = init
+        name = str(out[idx].get("class_path", "?")).rsplit(".", 1)[-1]
+        keys = key.split(".")
+        if not key or any(not k for k in keys):
+            raise ConfigError(f"{o.option}: expected --trainer.callbacks.{head}.ARG")
+        if keys[0] not in init:
+            raise ConfigError(f"{o.option}: {name} (trainer.callbacks[{idx}]) has no argument {keys[0]!r}; its "
+                              f"arguments: {', '.join(init) or 'none'}")
+        node = init
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = _yaml_value(o.value)
+        touched.setdefault(idx, []).append((o, keys[0]))
+    for idx, done in touched.items():
+        _check_callback_types(out[idx], done)
+    return out
+
+
+def _check_callback_types(entry: dict[str, Any], done: Sequence[tuple[CallbackOverride, str]]) -> None:
+    """jsonargparse's type check of one overridden callback, with its complaint in one line naming the option (the
+    full command line is checked again when parsed: this only gives the message)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(pl.Callback, "callback", required=True)
+    try:
+        parser.parse_object({"callback": entry})
+    except Exception as e:  # noqa: BLE001 - jsonargparse raises several types; the final parse reports the rest
+        text = str(e)
+        keys = list(re.finditer(r'Parser key "([^"]+)":\n', text))
+        inner = keys[-1] if len(keys) > 1 else None
+        option, value = done[-1][0].option, done[-1][0].value
+        if inner is None:
+            return  # not about one argument: left to the final parse
+        for o, key in done:
+            if key == inner.group(1):
+                option, value = o.option, o.value
+        lines = text[inner.end():].splitlines()
+        depth = len(lines[0]) - len(lines[0].lstrip()) if lines else 0
+        why = []
+        for line in lines:
+            if line.strip() and len(line) - len(line.lstrip()) < depth:
+                break
+            why.append(line.strip())
+        raise ConfigError(f"{option}={value} is invalid: {' '.join(w for w in why if w)}") from None
 
 
 _OUR_FORMAT = re.compile(r"(\S+=.+ is invalid: expected .+)$")
@@ -351,14 +678,15 @@ def _is_lightning_interrupt(e: SystemExit) -> bool:
 
 CONFIGS_USAGE = f"""usage: {PROG} configs
 
-List the configs shipped with pl_fedsparse, one per line: the name, then the first comment line of the file.
-Run one by name from any directory: `{PROG} fit --config NAME.yaml` (or NAME); a file of that name in the working
-directory wins over the shipped one. The shipped files are in: {{folder}}
+List the configs shipped with pl_fedsparse: the name, then the description (the file's leading comment lines,
+without its example command), wrapped to the terminal's width. Run one by name from any directory:
+`{PROG} fit --config NAME.yaml` (or NAME); a file of that name in the working directory wins over the shipped one.
+The shipped files are in: {{folder}}
 """
 
 
 def list_configs(args: Sequence[str]) -> int:
-    """``pl-fed configs``: print the shipped configs with their one-line descriptions.
+    """``pl-fed configs``: print the shipped configs with their descriptions.
 
     Args:
         args: the words after ``configs`` (only ``-h``/``--help`` is accepted).
@@ -386,6 +714,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pl-fed`` console script."""
     global _current_run
     words = sys.argv[1:] if argv is None else list(argv)
+    if not words:  # `pl-fed` alone: the help, which lists every subcommand
+        words = ["--help"]
+        argv = words
+    elif not words[0].startswith("-") and words[0] not in [*FedCLI.subcommands(), *OWN_SUBCOMMANDS]:
+        sys.stderr.write(f"error: unknown subcommand {words[0]!r}: expected one of "
+                         f"{', '.join([*FedCLI.subcommands(), *OWN_SUBCOMMANDS])} (see `{PROG} --help`)\n")
+        return 2
     if words[:1] == ["configs"]:
         return list_configs(words[1:])
     if words[:1] == ["report"]:  # compare run directories (pl_fedsparse.report)

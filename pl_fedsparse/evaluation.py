@@ -256,6 +256,12 @@ class Evaluator:
         return {name: {kind: logits_metrics(lg, labels[name], extra) for kind, lg in kinds_out.items()}
                 for name, kinds_out in outputs.items() if views[name].report}
 
+    @staticmethod
+    def _progress_label(views: dict[str, EvalView], has_global: bool) -> str:
+        """``"evaluating clients (51 views x 2 models)"``: what each step of the evaluation progress bar covers."""
+        models = 2 if has_global else 1
+        return f"evaluating clients ({len(views)} view{'s' * (len(views) > 1)} x {models} model{'s' * (models > 1)})"
+
     def evaluate(self, split: str) -> dict[str, Any]:
         """Metrics of every model kind on every reported view, plus ``client_acc`` (the clean personal accuracy of
         every client)."""
@@ -264,9 +270,14 @@ class Evaluator:
         has_global = loop.global_state is not None and loop.eval_global
         clients = list(range(loop.num_clients))
         spread = loop.executor.forward_clients(clients, split, views, has_global)  # None: here, one by one
+        # clients done / total, on a terminal only (as the rounds' bar; an out-of-process executor has already
+        # computed every forward here): the order and the numbers are unchanged
+        todo = list(enumerate(clients))
+        if spread is None:
+            todo = loop.reporter.progress(todo, self._progress_label(views, has_global), leave=False)
         per_client = [self._summarize(k, views, *(spread[i] if spread is not None else
                                                   self.forward(k, split, views, has_global)))
-                      for i, k in enumerate(clients)]
+                      for i, k in todo]
         out: dict[str, Any] = {}
         for name, v in views.items():
             if not v.report:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import shutil
+import textwrap
 from pathlib import Path
 
 from pl_fedsparse.errors import ConfigError
@@ -30,6 +32,7 @@ from pl_fedsparse.errors import ConfigError
 __all__ = ["config_dir", "describe", "format_listing", "resolve_config", "rewrite_config_args", "shipped_configs"]
 
 SUFFIX = ".yaml"
+_PROG = "pl-fed"
 _CONFIG_FLAGS = ("--config", "-c")
 # a plain file name (no directory part): what a user types for a shipped config
 _NAME = re.compile(r"^[\w.+-]+$")
@@ -60,30 +63,79 @@ def shipped_configs() -> dict[str, Path]:
 
 
 def describe(path: Path) -> str:
-    """The one-line description of a config: its first comment line, without the ``#``.
+    """The description of a config: its leading comment lines, joined into one paragraph.
+
+    The comment lines before the first line that is not a comment (blank lines before them are skipped), without
+    the ``#``, whitespace collapsed; the example command (``#   pl-fed fit --config configs/X.yaml ...``: the listing
+    says how to run a config by name) is left out. A config that does not start with a comment has no description.
 
     Example:
         >>> import tempfile
         >>> p = Path(tempfile.mkdtemp()) / "x.yaml"
-        >>> _ = p.write_text("\\n# FedAvg on a toy task.\\n# more\\nseed_everything: 0\\n")
+        >>> _ = p.write_text("\\n# FedAvg on a toy task,\\n# in one minute.\\n#   pl-fed fit --config x.yaml\\n"
+        ...                  "seed_everything: 0\\n# not this\\n")
         >>> describe(p)
-        'FedAvg on a toy task.'
+        'FedAvg on a toy task, in one minute.'
     """
+    words: list[str] = []
     try:
         with open(path, encoding="utf-8") as f:
             for line in f:
-                if line.lstrip().startswith("#"):
-                    return line.strip().lstrip("#").strip()
+                text = line.strip()
+                if not text.startswith("#"):
+                    if text or words:
+                        break
+                    continue  # a blank line before the comments
+                body = text[1:].strip()
+                if not body.startswith(f"{_PROG} "):  # the example command
+                    words += body.split()
     except (OSError, UnicodeDecodeError):
         pass
-    return ""
+    return " ".join(words)
 
 
-def format_listing(configs: dict[str, Path] | None = None) -> str:
-    """The text of ``pl-fed configs``: one line per shipped config, ``NAME  description``, names aligned."""
+def format_listing(configs: dict[str, Path] | None = None, width: int | None = None) -> str:
+    """The text of ``pl-fed configs``: every shipped config with its whole description (:func:`describe`), wrapped
+    to ``width`` columns.
+
+    The descriptions start in one column, after the longest name, where that leaves at least 60 columns for them,
+    else 4 columns in, on the line after the name; their other lines are indented to that column. A word longer than
+    the line (a file name) is not broken.
+
+    Args:
+        configs: ``{name: path}`` (default: :func:`shipped_configs`).
+        width: the line width (default: the terminal's, ``$COLUMNS`` where set; at least 40).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> _ = (d / "a.yaml").write_text("# One two three four five six.\\nx: 1\\n")
+        >>> print(format_listing({"a.yaml": d / "a.yaml"}, width=40), end="")
+        a.yaml
+            One two three four five six.
+    """
     configs = shipped_configs() if configs is None else configs
-    width = max((len(n) for n in configs), default=0)
-    return "".join(f"{name:<{width}}  {describe(path)}".rstrip() + "\n" for name, path in configs.items())
+    if width is None:
+        width = shutil.get_terminal_size((100, 24)).columns - 1
+    width = max(width, 40)
+    names = max((len(n) for n in configs), default=0)
+    # the description column: after the longest name, unless that leaves less than 60 columns for the text (then
+    # every description starts on the line after its name)
+    column = names + 2 if width - (names + 2) >= 60 else 4
+    lines: list[str] = []
+    for name, path in configs.items():
+        text = describe(path)
+        if not text:
+            lines.append(name)
+            continue
+        body = textwrap.wrap(text, width - column, break_long_words=False, break_on_hyphens=False)
+        if len(name) + 2 <= column:
+            lines.append(f"{name:<{column}}{body[0]}")
+            body = body[1:]
+        else:
+            lines.append(name)
+        lines += [" " * column + b for b in body]
+    return "".join(line.rstrip() + "\n" for line in lines)
 
 
 def _close_matches(value: str, names: list[str]) -> list[str]:

@@ -24,9 +24,26 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 EXAMPLES = sorted(p.name for p in (REPO / "callbacks").glob("*.py"))
 
 
-def first_comment(path: Path) -> str:
-    """The first line of ``path`` that starts with ``#``, without it (computed here independently)."""
-    return next((ln.strip()[1:].strip() for ln in path.read_text().splitlines() if ln.strip().startswith("#")), "")
+def leading_comment(path: Path) -> str:
+    """The leading ``#`` lines of ``path`` without the ``#`` and the example command, joined (computed here
+    independently)."""
+    lines = path.read_text().lstrip("\n").splitlines()
+    block = [ln.strip()[1:].strip() for ln in lines[:next(i for i, ln in enumerate(lines + [""])
+                                                           if not ln.strip().startswith("#"))]]
+    return " ".join(" ".join(b for b in block if not b.startswith("pl-fed ")).split())
+
+
+def listed(out: str) -> dict[str, str]:
+    """``pl-fed configs``'s output as ``{name: description}``: a name starts a line, its wrapped description follows
+    (on the same line and on the indented lines after it)."""
+    entries: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        if line[:1].strip():
+            name, _, desc = line.partition(" ")
+            entries[name] = [desc]
+        else:
+            entries[list(entries)[-1]].append(line)
+    return {name: " ".join(" ".join(parts).split()) for name, parts in entries.items()}
 
 
 def printed_config(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
@@ -144,21 +161,24 @@ def test_an_example_config_runs_by_name_outside_the_repository(elsewhere: Path, 
 def test_pl_fed_configs_lists_every_shipped_config_with_its_description(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_main(["configs"], capsys)
     assert code == 0 and err == ""
-    lines = out.splitlines()
-    assert len(lines) == len(CONFIGS)
-    for line, path in zip(lines, CONFIGS):
-        name, _, desc = line.partition(" ")
-        assert name == path.name and desc.strip() == first_comment(path)
-        assert desc.strip()  # every shipped config describes itself in its first comment line
+    entries = listed(out)
+    assert list(entries) == [p.name for p in CONFIGS]
+    for path in CONFIGS:
+        assert entries[path.name] == leading_comment(path)  # whole, not cut mid-sentence
+        assert entries[path.name]  # every shipped config describes itself in its leading comment lines
 
 
 def test_pl_fed_configs_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "b_long_name.yaml").write_text("seed_everything: 0\n# FedFoo: a method.\n# second line\n")
-    (tmp_path / "a.yaml").write_text("seed_everything: 0\n")  # no comment: no description
+    (tmp_path / "b_long_name.yaml").write_text("# FedFoo: a method\n# on two lines.\n#   pl-fed fit --config b.yaml\n"
+                                               "seed_everything: 0\n# not the description\n")
+    (tmp_path / "a.yaml").write_text("seed_everything: 0\n# not leading: no description\n")
     (tmp_path / "notes.txt").write_text("# not a config\n")
     monkeypatch.setattr(shipped, "config_dir", lambda: tmp_path)
-    assert run_main(["configs"], capsys)[1] == "a.yaml\nb_long_name.yaml  FedFoo: a method.\n"
+    monkeypatch.setenv("COLUMNS", "100")
+    assert run_main(["configs"], capsys)[1] == "a.yaml\nb_long_name.yaml  FedFoo: a method on two lines.\n"
+    monkeypatch.setenv("COLUMNS", "40")  # narrow: the description below its name, wrapped and indented
+    assert run_main(["configs"], capsys)[1] == "a.yaml\nb_long_name.yaml\n    FedFoo: a method on two lines.\n"
     code, out, _ = run_main(["configs", "--help"], capsys)
     assert code == 0 and out.startswith("usage: pl-fed configs") and str(tmp_path) in out
     code, out, err = run_main(["configs", "cifar10"], capsys)
@@ -221,4 +241,4 @@ def test_wheel_contains_the_configs_and_the_examples(tmp_path: Path) -> None:
     module, folder, example, *listing = proc.stdout.splitlines()
     assert Path(module).is_relative_to(site) and Path(folder) == site / "pl_fedsparse" / "configs"
     assert Path(example) == site / "pl_fedsparse" / "examples" / "fedprox.py"
-    assert [ln.split()[0] for ln in listing] == [p.name for p in CONFIGS]
+    assert list(listed("\n".join(listing))) == [p.name for p in CONFIGS]

@@ -1,4 +1,5 @@
-"""docs/extending.md: its table "Hooks in the order they fire" is what a real run calls, in that order."""
+"""docs/extending.md: its table "Hooks in the order they fire" is what a real run calls, in that order, and its
+"Hook reference" shows every hook's signature and summary as the code has them (pl_fedsparse._docgen)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 from conftest import tiny_datamodule, tiny_loop, tiny_module
 
-from pl_fedsparse import FederatedCallback, FitContext, FitSpec, Message, current_fit
+from pl_fedsparse import FederatedCallback, FitContext, FitSpec, Message, _docgen, current_fit
 from pl_fedsparse.callbacks import POLICIES
 from pl_fedsparse.functional import weighted_average
 
@@ -174,3 +175,53 @@ def test_hook_table_matches_a_real_run(tmp_path: Path) -> None:
         "docs/extending.md's table 'Hooks in the order they fire' differs from a real run (recorded | documented):\n"
         + "\n".join(f"{i:3d}  {r:28s} {d}"
                     for i, (r, d) in enumerate(zip_longest(recorded, documented, fillvalue="-"))))
+
+
+# ------------------------------------------------------------------------------------------------ hook reference
+def test_hook_reference_is_the_code() -> None:
+    """The block between the hook-signatures markers is what ``python -m pl_fedsparse._docgen`` generates now."""
+    text = DOC.read_text()
+    expected = _docgen.hook_reference()
+    assert _docgen.splice(text, expected) == text, (
+        "docs/extending.md's 'Hook reference' differs from FederatedCallback: run "
+        "`python -m pl_fedsparse._docgen --write` (and review the diff)")
+
+
+def test_hook_reference_covers_every_hook_and_policy() -> None:
+    kinds = _docgen.hook_kinds()
+    assert set(kinds["policy"]) == set(POLICIES)
+    assert set(kinds["broadcast"] + kinds["collected"]) == set(FEDERATION_HOOKS)
+    assert set(kinds["state"]) == HELPERS
+    assert kinds["collected"] == ["fit_requests", "eval_views", "report_rows"]
+    block = _docgen.hook_reference()
+    for name in FEDERATION_HOOKS + list(POLICIES):
+        sig = inspect.signature(getattr(FederatedCallback, name))
+        assert f"- `{name}(" in block and all(p in block for p in list(sig.parameters)[1:])
+    assert "`on_round_start(loop: FederatedLoop, round_idx: int) -> None`" in block  # annotations as written
+
+
+class _Changed(FederatedCallback):
+    """FederatedCallback with one hook's signature and another's docstring changed."""
+
+    def on_round_start(self, loop: Any, round_idx: int, extra: float = 0.5) -> None:  # type: ignore[override]
+        """Called at the start of every round."""
+
+    def on_round_end(self, loop: Any, round_idx: int, metrics: dict[str, Any]) -> None:
+        """Something else."""
+
+
+def test_a_changed_hook_fails_the_check(tmp_path: Path) -> None:
+    """What the check does when the code changes: the doc no longer matches, `--check` says so, `--write` fixes it."""
+    text = DOC.read_text()
+    methods = {n: v for n, v in vars(FederatedCallback).items() if not n.startswith("__")}
+    methods.update({n: v for n, v in vars(_Changed).items() if n.startswith("on_")})
+    changed = type("FederatedCallback", (), methods)
+    block = _docgen.hook_reference(changed)
+    assert "on_round_start(loop: Any, round_idx: int, extra: float = 0.5) -> None" in block
+    assert "Something else." in block
+    assert _docgen.splice(text, block) != text
+    doc = tmp_path / "extending.md"
+    doc.write_text(text.replace("Called at the start of every round.", "Called at the start of each round."))
+    assert _docgen.main(["--check", "--doc", str(doc)]) == 1
+    assert _docgen.main(["--write", "--doc", str(doc)]) == 0
+    assert doc.read_text() == text and _docgen.main(["--check", "--doc", str(doc)]) == 0
