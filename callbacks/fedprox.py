@@ -33,6 +33,9 @@ class FedProx(FederatedCallback):
         mu: μ, the strength of the pull towards the round's start model (0 = FedAvg).
     """
 
+    #: per-fit state: the start weights, set in on_train_start (checked by the loop, docs/extending.md)
+    scratch_attributes = ("anchor",)
+
     def __init__(self, *, mu: float = 0.01) -> None:
         check(isinstance(mu, (int, float)) and not isinstance(mu, bool) and mu >= 0, "FedProx.mu", mu, "a number >= 0")
         self.mu = float(mu)

@@ -166,6 +166,33 @@ from torch; `--model.backbone.help CLASS` shows its arguments'
     return text + f"; `{option}.help CLASS` shows its arguments"
 
 
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]*?)`")
+_SENTENCE_END = re.compile(r"(?<=[a-z0-9)\]'\"])\.\s+(?=[A-Z(])")
+
+
+def _short_help(text: str, action: argparse.Action) -> str:
+    """An option's help for the terminal: reST markup removed (``x`` → x, :class:`~a.B` → B), only the first
+    sentence of the argument's description (the whole of it is in the class docstring and the docs), the type left
+    out where the choices already show it, and one line for the ``--X.help CLASS`` options.
+
+    Example:
+        >>> _short_help("what it does. More. (type: int, default: 1)", argparse.Action(["--a"], "a"))
+        'what it does. (type: int, default: 1)'
+    """
+    if text.startswith("Show the help for the given subclass of"):
+        return "its arguments (CLASS: a class path or name)"
+    text = _RST_ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1], text).replace("``", "")
+    m = re.search(r"\s\((required, )?type: ", text)
+    body, sep, tail = (text[:m.start()], f" ({m.group(1) or ''}type: ", text[m.end():]) if m else (text, "", "")
+    first = _SENTENCE_END.split(body, maxsplit=1)
+    if len(first) > 1:
+        body = first[0] + "."
+    if tail and str(getattr(action, "metavar", "") or "").startswith("{"):  # {skip,raise} already says it
+        tail = tail.replace("%(type)s, ", "", 1)
+        sep = sep.replace("type: ", "") if tail.startswith("default: ") else sep
+    return body + (sep + tail if sep else "")
+
+
 class _FedHelpFormatter(DefaultHelpFormatter):
     """jsonargparse's help formatter with the "known subclasses" of a class-typed option summarised
     (:func:`summarize_class_paths`) and with paragraphs (blank-line separated; indented lines kept as they are) in
@@ -175,7 +202,7 @@ class _FedHelpFormatter(DefaultHelpFormatter):
     """
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = super()._get_help_string(action)
+        text = _short_help(super()._get_help_string(action) or "", action)
         m = _KNOWN_SUBCLASSES.search(text)
         if m is None or not action.option_strings:
             return text

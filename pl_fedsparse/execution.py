@@ -217,6 +217,9 @@ class InProcessExecutor(ClientExecutor):
         load_state(module, request.start)
         torch.manual_seed(ctx.seed)
         n_samples = int(loop.datamodule.num_samples(k, "train"))
+        # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker
+        contract = getattr(loop, "contract", None)
+        watch = contract.watch(loop.callbacks) if contract is not None else None
         try:
             with fit_scope(ctx):
                 loop.call("on_client_fit_start", module, ctx)
@@ -236,6 +239,8 @@ class InProcessExecutor(ClientExecutor):
                                   kind=ctx.kind, context=ctx, fault="exception",
                                   fault_detail=f"{type(e).__name__}: {e}")
         else:
+            if contract is not None and watch is not None:  # outside the try: the user's error, not a client fault
+                contract.check_fit(watch, ctx)
             samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
             loop.accounting.charge_training(update, samples)
             update.fault, update.fault_detail = find_fault(update)

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.client import ClientStateStore, ClientUpdate
+from pl_fedsparse.contract import CallbackContractError
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
@@ -271,9 +272,10 @@ class FitWorker:
         finally:
             loop.client_store._data = {}
 
-    def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest) -> tuple[ClientUpdate, float]:
+    def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest
+            ) -> tuple[ClientUpdate | CallbackContractError, float]:
         """Run one fit and return its update (boolean tensors bit-packed, only the client-state entries it
-        changed) and the seconds it took here."""
+        changed) and the seconds it took here; or the callback-contract violation the fit raised."""
         self.sync(key, state)
         loop = self.loop
         request = wire.request
@@ -290,6 +292,8 @@ class FitWorker:
         loop.client_store._data[k] = dict(sent)
         try:
             update = self.executor.run_one(request)
+        except CallbackContractError as e:  # raised again by the driver: one line, not a worker's traceback
+            return e, time.perf_counter() - t0
         finally:
             loop.client_store._data.pop(k, None)
         if update.client_state is not None and update.client_state is not sent:
@@ -472,6 +476,8 @@ class RayExecutor(ClientExecutor):
 
         def done(i: int, value: Any) -> None:
             update, seconds = value
+            if isinstance(update, CallbackContractError):  # (trainer.callback_contract: error)
+                raise update
             results[i] = _unpack_update(update)
             self.stats["worker_fit_s"] += seconds
             self.stats["fits"] += 1

@@ -35,6 +35,7 @@ from pl_fedsparse import policies
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.checkpoint import federation_state, load_checkpoint, restore_federation, save_checkpoint
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
+from pl_fedsparse.contract import CONTRACT_MODES, CallbackContract
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
@@ -99,6 +100,10 @@ class FederatedLoop:
             bit for bit when read — the same results, ~12-15 % less memory for the client state, a few ms per
             million values per read and write. For federations whose client state is what fills the memory (e.g.
             1,000 DisPFL ResNet18 clients: ``benchmarks/client_memory.py``).
+        callback_contract: ``"error"`` (default) stops the run with one line when a callback breaks a checked rule of
+            the callback contract (``docs/extending.md``, "The rules the loop checks": an attribute set during a fit,
+            which an out-of-process executor would lose; state a checkpoint does not save); ``"warn"`` logs one
+            warning per callback attribute and goes on. Changes no number.
 
     Example:
         .. code-block:: yaml
@@ -124,6 +129,7 @@ class FederatedLoop:
         callbacks: list[pl.Callback] | None = None, executor: ClientExecutor | None = None,
         on_client_fault: Literal["skip", "raise"] = "skip", keep_checkpoints: int = 2, seed: int = 0,
         client_state_codec: Literal["none", "lossless"] = "none",
+        callback_contract: Literal["error", "warn"] = "error",
     ) -> None:
         check(isinstance(num_rounds, int) and num_rounds >= 1, "trainer.num_rounds", num_rounds, "an int >= 1")
         check(0 < join_ratio <= 1, "trainer.join_ratio", join_ratio, "a number in (0, 1]")
@@ -145,6 +151,8 @@ class FederatedLoop:
         check(on_client_fault in ("skip", "raise"), "trainer.on_client_fault", on_client_fault, "one of skip, raise")
         check(isinstance(keep_checkpoints, int) and keep_checkpoints >= 1, "trainer.keep_checkpoints",
               keep_checkpoints, "an int >= 1")
+        check(callback_contract in CONTRACT_MODES, "trainer.callback_contract", callback_contract,
+              "one of " + ", ".join(CONTRACT_MODES))
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global
@@ -163,6 +171,10 @@ class FederatedLoop:
         #: how the client-state store keeps tensors (:class:`~pl_fedsparse.client.ClientStateStore`'s ``codec``)
         self.client_state_codec = client_state_codec
         self.client_store = ClientStateStore(client_state_codec)  # (checks the value)
+        #: ``"error"`` or ``"warn"`` when a callback breaks the checked rules of the callback contract
+        #: (:mod:`pl_fedsparse.contract`: attributes changed during a fit; state a save → load round trip loses)
+        self.callback_contract = callback_contract
+        self.contract = CallbackContract(callback_contract)
         self.accounting = Accounting()
         self.evaluator = Evaluator(self)
         self.reporter = RunReporter(self)
@@ -428,7 +440,9 @@ class FederatedLoop:
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Write everything needed to continue the federation, atomically (by default ``checkpoints/last.ckpt``
         and the round's copy, of which the last ``keep_checkpoints`` are kept)."""
-        return self.reporter.save_checkpoint(federation_state(self), path)
+        state = federation_state(self)
+        self.contract.check_checkpoint(self, state["callbacks"])  # before writing: what a resume would lose
+        return self.reporter.save_checkpoint(state, path)
 
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
@@ -448,6 +462,9 @@ class FederatedLoop:
             self.accounting = Accounting(TrainFlops(model, datamodule.example_input(2)))
         for cb in self.fed_callbacks:
             cb.setup_federation(self)
+        self.contract = CallbackContract(self.callback_contract)
+        if stage == "fit":
+            self.contract.resume.snapshot(self)  # the callbacks as a resume rebuilds them before load_state_dict
         ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
         if ckpt is not None:  # validated before anything is written
             restore_federation(self, ckpt, ckpt_path)  # type: ignore[arg-type]

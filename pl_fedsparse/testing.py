@@ -46,6 +46,8 @@ class FaultInjection(FederatedCallback):
             in its first step) or ``empty_data`` (the fit skips every batch).
     """
 
+    scratch_attributes = ("injected",)  # a record of this process, not state of the run
+
     def __init__(self, *, client: int = 0, rounds: list[int] | None = None, kind: FaultKind = "nan_weights") -> None:
         check(isinstance(client, int) and client >= 0, "FaultInjection.client", client, "an int >= 0")
         check(kind in FAULT_KINDS, "FaultInjection.kind", kind, "one of " + ", ".join(FAULT_KINDS))

@@ -135,6 +135,8 @@ def test_phase_schedule(tmp_path: Path) -> None:
 class _Record(FederatedCallback):
     """Placed before DualMask: records every client's θ_c before personal refinement, and every fit."""
 
+    scratch_attributes = ("before", "global_before", "fits")  # test records, read in process only
+
     def __init__(self) -> None:
         self.before: dict[int, dict[str, torch.Tensor]] = {}
         self.global_before: dict[str, torch.Tensor] = {}
@@ -271,6 +273,8 @@ def test_feddst_keeps_one_synchronised_sparse_model(tmp_path: Path) -> None:
 
 
 class _Grab(FederatedCallback):
+    scratch_attributes = ("fits",)  # test records, read in process only
+
     def __init__(self) -> None:
         self.fits: list[ClientUpdate] = []
 

@@ -27,6 +27,8 @@ PKG = Path(__file__).resolve().parents[1] / "pl_fedsparse"
 class KindSpy(FederatedCallback):
     """Records the context of every fit, at the federation hooks and inside Lightning's hooks."""
 
+    scratch_attributes = ("starts", "inside", "lrs")  # test records, read in process only
+
     def __init__(self) -> None:
         self.starts: list[tuple[int, int, str]] = []
         self.inside: list[str] = []

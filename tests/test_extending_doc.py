@@ -88,6 +88,8 @@ class Recorder(FederatedCallback):
     ``"personal"`` fit before aggregation, a ``"finetune"`` fit after it) so that requested-fit hooks fire.
     """
 
+    scratch_attributes = ("calls", "fit_kinds")  # test records, read in process only
+
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.fit_kinds: list[str] = []

@@ -19,6 +19,8 @@ from pl_fedsparse.functional import weighted_average
 class Recorder(FederatedCallback):
     """Records federation hooks and a few Lightning hooks, in order."""
 
+    scratch_attributes = ("events",)  # test records, read in process only
+
     def __init__(self) -> None:
         self.events: list[str] = []
 

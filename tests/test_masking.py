@@ -14,6 +14,8 @@ from pl_fedsparse.functional import sparse_nbytes
 
 
 class GrabTrained(FederatedCallback):
+    scratch_attributes = ("updates",)  # test records, read in process only
+
     def __init__(self) -> None:
         self.updates: list = []
 

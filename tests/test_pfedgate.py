@@ -388,6 +388,8 @@ def test_bilevel_schedule_trains_the_gate_in_even_epochs_and_the_model_in_odd_on
 
 
 class LrSpy(FederatedCallback):
+    scratch_attributes = ("seen",)  # test records, read in process only
+
     def __init__(self, gate: PFedGate) -> None:
         self.gate = gate
         self.seen: list[tuple[int, float, float]] = []

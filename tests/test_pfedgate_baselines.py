@@ -55,6 +55,8 @@ def rows(run: Path) -> list[dict[str, Any]]:
 class Traffic(FederatedCallback):
     """Listed after the method: records what is downloaded and uploaded, and every update."""
 
+    scratch_attributes = ("down", "up", "updates")  # test records, read in process only
+
     def __init__(self) -> None:
         self.down: list[set[str]] = []
         self.up: list[set[str]] = []
@@ -109,6 +111,8 @@ def test_fedrep_head_is_never_aggregated_nor_counted(tmp_path: Path) -> None:
 
 class Phases(FederatedCallback):
     """Which parameters each epoch changed, the learning rate of each epoch, and the flags after each fit."""
+
+    scratch_attributes = ("changed", "lrs", "flags_after", "_before")  # test records, read in process only
 
     def __init__(self) -> None:
         self.changed: list[tuple[int, set[str]]] = []
@@ -168,6 +172,8 @@ def test_fedrep_training_flops_by_hand(tmp_path: Path) -> None:
 
 def test_fedavg_rounds_then_every_client_starts_from_the_global_layers(tmp_path: Path) -> None:
     class AtRoundOne(FederatedCallback):
+        scratch_attributes = ("starts", "glob")  # test records, read in process only
+
         def on_round_start(self, loop, round_idx):  # type: ignore[no-untyped-def]
             if round_idx == 1:
                 self.starts = [loop.client_store.get(k, "PersonalLayers/weights") for k in range(4)]

@@ -56,6 +56,9 @@ class AdaptiveInference(FederatedCallback):
                   init_args: {as_personal: true}
     """
 
+    #: per-evaluation figures, recomputed by every evaluation before they are read (not state a resume needs)
+    scratch_attributes = ("base_entropies", "_counts")
+
     def __init__(self, *, base_split: Literal["train", "eval"] = "train",
                  cosine_on: Literal["softmax", "logits"] = "softmax", as_personal: bool = False) -> None:
         check(base_split in ("train", "eval"), "AdaptiveInference.base_split", base_split, "one of train, eval")

@@ -75,6 +75,13 @@ class FederatedCallback(pl.Callback):
     #: these set to ``None`` — e.g. a snapshot of every client's state taken in ``on_round_start`` for
     #: ``client_message`` (shipped, it would carry every client's state to every worker before every stage)
     driver_only_attributes: tuple[str, ...] = ()
+    #: attributes that hold nothing a later fit or round needs — state of the current fit (its context, device
+    #: copies made in ``on_train_start``, a value cached in ``on_fit_start``) or a value recomputed before it is
+    #: read (the last evaluation's figures). The loop checks the callback contract (:mod:`pl_fedsparse.contract`,
+    #: ``trainer.callback_contract``): an attribute changed during a fit, which an out-of-process worker would
+    #: never send back, and an attribute a checkpoint's ``state_dict`` does not restore are errors — except these
+    #: (and, for the checkpoint check, ``driver_only_attributes``). A subclass's list adds to its bases' lists
+    scratch_attributes: tuple[str, ...] = ()
 
     # ---- per-client state -------------------------------------------------------------------------------------
     @property

@@ -171,6 +171,9 @@ class Ditto(FederatedCallback):
                   init_args: {lam: 0.1}
     """
 
+    #: per-fit state (device copies of w^t, made in on_train_start)
+    scratch_attributes = ("_ref_dev",)
+
     def __init__(self, *, lam: float = 0.1, personal_epochs: int | None = None) -> None:
         check(isinstance(lam, (int, float)) and not isinstance(lam, bool) and lam >= 0, "Ditto.lam", lam,
               "a number >= 0")

@@ -100,6 +100,11 @@ class FedEM(FederatedCallback):
               callbacks: [{class_path: pl_fedsparse.callbacks.FedEM, init_args: {num_components: 3}}]
     """
 
+    #: per-fit state (the fit's context, the E-step's snapshot and running sums, the module whose forward and loss are
+    #: replaced); what a fit produces leaves in client state ("weights") and the update
+    scratch_attributes = ("_ctx", "_module", "_mixture", "_snapshot", "_weights", "_q_sum", "_q_n",
+                          "_label_smoothing", "_captured")
+
     def __init__(self, *, num_components: int = 3, lr_milestones: list[float] | None = None,
                  lr_gamma: float = 0.1) -> None:
         check(isinstance(num_components, int) and not isinstance(num_components, bool) and num_components >= 1,

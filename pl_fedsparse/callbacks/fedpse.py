@@ -86,6 +86,9 @@ class ResidualUpload(FederatedCallback):
     as :meth:`compress` decides, without feedback).
     """
 
+    #: per-fit state (the fit's start weights, for its update)
+    scratch_attributes = ("_start",)
+
     _start: dict[str, Tensor]
 
     def residual_names(self, state: dict[str, Tensor]) -> list[str]:

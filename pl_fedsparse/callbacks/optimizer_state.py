@@ -40,6 +40,9 @@ class KeepOptimizerState(FederatedCallback):
               callbacks: [{class_path: pl_fedsparse.callbacks.KeepOptimizerState}]
     """
 
+    #: per-fit state (the optimizer state loaded into the fit and captured at its end: client state)
+    scratch_attributes = ("_pending", "_captured")
+
     def __init__(self) -> None:
         self._pending: dict[str, Tensor] | None = None  # the state to load into this fit's optimizer
         self._captured: dict[str, Tensor] | None = None  # the state at the end of this fit

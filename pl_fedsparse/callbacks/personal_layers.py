@@ -162,6 +162,9 @@ class PersonalLayers(FederatedCallback):
                   init_args: {mode: fedrep, head_epochs: 10}
     """
 
+    #: per-fit state (the fit's context, FedRep's phase, the parameters' flags and learning rates, samples per phase)
+    scratch_attributes = ("_ctx", "_samples", "_params", "_flags", "_base_lrs", "_lr_scale", "_phase")
+
     def __init__(self, *, mode: Mode = "fedrep", personal: str | list[str] | None = None,
                  head_layers: int | None = None, head_epochs: int | None = None, personal_lr: float | None = None,
                  fedavg_rounds: int = 0) -> None:

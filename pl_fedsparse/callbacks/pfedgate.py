@@ -180,6 +180,11 @@ class PFedGate(FederatedCallback):
             gate, to float tolerance — a speed-up only, see ``benchmarks/README.md``).
     """
 
+    #: per-fit / per-evaluation state: the client's gate budget, its optimizer and pending momentum, the step
+    #: schedule and statistics; the trained gate and momentum leave in client state, the statistics in the update
+    scratch_attributes = ("_ctx", "_client_density", "_clip_floor", "_reentrant", "_module", "_gate_opt",
+                          "_pending_opt", "_captured", "_start", "_step_gate", "_step_model", "_skip_step", "_stats")
+
     def __init__(
         self, *, density: float = 0.5, client_densities: list[float] | None = None, num_splits: int = 5,
         split: Literal["equal", "paper"] = "equal", s_min: float | None = None,
