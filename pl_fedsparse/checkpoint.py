@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import random
+import re
 import secrets
 import tempfile
 import zipfile
@@ -146,9 +147,16 @@ def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        unsafe = _unsafe_content(e)
+        if unsafe is not None:
+            raise CheckpointError(
+                f"{param}={str(path)!r} is invalid: expected a pl_fedsparse checkpoint of tensors and plain "
+                f"containers, found {unsafe}; pl_fedsparse never executes code from a checkpoint, so this file "
+                f"cannot be loaded (it was not written by pl_fedsparse, or was altered)"
+            ) from None
         raise CheckpointError(
             f"{param}={str(path)!r} is invalid: expected a readable pl_fedsparse checkpoint "
-            f"(the file is corrupted or unsafe: {_first_line(e)})"
+            f"(the file is corrupted: {_failure(e)})"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
@@ -161,6 +169,30 @@ def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any
 
 #: key :func:`load_checkpoint` adds to the state it returns: the path it was read from (never saved)
 LOADED_FROM = "loaded_from"
+
+
+def _unsafe_content(e: BaseException) -> str | None:
+    """What a ``weights_only`` load refused (``"a pickled Python object (posix.system)"``), or ``None`` when ``e``
+    names no Python object (a corrupted or truncated file). torch's own advice (load with ``weights_only=False``,
+    allowlist the global) is left out: it would execute the file's code."""
+    found = re.search(r"\bGLOBAL ([\w.]+)", _plain(e))  # "Unsupported global: GLOBAL x", "unsupported GLOBAL x .."
+    return f"a pickled Python object ({found.group(1)})" if found else None
+
+
+def _failure(e: BaseException) -> str:
+    """Why a load failed, in a few words: torch's own reason for a refused ``weights_only`` load (``Unsupported
+    operand 110`` for bytes that are no pickle), without its advice to load unsafely; else the first line."""
+    text = _plain(e)
+    if "Weights only load failed" not in text and "WeightsUnpickler error" not in text:
+        return _first_line(e)
+    detail = text.split("WeightsUnpickler error:", 1)[1] if "WeightsUnpickler error:" in text else ""
+    lines = [x.strip() for x in detail.splitlines() if x.strip() and not x.startswith("Check the documentation")]
+    return lines[0].split(" Please use ")[0].rstrip(".") if lines else "not a plain pickle of tensors"
+
+
+def _plain(e: BaseException) -> str:
+    """``e``'s message without terminal colour codes."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", str(e))
 
 
 def _first_line(e: BaseException) -> str:

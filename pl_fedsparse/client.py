@@ -21,7 +21,7 @@ import torch  # the doctests
 from torch import Tensor
 
 from pl_fedsparse.allocator import release_free_memory
-from pl_fedsparse.context import FitContext
+from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import floatcodec
 from pl_fedsparse.functional.accounting import message_nbytes
@@ -230,8 +230,26 @@ class ClientStateStore:
         return key in self._data.get(client_idx, {})
 
     def get(self, client_idx: int, key: str) -> TensorTree:
-        """The entry, created by its initialiser on first access (decoded: see ``codec``)."""
-        return self.decode(self.stored(client_idx, key))
+        """The entry, created by its initialiser on first access (decoded: see ``codec``).
+
+        While a local fit runs (:func:`~pl_fedsparse.context.current_fit`) the value is the fit's own copy (new
+        dicts, cloned tensors): whatever the fit does to it (an optimizer stepping a loaded momentum buffer in place,
+        an edited dict) never reaches the stored entry, which only :meth:`set` replaces — so a failed fit leaves
+        the client exactly as it was (the executor puts back the references it exported before the fit). Outside a
+        fit the stored tensors themselves are handed out, read-only.
+        """
+        value = self.stored(client_idx, key)
+        if current_fit() is not None:
+            return self._private(value)
+        return self.decode(value)
+
+    def _private(self, value: TensorTree) -> TensorTree:
+        """A copy of ``value`` that shares nothing mutable with the store (decoded tensors are new already)."""
+        if floatcodec.is_encoded(value):
+            return self._decoded(value)
+        if isinstance(value, Mapping):
+            return {k: self._private(v) for k, v in value.items()}
+        return value.clone() if isinstance(value, Tensor) else value
 
     def stored(self, client_idx: int, key: str) -> TensorTree:
         """The entry as the store holds it — encoded where the codec encoded it: a reference to keep (e.g. a
@@ -272,6 +290,11 @@ class ClientStateStore:
             if slot.get(key) is not value:
                 slot[key] = self._keep(value)
                 self._count(slot[key])
+
+    def restore_client(self, client_idx: int, entries: Mapping[str, TensorTree]) -> None:
+        """Put back one client's entries exactly as :meth:`export_client` returned them (the same objects; entries
+        created since are dropped): how a failed fit is rolled back."""
+        self._data[client_idx] = dict(entries)
 
     def set(self, client_idx: int, key: str, value: TensorTree) -> None:
         """Replace the entry (stored compact on CPU)."""

@@ -214,6 +214,10 @@ class InProcessExecutor(ClientExecutor):
         assert loop is not None and loop.model is not None
         ctx, module, k = request.context, loop.model, request.context.client_idx
         loop.client_store.import_client(k, request.client_state)  # no-op here: the same objects
+        # the client's state before the fit, by reference: a fit reads private copies (ClientStateStore.get) and only
+        # replaces entries (set), so these objects stay as they are and a failed fit is rolled back by putting them
+        # back; their version counters (a few integers) show a write that bypassed the store
+        pinned = _pin(request.client_state)
         load_state(module, request.start)
         torch.manual_seed(ctx.seed)
         n_samples = int(loop.datamodule.num_samples(k, "train"))
@@ -244,6 +248,9 @@ class InProcessExecutor(ClientExecutor):
             samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
             loop.accounting.charge_training(update, samples)
             update.fault, update.fault_detail = find_fault(update)
+        if update.fault:  # the client keeps its previous state: every entry the fit set is put back
+            loop.client_store.restore_client(k, request.client_state)
+        _check_pinned(loop, pinned, ctx)
         update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
         return update
 
@@ -264,6 +271,36 @@ class InProcessExecutor(ClientExecutor):
                 signal.signal(signal.SIGINT, handler)
                 raise KeyboardInterrupt from None
             raise
+
+
+def _pin(tree: Mapping[str, TensorTree], prefix: str = "") -> list[tuple[str, Tensor, int]]:
+    """Every tensor of a client-state tree with its version counter (bumped by each in-place write)."""
+    out: list[tuple[str, Tensor, int]] = []
+    for key, value in tree.items():
+        if isinstance(value, Tensor):
+            out.append((prefix + str(key), value, value._version))
+        elif isinstance(value, Mapping):
+            out.extend(_pin(value, f"{prefix}{key}/"))
+    return out
+
+
+def _check_pinned(loop: FederatedLoop, pinned: list[tuple[str, Tensor, int]], ctx: FitContext) -> None:
+    """Report a stored client-state tensor written in place during the fit (the callback contract's mode)."""
+    changed = [name for name, t, version in pinned if t._version != version]
+    if not changed:
+        return
+    from pl_fedsparse.contract import CallbackContractError
+
+    message = (f"trainer.callbacks is invalid: client state {changed[0]!r} of client {ctx.client_idx} was changed in "
+               f"place during its {ctx.kind} fit (round {ctx.round_idx}), so a failed fit could not be rolled back and "
+               "an out-of-process worker would not send the change back; expected the value read with "
+               "get_client_state (a private copy during a fit) and written with set_client_state")
+    contract = getattr(loop, "contract", None)
+    if contract is None or contract.mode == "error":
+        raise CallbackContractError(message)
+    if ("client_state", changed[0]) not in contract.warned:
+        contract.warned.add(("client_state", changed[0]))
+        logging.getLogger(__name__).warning("%s", message)
 
 
 def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:

@@ -30,11 +30,12 @@ worker; attributes the driver sets between fits (in ``on_round_start``, after ag
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -333,6 +334,41 @@ def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
                           f"(ray start --head on that node), or null for a local one ({e.strerror or e})") from None
 
 
+#: the address a local Ray instance started by :class:`RayExecutor` binds to
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def _loopback_node(local: bool) -> Iterator[None]:
+    """While ``ray.init`` starts a local instance: keep its node address on the loopback interface.
+
+    ``ray.init(_node_ip_address="127.0.0.1")`` alone is not enough on Linux: Ray replaces a loopback node address
+    by the machine's network address (``services.resolve_ip_for_localhost``) unless its single-machine mode is on
+    (``ray_constants.ENABLE_RAY_CLUSTER`` false, what ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` sets at import).
+    With the node address ``127.0.0.1``, the GCS, the raylet, the workers and the driver bind their servers to
+    ``127.0.0.1`` instead of every interface. The flag is read only while the node starts (processes started
+    later get the node address from the raylet), so it is switched for the ``ray.init`` call and restored.
+    """
+    if not local:
+        yield
+        return
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # another Ray layout: the node address alone
+        yield
+        return
+    missing = object()
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", missing)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if before is missing:
+            del ray_constants.ENABLE_RAY_CLUSTER
+        else:
+            ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 class RayExecutor(ClientExecutor):
     """Run a stage's fits in parallel on long-lived Ray actors; the driver keeps every piece of state.
 
@@ -347,7 +383,12 @@ class RayExecutor(ClientExecutor):
             launch-bound models); the actor's CUDA memory is capped at this fraction of the device
             (``torch.cuda.set_per_process_memory_fraction``) — Ray's fractional GPUs are only a scheduling label.
         address: a running Ray cluster (``"auto"``, ``"ray://host:10001"``, ``"host:6379"``); ``None`` starts a
-            local Ray instance for the run (and stops it at the end).
+            local Ray instance for the run (and stops it at the end), bound to the loopback interface only: its
+            GCS, raylet, object manager, workers and the driver listen on ``127.0.0.1``, never on ``0.0.0.0``/``::``,
+            so nothing on the network can reach its control plane, and no dashboard is started. Workers on other
+            machines need an explicit ``address`` of a cluster started with ``ray start`` and secured with Ray's
+            own settings (token authentication, ``RAY_USE_TLS``, a firewall): that cluster is used as it is, this
+            executor changes none of its network settings.
         max_retries: a fit whose worker process died is retried on another worker this many times; after that
             the client is reported as faulty (``trainer.on_client_fault``) and the run goes on.
         object_store_memory: bytes for the object store of a local instance (``None``: Ray's default).
@@ -406,10 +447,14 @@ class RayExecutor(ClientExecutor):
                 if self.object_store_memory is not None:
                     kwargs["object_store_memory"] = int(self.object_store_memory)
                 kwargs["num_cpus"] = max(int(np.ceil(self.num_workers * self.num_cpus_per_worker)), 1)
+                # loopback only (see `address`); the dashboard stays off, and on loopback if Ray starts it anyway
+                kwargs["_node_ip_address"] = LOOPBACK
+                kwargs["dashboard_host"] = LOOPBACK
             _check_reachable(self.address)
             try:
                 # "local": a fresh instance even if this machine runs a cluster (ray start) the user did not name
-                ray.init(address=self.address or "local", **kwargs)
+                with _loopback_node(self.address is None):
+                    ray.init(address=self.address or "local", **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"trainer.executor.address={self.address!r} is invalid: expected a reachable Ray "
                                   f"cluster or null for a local one ({' '.join(str(e).split())[:200]})") from None

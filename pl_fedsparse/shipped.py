@@ -15,7 +15,9 @@ Resolution of one ``--config VALUE`` (:func:`resolve_config`), in order:
 
 :func:`rewrite_config_args` applies this to every ``--config``/``-c`` value of a ``pl-fed`` command line before
 jsonargparse parses it, so several ``--config`` flags, ``--print_config``, ``--help`` and resuming from a run's
-``config.yaml`` behave exactly as before.
+``config.yaml`` behave exactly as before. Each config *file* it resolves is read once and must hold a YAML mapping
+(``trainer:``, ``model:``, ``data:``, ...): an empty file, a list or a bare string is a one-line
+:class:`~pl_fedsparse.errors.ConfigError` naming the file (:func:`check_config_file`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ import shutil
 import textwrap
 from pathlib import Path
 
+import yaml
+
 from pl_fedsparse.errors import ConfigError
 
-__all__ = ["config_dir", "describe", "format_listing", "resolve_config", "rewrite_config_args", "shipped_configs"]
+__all__ = ["check_config_file", "config_dir", "describe", "format_listing", "resolve_config", "rewrite_config_args",
+           "shipped_configs"]
 
 SUFFIX = ".yaml"
 _PROG = "pl-fed"
@@ -193,9 +198,57 @@ def _looks_like_path(value: str) -> bool:
     return not any(c in value for c in "\n{}[]") and ": " not in value and value.strip() == value and value != ""
 
 
+_EXPECTED_CONFIG = "a YAML mapping of sections (trainer:, model:, data:, ...)"
+
+
+def check_config_file(value: str, resolved: str, cwd: str | os.PathLike | None = None) -> None:
+    """Refuse a ``--config`` file that is not a non-empty YAML mapping, in one line naming it.
+
+    Only files are read (``resolved`` as :func:`resolve_config` returned it); YAML content given on the command line
+    and folders are left to jsonargparse. jsonargparse reports such files as ``Unexpected config: ...`` without
+    naming them.
+
+    Args:
+        value: what followed ``--config`` (named in the message).
+        resolved: the path it stands for.
+        cwd: the folder relative paths are taken from (default: the working directory).
+
+    Raises:
+        ConfigError: the file is unreadable, not valid YAML, empty (or only comments), or holds something other
+            than a mapping (a list, a string, a number, ``null``).
+    """
+    path = Path(os.getcwd() if cwd is None else cwd) / resolved
+    if not path.is_file():
+        return
+    shown = repr(value) if value == resolved else f"{value!r} ({resolved})"
+    head = f"--config={shown} is invalid: expected {_EXPECTED_CONFIG}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ConfigError(f"{head}; the file cannot be read as UTF-8 text ({why})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ConfigError(f"{head}; the file is not valid YAML ({where}{problem})") from None
+    if data is None:
+        content = [x for x in text.splitlines() if x.strip() and not x.lstrip().startswith(("#", "---", "..."))]
+        what = "holds null" if content else "is empty" + (" (only comments)" if text.strip() else "")
+        raise ConfigError(f"{head}; the file {what}")
+    if not isinstance(data, dict):
+        kind = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+            type(data), type(data).__name__)
+        preview = " ".join(text.split())
+        preview = preview if len(preview) <= 40 else preview[:37] + "..."
+        raise ConfigError(f"{head}; the file holds {kind}: {preview}")
+
+
 def rewrite_config_args(args: list[str], cwd: str | os.PathLike | None = None) -> list[str]:
     """``args`` with every ``--config VALUE``, ``--config=VALUE`` and ``-c VALUE`` resolved by
-    :func:`resolve_config`; nothing else changes.
+    :func:`resolve_config` and, when it is a file, checked by :func:`check_config_file`; nothing else changes.
 
     Example:
         >>> rewrite_config_args(["fit", "--trainer.num_rounds", "2"])
@@ -209,12 +262,19 @@ def rewrite_config_args(args: list[str], cwd: str | os.PathLike | None = None) -
             out.extend(args[i:])
             break
         if arg in _CONFIG_FLAGS and i + 1 < len(args):
-            out += [arg, resolve_config(args[i + 1], cwd)]
+            out += [arg, _resolve_and_check(args[i + 1], cwd)]
             i += 2
             continue
         if arg.startswith("--config="):
-            out.append("--config=" + resolve_config(arg[len("--config="):], cwd))
+            out.append("--config=" + _resolve_and_check(arg[len("--config="):], cwd))
         else:
             out.append(arg)
         i += 1
     return out
+
+
+def _resolve_and_check(value: str, cwd: str | os.PathLike | None) -> str:
+    """:func:`resolve_config`, then :func:`check_config_file` on the result."""
+    resolved = resolve_config(value, cwd)
+    check_config_file(value, resolved, cwd)
+    return resolved

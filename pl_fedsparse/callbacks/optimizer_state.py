@@ -72,7 +72,9 @@ class KeepOptimizerState(FederatedCallback):
         if self._pending is None:
             return
         state = trainer.optimizers[0].state_dict()["state"]
-        self._captured = {f"{i}.{name}": v.detach().to("cpu", copy=True) if isinstance(v, Tensor)
+        # no copy on CPU: the buffers are this fit's own (the kept state is loaded from a private copy,
+        # ClientStateStore.get) and the optimizer is dropped with the fit's Trainer
+        self._captured = {f"{i}.{name}": v.detach().to("cpu") if isinstance(v, Tensor)
                           else torch.as_tensor(v) for i, entries in state.items() for name, v in entries.items()}
 
     @override

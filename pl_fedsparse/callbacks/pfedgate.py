@@ -523,7 +523,9 @@ class PFedGate(FederatedCallback):
         self._uninstall()
         if self._ctx is None or self._gate_opt is None or self.gate is None:
             return
-        opt_state = {f"{i}.{name}": v.detach().to("cpu", copy=True) for i, entries in
+        # no copy on CPU: the momentum is this fit's own (loaded from a private copy, ClientStateStore.get) and the
+        # gate's optimizer is dropped below
+        opt_state = {f"{i}.{name}": v.detach().to("cpu") for i, entries in
                      self._gate_opt.state_dict()["state"].items() for name, v in entries.items()
                      if isinstance(v, Tensor)}
         self._captured = (to_cpu_state(self.gate.state_dict()), opt_state)
