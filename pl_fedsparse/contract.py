@@ -141,14 +141,32 @@ def fit_fingerprint(value: Any, keep: list[Any], depth: int = FIT_DEPTH) -> Any:
     return ("o", id(value))
 
 
+def _pin(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Tensor, int]]:
+    """Every tensor of a client-state tree with its version counter (bumped by each in-place write)."""
+    out: list[tuple[str, Tensor, int]] = []
+    for key, value in tree.items():
+        if isinstance(value, Tensor):
+            out.append((prefix + str(key), value, value._version))
+        elif isinstance(value, Mapping):
+            out.extend(_pin(value, f"{prefix}{key}/"))
+    return out
+
+
 class FitWatch:
-    """The instance attributes of ``callbacks`` before a fit (:meth:`changed` compares them after it)."""
+    """The instance attributes of ``callbacks`` before a fit (:meth:`changed` compares them after it), and the
+    version counters of the client's stored state tensors (:meth:`written_in_place`)."""
 
-    __slots__ = ("_before", "_keep")
+    __slots__ = ("_before", "_keep", "_pinned")
 
-    def __init__(self, callbacks: Iterable[pl.Callback]) -> None:
+    def __init__(self, callbacks: Iterable[pl.Callback], client_state: Mapping[str, Any] | None = None) -> None:
         self._keep: list[Any] = []
         self._before = [(cb, self._prints(cb)) for cb in callbacks]
+        self._pinned = _pin(client_state or {})
+
+    def written_in_place(self) -> list[str]:
+        """Client-state entries whose stored tensors were written in place since the watch began (a fit reads
+        private copies and replaces entries with ``set_client_state``: the stored objects never change)."""
+        return [name for name, t, version in self._pinned if t._version != version]
 
     def _prints(self, callback: Any) -> dict[str, Any]:
         skip, keep = scratch_attributes(callback), self._keep
@@ -317,6 +335,13 @@ def _fit_message(callback: Any, attr: str, context: FitContext | None) -> str:
             "scratch_attributes (trainer.callback_contract: warn only warns)")
 
 
+def _client_state_message(name: str, context: FitContext) -> str:
+    return (f"trainer.callbacks is invalid: client state {name!r} of client {context.client_idx} was changed in place "
+            f"during its {context.kind} fit (round {context.round_idx}), so a failed fit could not be rolled back and "
+            "an out-of-process worker would not send the change back; expected the value read with "
+            "get_client_state (a private copy during a fit) and written with set_client_state")
+
+
 def _resume_message(callback: Any, attr: str) -> str:
     name = type(callback).__name__
     return (f"trainer.callbacks is invalid: {name}.{attr} changed since setup_federation but {name}.state_dict() "
@@ -344,25 +369,33 @@ class CallbackContract:
     def __setstate__(self, state: dict[str, Any]) -> None:
         vars(self).update(state)
 
-    def watch(self, callbacks: Iterable[pl.Callback]) -> FitWatch:
-        """Start watching a fit."""
-        return FitWatch(checked_callbacks(callbacks))
+    def watch(self, callbacks: Iterable[pl.Callback], client_state: Mapping[str, Any] | None = None) -> FitWatch:
+        """Start watching a fit (the callbacks' attributes and the client's stored state)."""
+        return FitWatch(checked_callbacks(callbacks), client_state)
 
     def check_fit(self, watch: FitWatch, context: FitContext | None) -> None:
         """Report the attributes changed since ``watch`` began."""
-        self._report([(cb, a, _fit_message(cb, a, context)) for cb, a in watch.changed()])
+        self._report([(type(cb).__qualname__, a, _fit_message(cb, a, context)) for cb, a in watch.changed()])
+
+    def check_client_state(self, watch: FitWatch, context: FitContext) -> None:
+        """Report stored client state written in place since ``watch`` began (checked after faulted fits too: such
+        a write would defeat their rollback)."""
+        self._report([("client_state", name, _client_state_message(name, context))
+                      for name in watch.written_in_place()])
 
     def check_checkpoint(self, loop: FederatedLoop, states: Mapping[str, Any]) -> None:
         """Report the plain attributes a resume from ``states`` (the checkpoint's callback states) would not restore."""
-        self._report([(cb, a, _resume_message(cb, a)) for cb, a in self.resume.unsaved(loop, states)])
+        unsaved = self.resume.unsaved(loop, states)
+        self._report([(type(cb).__qualname__, a, _resume_message(cb, a)) for cb, a in unsaved])
 
-    def _report(self, found: list[tuple[Any, str, str]]) -> None:
+    def _report(self, found: list[tuple[str, str, str]]) -> None:
+        """``(owner, attribute, message)`` each: raise the first (``error``) or warn once per owner and attribute."""
         if not found:
             return
         if self.mode == "error":
             raise CallbackContractError(found[0][2])
-        for cb, attr, message in found:
-            key = (type(cb).__qualname__, attr)  # once per attribute, whichever rule (a fit's change is unsaved too)
+        for owner, attr, message in found:
+            key = (owner, attr)  # once per attribute, whichever rule (a fit's change is unsaved too)
             if key not in self.warned:
                 self.warned.add(key)
                 log.warning("%s", message.replace("trainer.callbacks is invalid: ", "callback contract: ", 1))

@@ -214,22 +214,19 @@ class InProcessExecutor(ClientExecutor):
         assert loop is not None and loop.model is not None
         ctx, module, k = request.context, loop.model, request.context.client_idx
         loop.client_store.import_client(k, request.client_state)  # no-op here: the same objects
-        # the client's state before the fit, by reference: a fit reads private copies (ClientStateStore.get) and only
-        # replaces entries (set), so these objects stay as they are and a failed fit is rolled back by putting them
-        # back; their version counters (a few integers) show a write that bypassed the store
-        pinned = _pin(request.client_state)
         load_state(module, request.start)
         torch.manual_seed(ctx.seed)
         n_samples = int(loop.datamodule.num_samples(k, "train"))
-        # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker
-        contract = getattr(loop, "contract", None)
-        watch = contract.watch(loop.callbacks) if contract is not None else None
+        # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the
+        # client's stored state (exported before the fit, by reference) is never written in place — a fit reads
+        # private copies and replaces entries — so a failed fit is rolled back by putting those objects back
+        contract = loop.contract
+        watch = contract.watch(loop.callbacks, request.client_state)
         try:
             with fit_scope(ctx):
                 loop.call("on_client_fit_start", module, ctx)
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
-                own_metrics = callable(getattr(module, "fit_metrics", None))
-                meter = None if own_metrics else FitMeter()
+                meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
                 self._fit(ctx.epochs, module, loader, meter)
                 state = to_cpu_state(module.state_dict())
                 metrics = module.fit_metrics() if meter is None else meter.metrics()
@@ -243,14 +240,13 @@ class InProcessExecutor(ClientExecutor):
                                   kind=ctx.kind, context=ctx, fault="exception",
                                   fault_detail=f"{type(e).__name__}: {e}")
         else:
-            if contract is not None and watch is not None:  # outside the try: the user's error, not a client fault
-                contract.check_fit(watch, ctx)
+            contract.check_fit(watch, ctx)  # outside the try: the user's error, not a client fault
             samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
             loop.accounting.charge_training(update, samples)
             update.fault, update.fault_detail = find_fault(update)
         if update.fault:  # the client keeps its previous state: every entry the fit set is put back
             loop.client_store.restore_client(k, request.client_state)
-        _check_pinned(loop, pinned, ctx)
+        contract.check_client_state(watch, ctx)
         update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
         return update
 
@@ -271,36 +267,6 @@ class InProcessExecutor(ClientExecutor):
                 signal.signal(signal.SIGINT, handler)
                 raise KeyboardInterrupt from None
             raise
-
-
-def _pin(tree: Mapping[str, TensorTree], prefix: str = "") -> list[tuple[str, Tensor, int]]:
-    """Every tensor of a client-state tree with its version counter (bumped by each in-place write)."""
-    out: list[tuple[str, Tensor, int]] = []
-    for key, value in tree.items():
-        if isinstance(value, Tensor):
-            out.append((prefix + str(key), value, value._version))
-        elif isinstance(value, Mapping):
-            out.extend(_pin(value, f"{prefix}{key}/"))
-    return out
-
-
-def _check_pinned(loop: FederatedLoop, pinned: list[tuple[str, Tensor, int]], ctx: FitContext) -> None:
-    """Report a stored client-state tensor written in place during the fit (the callback contract's mode)."""
-    changed = [name for name, t, version in pinned if t._version != version]
-    if not changed:
-        return
-    from pl_fedsparse.contract import CallbackContractError
-
-    message = (f"trainer.callbacks is invalid: client state {changed[0]!r} of client {ctx.client_idx} was changed in "
-               f"place during its {ctx.kind} fit (round {ctx.round_idx}), so a failed fit could not be rolled back and "
-               "an out-of-process worker would not send the change back; expected the value read with "
-               "get_client_state (a private copy during a fit) and written with set_client_state")
-    contract = getattr(loop, "contract", None)
-    if contract is None or contract.mode == "error":
-        raise CallbackContractError(message)
-    if ("client_state", changed[0]) not in contract.warned:
-        contract.warned.add(("client_state", changed[0]))
-        logging.getLogger(__name__).warning("%s", message)
 
 
 def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:

@@ -95,7 +95,6 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_label: str) 
     for opt in ("fit_metrics", "loss"):
         if hasattr(model, opt) and not callable(getattr(model, opt)):
             raise ConfigError(f"model={name}.{opt} is invalid: expected a method (see docs/your-own-model.md)")
-    was_training = model.training
     try:
         with torch.no_grad():
             out = model(example)
@@ -104,8 +103,6 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_label: str) 
         raise ConfigError(f"{detail} is invalid: expected a network accepting inputs of shape "
                           f"{tuple(example.shape[1:])} ({example.dtype}) from {data_label} "
                           f"({' '.join(str(e).split())})") from None
-    finally:
-        model.train(was_training)
     if not isinstance(out, Tensor) or not out.is_floating_point():
         raise ConfigError(f"model={name} is invalid: expected forward(x) to return a float tensor of logits "
                           f"[batch, {num_classes}], got {type(out).__name__}"

@@ -11,20 +11,12 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from test_data import isolated_cache  # noqa: F401  (autouse: every test gets its own decode cache)
 from torchvision.io import write_png
 
 import pl_fedsparse.data.datasets as ds
 from pl_fedsparse.data import BaseDataset, FederatedDataModule, TensorBatchLoader, load_dataset, normalize
 from pl_fedsparse.errors import ConfigError, DataNotFoundError
-
-
-@pytest.fixture(autouse=True)
-def isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv(ds.CACHE_ENV, str(cache))
-    ds.clear_memo()
-    yield cache
-    ds.clear_memo()
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:

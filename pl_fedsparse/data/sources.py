@@ -57,6 +57,7 @@ from pl_fedsparse.data.datasets import (
     BaseDataset,
     _cache_load,
     _cache_save,
+    _cached,
     _decode_files,
     _find_image_folder,
     _list_images,
@@ -197,7 +198,7 @@ def _load_folder(root: str | None, test_fraction: float, seed: int, size: tuple[
             return {"train_x": _decode_files(files, root, size), "train_y": torch.tensor(labels), "test_x": empty,
                     "test_y": empty}
 
-        blob = _cached_any("image_folder", root, files, build, _size_extra(classes, size))
+        blob = _cached("image_folder", root, files, build, _size_extra(classes, size))
         train, test = held_out_split(blob["train_y"].numpy(), test_fraction, seed)
         x, y = blob["train_x"], blob["train_y"]
         x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
@@ -464,22 +465,12 @@ def _load_leaf(root: str | None) -> BaseDataset:
             out.update({f"{split}_x": x, f"{split}_y": y, f"{split}_client": torch.tensor(owners, dtype=torch.int64)})
         return out
 
-    blob = _cached_any("leaf", os.path.abspath(root), files["train"] + files["test"], build)
+    blob = _cached("leaf", os.path.abspath(root), files["train"] + files["test"], build)
     chars = bool(blob.get("chars", torch.tensor(False)))
     labels = torch.cat([blob["train_y"], blob["test_y"]])
     num_classes = len(LEAF_LETTERS) if chars else (int(labels.max()) + 1 if labels.numel() else 0)
     return BaseDataset("leaf", blob["train_x"], blob["train_y"], blob["test_x"], blob["test_y"], num_classes,
                        train_client=blob["train_client"], test_client=blob["test_client"])
-
-
-def _cached_any(name: str, folder: str, files: list[str], build: Any, extra: str = "") -> dict[str, torch.Tensor]:
-    """``build()``'s tensors, from the cache when the source files are unchanged (any keys, unlike ``_cached``)."""
-    path = cache_dir() / f"{name}-{_signature(name, folder, files, extra)}.pt"
-    blob = _cache_load(path)
-    if blob is None:
-        blob = build()
-        _cache_save(path, blob)
-    return blob
 
 
 # ----------------------------------------------------------------------------------------------- validation
