@@ -19,6 +19,8 @@ by the end of a session resumes (``benchmarks/runplan.py``).
 
     git worktree add ../bench HEAD                    # pin the code for hours of runs
     mkdir -p data/cifar10 && tar -xzf ../shared/data/cifar10-jpg.tar.gz -C data/cifar10
+    # seeds 1 and 2 of one claim first (run names <name>_seed<s>; seed 0 keeps the plain name)
+    LONG_HORIZON_SEEDS="1 2" LONG_HORIZON_ONLY=dispfl,dispfl_local ... python benchmarks/long_horizon.py run
     for w in 1 2; do LONG_HORIZON_CODE=../bench OMP_NUM_THREADS=1 nohup python benchmarks/long_horizon.py run \\
         > /tmp/long_horizon_w$w.log 2>&1 & done        # two workers, one core each; rerun the same to resume
     python benchmarks/long_horizon.py table           # the final table (personal accuracy, bytes) so far
@@ -44,6 +46,11 @@ RUNS = ROOT / "benchmarks" / "_runs" / "long_horizon"
 CODE = Path(os.environ.get("LONG_HORIZON_CODE", ROOT)).resolve()
 DATA = os.environ.get("LONG_HORIZON_DATA", str(ROOT / "data" / "cifar10"))
 ROUNDS = int(os.environ.get("LONG_HORIZON_ROUNDS", "200"))
+#: seeds to run; seed s > 0 is the run ``<name>_seed<s>`` with ``--seed_everything s --data.seed s`` (another
+#: initialisation, client sampling *and* partition: the spread covers all three)
+SEEDS = [int(s) for s in os.environ.get("LONG_HORIZON_SEEDS", "0 1 2").split()]
+#: only these runs (base names, comma-separated), e.g. ``dispfl,dispfl_local`` to settle one claim first
+ONLY = [n for n in os.environ.get("LONG_HORIZON_ONLY", "").split(",") if n]
 
 #: run -> (config, overrides beyond the common ones)
 FEDSPA = {
@@ -64,12 +71,21 @@ COMMON = ["--data.root", DATA, "--trainer.local_epochs", "1", "--trainer.eval_ev
           "--trainer.checkpoint_every", "10", "--trainer.accelerator", "cpu", "--trainer.logger", "false"]
 
 
+def run_name(name: str, seed: int) -> str:
+    return name if seed == 0 else f"{name}_seed{seed}"
+
+
 def plan() -> list[Run]:
     runs = []
-    # interleaved so that two workers progress on both papers at once
-    for (a, (ca, oa)), (b, (cb, ob)) in zip(FEDSPA.items(), DISPFL.items()):
-        for name, config, extra in ((b, cb, ob), (a, ca, oa)):
-            runs.append(Run(name, ["--config", config, *COMMON, "--trainer.num_rounds", str(ROUNDS), *extra]))
+    for seed in SEEDS:
+        # interleaved so that two workers progress on both papers at once
+        for (a, (ca, oa)), (b, (cb, ob)) in zip(FEDSPA.items(), DISPFL.items()):
+            for name, config, extra in ((b, cb, ob), (a, ca, oa)):
+                if ONLY and name not in ONLY:
+                    continue
+                seed_args = [] if seed == 0 else ["--seed_everything", str(seed), "--data.seed", str(seed)]
+                runs.append(Run(run_name(name, seed), ["--config", config, *COMMON, "--trainer.num_rounds",
+                                                       str(ROUNDS), *extra, *seed_args], {"seed": seed}))
     return runs
 
 
