@@ -69,7 +69,8 @@ def record(out: str, only: list[str]) -> None:
             print(f"{name}: FAILED\n{p.stderr[-2000:]}")
             results[name] = {"error": p.stderr[-500:]}
             continue
-        rows = [_row(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        rows = [_row(r) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                if r.get("evaluated", True)]  # the evaluated rounds (records before every round had a row)
         results[name] = {"config": cfg, "extra": extra, "rows": rows}
         print(f"{name}: {len(rows)} rows, final acc_mean={rows[-1].get('acc_mean')} "
               f"bytes={rows[-1].get('comm_cum_bytes_total')} ({time.perf_counter() - t:.0f} s)", flush=True)

@@ -77,18 +77,39 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _os_cause(e: BaseException) -> OSError | None:
+    """The :class:`OSError` behind ``e``: torch's zip writer turns a failed ``write`` (a full disk) into a
+    ``RuntimeError`` ("unexpected pos ...") raised while the ``OSError`` is being handled."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _atomic(path: Path, write: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Write through ``write(file)`` into a temporary file beside ``path``, then rename it over ``path``: a failure
+    (a full disk, a signal) removes the temporary file and leaves ``path`` as it was. Any ``OSError`` is raised
+    (torch's wrapped one included) is raised as an ``OSError``."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fchmod(f.fileno(), _file_mode())
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        cause = _os_cause(e) if isinstance(e, Exception) and not isinstance(e, OSError) else None
+        if cause is not None:
+            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from None
         raise
     _fsync_dir(path.parent)
 

@@ -11,10 +11,14 @@ run directory by the loop (``config.yaml``) instead of Lightning's ``SaveConfigC
 line, never a traceback:
 
 * a configuration error (:class:`~pl_fedsparse.errors.ConfigError`, or a parse error): ``error: <message>``, exit 2;
-* an :class:`OSError` nobody else handled (permission denied, not a directory, disk full, ...):
+* an :class:`OSError` nobody else handled (permission denied, not a directory, ...):
   ``error: <path>: <problem> (<what to do>)``, exit 2;
-* Ctrl-C (also inside a Lightning fit, which Lightning turns into ``sys.exit(1)``): ``interrupted: ...`` with the
-  command that resumes the run from ``<run>/checkpoints/last.ckpt``, exit 130.
+* a storage failure (disk full, quota, I/O error, read-only file system; :class:`~pl_fedsparse.errors.StorageError`)
+  anywhere in a run: ``error: <file>: <what> failed: <problem> (<what to do>; <the intact checkpoint and the resume
+  command>)``, exit 74 (``EX_IOERR``), the lock released;
+* SIGTERM (a scheduler's preemption) or Ctrl-C at any moment (also inside a Lightning fit, which Lightning turns into
+  ``sys.exit(1)``; :mod:`pl_fedsparse.signals`): ``terminated (SIGTERM)`` / ``interrupted`` with the round the last
+  checkpoint holds and the command that resumes the run from ``<run>/checkpoints/last.ckpt``, exit 143 / 130.
 
 Configs by name: ``--config NAME.yaml`` (or ``NAME``) that names no file in the working directory is the config of
 that name shipped with the package (:mod:`pl_fedsparse.shipped`; a real path always wins; an unknown name is a one-line
@@ -65,10 +69,8 @@ import importlib.machinery
 import os
 import re
 import secrets
-import signal
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from copy import deepcopy
@@ -85,9 +87,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from pl_fedsparse import shipped
 from pl_fedsparse.data import FederatedDataModule
-from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.errors import STORAGE_ERRNOS, ConfigError, StorageError, check
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
+from pl_fedsparse.signals import Terminated, exit_status, interrupt_in, stop_on_signals
 
 __all__ = ["FedCLI", "main", "DEFAULT_MODEL", "DEFAULT_DATA"]
 
@@ -103,6 +106,8 @@ CONFIG_HELP = ("Path to a configuration file in json or yaml format, or the name
 
 #: ``(subcommand, loop)`` of the run :func:`main` is executing: where an interrupted or failed run writes
 _current_run: tuple[str | None, FederatedLoop] | None = None
+#: the exit status of a run stopped by a storage failure (sysexits.h ``EX_IOERR``)
+EXIT_STORAGE = 74
 
 #: the subcommands :func:`main` handles itself, before LightningCLI, with their one-line help
 OWN_SUBCOMMANDS = {
@@ -632,20 +637,25 @@ def _working_dir_importable(directory: str) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- messages
-def _interrupted_message(run: tuple[str | None, FederatedLoop] | None) -> str:
+def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
+                         interrupt: KeyboardInterrupt | None = None) -> str:
     """What an interrupted run left behind and how to continue it."""
+    word = "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
     subcommand, loop = run if run is not None else (None, None)
     if subcommand != "fit" or loop is None:
-        return "interrupted"
+        return word
     if loop.run_dir is None:
-        return "interrupted before the run directory was opened: nothing was written, run the command again"
+        return f"{word} before the run directory was opened: nothing was written, run the command again"
     rd = Path(loop.run_dir)
     ckpt = rd / "checkpoints" / "last.ckpt"
     if not ckpt.is_file():
-        return f"interrupted: no checkpoint was written in {rd} (trainer.checkpoint_every=" \
+        return f"{word}: no checkpoint was written in {rd} (trainer.checkpoint_every=" \
                f"{loop.checkpoint_every}), the run cannot be resumed"
+    done = loop.reporter.directory.checkpoint_round
+    at = f" (it continues after round {done}, the last checkpointed one)" if done else \
+        " (no round had completed)" if done == 0 else ""
     config = f"--config {rd / 'config.yaml'} " if (rd / "config.yaml").is_file() else ""
-    return f"interrupted: resume with `{PROG} fit {config}--trainer.default_root_dir {rd} --ckpt_path {ckpt}`"
+    return f"{word}: resume with `{PROG} fit {config}--trainer.default_root_dir {rd} --ckpt_path {ckpt}`{at}"
 
 
 _OS_HINTS = {
@@ -688,19 +698,6 @@ def _os_error_message(e: OSError, run: tuple[str | None, FederatedLoop] | None) 
         hints.append(_OS_HINTS[e.errno])
     text = problem if path is None else f"{path}{' -> ' + path2 if path2 else ''}: {problem}"
     return text + (f" ({'; '.join(hints)})" if hints else "")
-
-
-def _is_lightning_interrupt(e: SystemExit) -> bool:
-    """Lightning's ``_call_and_handle_interrupt`` ends a fit interrupted by Ctrl-C with ``sys.exit(1)`` raised while
-    handling the ``KeyboardInterrupt``: that exit is an interrupt; any other exit is left alone."""
-    if e.code != 1:
-        return False
-    seen: BaseException | None = e.__context__
-    while seen is not None:
-        if isinstance(seen, KeyboardInterrupt):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 CONFIGS_USAGE = f"""usage: {PROG} configs
@@ -758,30 +755,29 @@ def main(argv: list[str] | None = None) -> int:
     from pl_fedsparse.allocator import tune_malloc
 
     tune_malloc()  # glibc: keep freed fit buffers in the heap (issue 13; PL_FEDSPARSE_MALLOC_TUNING=0 opts out)
-    main_thread = threading.current_thread() is threading.main_thread()
-    sigint = signal.getsignal(signal.SIGINT) if main_thread else None
     try:
-        with _working_dir_importable(os.getcwd()):
+        with stop_on_signals(), _working_dir_importable(os.getcwd()):
             FedCLI(args=argv)
     except ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write(_interrupted_message(_current_run) + "\n")
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
+        sys.stderr.write(_interrupted_message(_current_run, e) + "\n")
+        return exit_status(e)
     except SystemExit as e:
-        if not _is_lightning_interrupt(e):
+        interrupt = interrupt_in(e) if e.code == 1 else None  # Lightning's shutdown of an interrupted fit
+        if interrupt is None:
             raise
-        sys.stderr.write(_interrupted_message(_current_run) + "\n")
-        return 130
+        sys.stderr.write(_interrupted_message(_current_run, interrupt) + "\n")
+        return exit_status(interrupt)
+    except StorageError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return EXIT_STORAGE
     except OSError as e:
         sys.stderr.write(f"error: {_os_error_message(e, _current_run)}\n")
-        return 2
+        return EXIT_STORAGE if e.errno in STORAGE_ERRNOS else 2
     finally:
         _current_run = None
-        # Lightning ignores SIGINT after handling an interrupt: give the caller its handler back
-        if main_thread and sigint is not None and signal.getsignal(signal.SIGINT) is not sigint:
-            signal.signal(signal.SIGINT, sigint)
     return 0
 
 

@@ -7,9 +7,23 @@ traceback. Messages name the parameter, the value received and what is allowed.
 
 from __future__ import annotations
 
+import errno
+import os
 from typing import Any
 
-__all__ = ["ConfigError", "DataNotFoundError", "CheckpointError", "check"]
+__all__ = ["ConfigError", "DataNotFoundError", "CheckpointError", "StorageError", "STORAGE_ERRNOS", "check",
+           "storage_error"]
+
+#: the errors of a storage that stopped taking writes (not of a wrong path): full disk, quota, I/O error, read-only
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+_STORAGE_ADVICE = {
+    errno.ENOSPC: "the disk is full: free some space or move the run (--trainer.default_root_dir)",
+    errno.EDQUOT: "the disk quota is exceeded: free some space or move the run (--trainer.default_root_dir)",
+    errno.EIO: "the storage reported an I/O error: check the disk or move the run (--trainer.default_root_dir)",
+    errno.EROFS: "the file system is read-only: move the run (--trainer.default_root_dir)",
+    errno.EFBIG: "the file is larger than the file system allows: move the run (--trainer.default_root_dir)",
+}
 
 
 class ConfigError(ValueError):
@@ -22,6 +36,36 @@ class DataNotFoundError(ConfigError):
 
 class CheckpointError(ConfigError):
     """A checkpoint is unreadable, corrupted or belongs to another configuration."""
+
+
+class StorageError(OSError):
+    """Writing a run's file failed because the storage stopped taking writes (:data:`STORAGE_ERRNOS`). ``pl-fed``
+    prints its one line and exits with status 74 (``EX_IOERR``); the previous checkpoint is intact."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def storage_error(e: OSError, what: str, state: str) -> StorageError:
+    """The one-line :class:`StorageError` for ``e``: the file, what failed, why, what to do and what is left.
+
+    Args:
+        e: the error the write raised.
+        what: what was being done (``"writing the checkpoint"``).
+        state: what is left intact / how to continue.
+
+    Example:
+        >>> e = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/r/checkpoints/round-000003.ckpt")
+        >>> print(storage_error(e, "writing the checkpoint", "nothing else was changed"))
+        ... # doctest: +NORMALIZE_WHITESPACE
+        /r/checkpoints/round-000003.ckpt: writing the checkpoint failed: No space left on device (the disk is full:
+        free some space or move the run (--trainer.default_root_dir); nothing else was changed)
+    """
+    path = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else None
+    problem = e.strerror or os.strerror(e.errno or 0) or type(e).__name__
+    advice = _STORAGE_ADVICE.get(e.errno or 0, "check the storage")
+    text = f"{path + ': ' if path else ''}{what} failed: {problem} ({advice}; {state})"
+    return StorageError(e.errno, text, path)
 
 
 def check(condition: bool, param: str, value: Any, allowed: str) -> None:

@@ -33,6 +33,7 @@ from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.protocol import check_model, training_loss
+from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -260,12 +261,14 @@ class InProcessExecutor(ClientExecutor):
         try:
             with quiet_lightning():
                 trainer.fit(module, train_dataloaders=loader)
-        except SystemExit:
-            # Lightning turns Ctrl-C during a fit into a graceful shutdown and sys.exit(1), ignoring further SIGINTs:
-            # give the interrupt back (and the handler), so that the run stops with its resume message
+        except SystemExit as e:
+            # Lightning turns Ctrl-C (and SIGTERM, pl_fedsparse.signals) during a fit into a graceful shutdown and
+            # sys.exit(1), ignoring further SIGINTs: give the interrupt back (and the handler), so that the run stops
+            # with its resume message and exit status
             if trainer.interrupted:
                 signal.signal(signal.SIGINT, handler)
-                raise KeyboardInterrupt from None
+                interrupt = interrupt_in(e)
+                raise (interrupt if interrupt is not None else KeyboardInterrupt()) from None
             raise
 
 

@@ -1,6 +1,6 @@
 """``pl-fed report RUN_DIR…``: compare finished (or running) runs — a table of their final metrics and figures.
 
-Reads each run directory's ``metrics.jsonl`` (one row per evaluated round), ``summary.json`` (when the run finished)
+Reads each run directory's ``metrics.jsonl`` (one row per round; the report uses the evaluated ones), ``summary.json`` (when the run finished)
 and ``config.yaml`` (the method's callbacks), and writes next to each other in ``--out``:
 
 * ``report.md`` and ``report.csv`` — one row per run: method, rounds, personal accuracy (mean / weighted / bottom
@@ -105,10 +105,12 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             raise ConfigError(f"run_dir={str(path)!r} is invalid: metrics.jsonl line {i} is not JSON; expected "
                               "the file pl-fed fit writes") from None
+        if isinstance(row, dict) and row.get("evaluated", True):  # a round without evaluation has no accuracy
+            rows.append(row)
     summary: dict[str, Any] = {}
     if (p / "summary.json").is_file():
         try:

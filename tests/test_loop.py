@@ -169,10 +169,14 @@ def test_finetune_counts_download_and_changes_personal_models(tmp_path: Path) ->
 def test_run_directory_files(tmp_path: Path) -> None:
     loop = tiny_loop(tmp_path, num_rounds=3, eval_every=2, logger=True)
     loop.fit(tiny_module(), tiny_datamodule())
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2]  # every 2nd round and the last
-    keys = {"round", "acc_mean", "acc_weighted", "acc_std", "acc_bottom10", "global_acc", "comm_bytes_up",
-            "comm_bytes_down", "comm_bytes_total", "flops_train", "time_s"}
+    every = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # a row per round: costs always, accuracies on the evaluated rounds (every 2nd and the last)
+    assert [(r["round"], r["evaluated"]) for r in every] == [(0, False), (1, True), (2, True)]
+    costs = {"round", "comm_bytes_up", "comm_bytes_down", "comm_bytes_total", "flops_train", "time_s", "train_loss",
+             "num_participants", "client_faults"}
+    assert costs <= set(every[0]) and not {"acc_mean", "global_acc", "loss_mean"} & set(every[0])
+    rows = every[1:]
+    keys = {"round", "acc_mean", "acc_weighted", "acc_std", "acc_bottom10", "global_acc", *costs}
     assert keys <= set(rows[0])
     assert rows[-1]["comm_cum_bytes_total"] == 3 * rows[0]["comm_bytes_total"]
     assert rows[0]["flops_train"] > 0

@@ -23,7 +23,8 @@ from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, t
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.checkpoint import load_checkpoint
 from pl_fedsparse.errors import CheckpointError
-from pl_fedsparse.reporting import config_changes
+from pl_fedsparse import rundir
+from pl_fedsparse.rundir import config_changes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,7 +185,7 @@ def test_stale_lock_of_a_killed_run_is_taken_over_and_its_directory_reused(
     assert json.loads((run / ".lock").read_text())["pid"] == proc.pid  # left behind
     assert (run / "checkpoints" / "round-000000.ckpt").is_file()
     assert (run / "metrics.jsonl").read_text() == ""
-    with caplog.at_level(logging.INFO, logger="pl_fedsparse.reporting"):
+    with caplog.at_level(logging.INFO, logger="pl_fedsparse.rundir"):
         code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2"), capsys)  # a plain rerun
     assert code == 0, err
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -211,7 +212,7 @@ def test_rerun_allowed_only_where_no_round_completed(tmp_path: Path, caplog: pyt
             loop.fit(tiny_module(), tiny_datamodule())
 
     interrupted(tmp_path / "none", 0)
-    with caplog.at_level(logging.INFO, logger="pl_fedsparse.reporting"):
+    with caplog.at_level(logging.INFO, logger="pl_fedsparse.rundir"):
         tiny_loop(tmp_path / "none", num_rounds=1).fit(tiny_module(), tiny_datamodule())
     assert any("no round completed" in r.getMessage() for r in caplog.records)
     # the previous run's checkpoints do not mix with the new run's
@@ -219,8 +220,9 @@ def test_rerun_allowed_only_where_no_round_completed(tmp_path: Path, caplog: pyt
         "last.ckpt", "round-000000.ckpt", "round-000001.ckpt"]
     assert load_checkpoint(tmp_path / "none/checkpoints/round-000000.ckpt")["run_id"] == run_id(tmp_path / "none")
 
-    interrupted(tmp_path / "one", 1)  # round 0 completed (not evaluated: metrics.jsonl is empty, its checkpoint is)
-    assert (tmp_path / "one" / "metrics.jsonl").read_text() == ""
+    interrupted(tmp_path / "one", 1)  # round 0 completed (not evaluated: its row has no accuracy; it was saved)
+    rows = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["evaluated"], "acc_mean" in r) for r in rows] == [(0, False, False)]
     before = digest(tmp_path / "one")
     with pytest.raises(ConfigError, match="already holds a run"):
         tiny_loop(tmp_path / "one", num_rounds=1).fit(tiny_module(), tiny_datamodule())
@@ -363,22 +365,21 @@ def test_resume_from_a_kept_round_file_gives_the_uninterrupted_run(tmp_path: Pat
 
 def test_a_kill_between_the_round_file_and_last_leaves_a_consistent_pair(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from pl_fedsparse import reporting
 
-    real = reporting.atomic_link
+    real = rundir.atomic_link
 
     def link(src: Path, dst: Path) -> None:
         if src.name == "round-000002.ckpt":
             raise KeyboardInterrupt
         real(src, dst)
 
-    monkeypatch.setattr(reporting, "atomic_link", link)
+    monkeypatch.setattr(rundir, "atomic_link", link)
     with pytest.raises(KeyboardInterrupt):
         tiny_loop(tmp_path / "r", num_rounds=3).fit(tiny_module(), tiny_datamodule())
     ckpts = tmp_path / "r" / "checkpoints"
     assert load_checkpoint(ckpts / "last.ckpt")["round"] == 1
     assert load_checkpoint(ckpts / "round-000002.ckpt")["round"] == 2
-    monkeypatch.setattr(reporting, "atomic_link", real)
+    monkeypatch.setattr(rundir, "atomic_link", real)
     tiny_loop(tmp_path / "r", num_rounds=3).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(ckpts / "last.ckpt"))
     tiny_loop(tmp_path / "full", num_rounds=3).fit(tiny_module(), tiny_datamodule())
     assert rows(tmp_path / "r") == rows(tmp_path / "full")

@@ -1,0 +1,83 @@
+"""Stopping a run on a signal: SIGTERM (what a cluster scheduler sends before preemption) and SIGINT (Ctrl-C).
+
+Inside :func:`stop_on_signals` the first SIGTERM raises :class:`Terminated` and the first SIGINT raises
+:class:`KeyboardInterrupt` in the main thread, wherever it is — inside a client's Lightning fit, during evaluation,
+during a checkpoint write, while Ray workers train. Both unwind the run like any exception: the temporary file of a
+checkpoint being written is removed (``checkpoints/last.ckpt`` stays the last completed checkpoint), out-of-process
+workers are stopped, the run directory's lock is released. Further signals while that happens are recorded and
+ignored, so the cleanup itself is never interrupted (SIGKILL still ends the process). ``pl-fed`` then prints the
+resume command and exits with 128 + the signal number: 143 for SIGTERM, 130 for SIGINT.
+
+Lightning's own SIGTERM handler (installed for each fit) calls the handler it found installed, so a SIGTERM during a
+client's fit reaches this one too; Lightning turns the resulting interrupt into ``sys.exit(1)``, which
+:func:`interrupt_in` recognises.
+
+The Python API is unchanged outside this context manager (a ``FederatedLoop.fit`` called from a notebook keeps the
+notebook's handlers); wrap a call in ``with stop_on_signals(): loop.fit(...)`` to get the same behaviour.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+__all__ = ["Terminated", "exit_status", "interrupt_in", "stop_on_signals"]
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by the first SIGTERM inside :func:`stop_on_signals`.
+
+    A subclass of :class:`KeyboardInterrupt`, so that everything that stops cleanly on Ctrl-C (Lightning's
+    graceful shutdown, the loop's cleanup, client-fault containment, which never catches it) stops cleanly on SIGTERM.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def exit_status(interrupt: KeyboardInterrupt) -> int:
+    """``128 + signal number``: 143 for :class:`Terminated` (SIGTERM), 130 for Ctrl-C."""
+    return 128 + int(getattr(interrupt, "signum", signal.SIGINT))
+
+
+def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The :class:`KeyboardInterrupt` (or :class:`Terminated`) that ``exc`` is, or that caused it — Lightning ends an
+    interrupted fit with ``sys.exit(1)`` raised while handling the interrupt."""
+    seen, hops = exc, 0
+    while seen is not None and hops < 16:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        seen, hops = seen.__cause__ or seen.__context__, hops + 1
+    return None
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[list[int]]:
+    """Within the block, the first SIGTERM raises :class:`Terminated` and the first SIGINT :class:`KeyboardInterrupt`;
+    later ones are ignored (and listed in the yielded list). The previous handlers are restored on exit. Outside the
+    main thread (where signals cannot be handled) it does nothing."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if len(received) > 1:
+            return  # already stopping: let the cleanup finish
+        if signum == signal.SIGTERM:
+            raise Terminated(signum)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        yield received
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
