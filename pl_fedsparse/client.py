@@ -25,6 +25,7 @@ from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import floatcodec
 from pl_fedsparse.functional.accounting import message_nbytes
+from pl_fedsparse.resources import check_fits, human_bytes
 
 __all__ = ["STATE_CODECS", "ClientStateStore", "ClientUpdate", "Message", "StateInit", "to_cpu_state"]
 
@@ -121,6 +122,18 @@ def _nbytes(value: TensorTree) -> int:
     if isinstance(value, Mapping):
         return sum(_nbytes(x) for x in value.values())
     return value.numel() * value.element_size() if isinstance(value, Tensor) else 0
+
+
+def _storages(value: TensorTree, out: dict[int, int] | None = None) -> dict[int, int]:
+    """``{storage pointer: bytes}`` of the tensors in ``value`` (a storage shared by several tensors counted once)."""
+    out = {} if out is None else out
+    if isinstance(value, Mapping):
+        for v in value.values():
+            _storages(v, out)
+    elif isinstance(value, Tensor):
+        storage = value.untyped_storage()
+        out[storage.data_ptr()] = storage.nbytes()
+    return out
 
 
 def _has_encoded(value: TensorTree) -> bool:
@@ -270,8 +283,21 @@ class ClientStateStore:
         return self._decoded(value) if _has_encoded(value) else value
 
     def materialize(self, clients: Iterable[int]) -> None:
-        """Create every missing entry of ``clients`` (in declaration order), then refuse lazy creation."""
-        for k in clients:
+        """Create every missing entry of ``clients`` (in declaration order), then refuse lazy creation.
+
+        Before creating more than two clients' entries, the memory all of them need (the new storage the second
+        client's entries take, times the clients) is checked against the available memory: a federation whose
+        client state cannot fit is refused in one line (``data.num_clients``) instead of swapping or being killed.
+        """
+        clients = list(clients)
+        for i, k in enumerate(clients):
+            if i == 2 and self._inits:
+                seen = _storages(self._data.get(clients[0], {}))
+                marginal = sum(n for ptr, n in _storages(self._data.get(clients[1], {})).items() if ptr not in seen)
+                missing = sum(1 for c in clients[2:] if c not in self._data)  # a resume restored the others
+                check_fits("data.num_clients", len(clients), marginal * missing,
+                           f"{len(clients)} clients' declared state ({human_bytes(marginal)} each: "
+                           f"{', '.join(self._inits)})")
             for key in self._inits:
                 self.get(k, key)
         self._sealed = True

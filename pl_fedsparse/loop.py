@@ -462,6 +462,7 @@ class FederatedLoop:
             self.accounting = Accounting(TrainFlops(model, datamodule.example_input(2)))
         for cb in self.fed_callbacks:
             cb.setup_federation(self)
+        self.topology.validate(self.num_clients, self.seed)  # before the run directory exists
         self.contract = CallbackContract(self.callback_contract)
         if stage == "fit":
             self.contract.resume.snapshot(self)  # the callbacks as a resume rebuilds them before load_state_dict

@@ -57,6 +57,14 @@ class Topology(ABC):
         """Clients offline in ``round_idx`` (none by default)."""
         return set()
 
+    def validate(self, num_clients: int, seed: int) -> None:
+        """Check the topology against the federation before anything is written (a one-line
+        :class:`~pl_fedsparse.errors.ConfigError`). By default: round 0's graph is built for every client, so that a
+        subclass's own checks in :meth:`neighbors` run at set-up rather than in the first round."""
+        clients = range(num_clients)
+        for k in clients:
+            self.neighbors(0, k, clients, seed)
+
     def skips_aggregation(self, round_idx: int, client_idx: int, num_clients: int, seed: int) -> bool:
         """Whether ``client_idx`` keeps its own model instead of aggregating this round (reference-code dropping)."""
         return False

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
+from pl_fedsparse.resources import check_fits
 
 __all__ = ["BaseDataset", "DATASETS", "EMNIST_SPLITS", "SYNTHETIC_DEFAULTS", "CACHE_ENV", "load_dataset",
            "synthetic_params", "clear_memo", "cache_dir", "download_dir", "read_idx", "make_synthetic",
@@ -198,7 +199,22 @@ def synthetic_params(synthetic: dict | None) -> dict[str, Any]:
     check(isinstance(noise, (int, float)) and not isinstance(noise, bool) and 0 <= noise < math.inf,
           "data.synthetic.noise", noise, "a number >= 0")
     params["noise"] = float(noise)
+    _check_synthetic_memory(params)
     return params
+
+
+def _check_synthetic_memory(params: dict[str, Any]) -> None:
+    """Refuse synthetic sizes whose arrays cannot fit, before :func:`make_synthetic` allocates them: the float32
+    class patterns and one split's float32 draw (two arrays each, a lower bound of the peak) plus the uint8 images."""
+    pixels = params["channels"] * params["size"] ** 2
+    patterns = (params["num_classes"] + 1) * pixels * 4 * 2
+    draw = max(params["num_train"], params["num_test"]) * pixels * 4 * 2
+    stored = (params["num_train"] + params["num_test"]) * (pixels + 8)
+    sizes = ("num_train", "num_test", "channels", "size", "num_classes")
+    changed = {k: params[k] for k in sizes if params[k] != SYNTHETIC_DEFAULTS[k]}
+    check_fits("data.synthetic", changed or {k: params[k] for k in sizes}, patterns + draw + stored,
+               f"the synthetic task's images ({params['num_train']} + {params['num_test']} of "
+               f"{params['channels']}x{params['size']}x{params['size']}, {params['num_classes']} classes)")
 
 
 def load_dataset(name: str, root: str | None = None, download: bool = True, *, synthetic: dict | None = None,
@@ -388,11 +404,20 @@ def _list_images(split_dir: Path, classes: list[str]) -> tuple[list[str], list[i
     return files, labels
 
 
+def check_resized_images(count: int, channels: int, size: tuple[int, int]) -> None:
+    """Refuse ``data.image_size`` when ``count`` images resized to it cannot fit in memory (before decoding)."""
+    check_fits("data.image_size", list(size), count * channels * size[0] * size[1],
+               f"{count} images of {channels}x{size[0]}x{size[1]} (uint8)")
+
+
 def _decode_files(files: list[str], root: str, size: tuple[int, int] | None = None) -> torch.Tensor:
     """Decode image files to one RGB ``uint8 [N, 3, H, W]`` tensor (equal sizes required unless ``size`` resizes
     every image to ``(H, W)``) with a thread pool; chunks of JPEGs use the batched ``decode_jpeg`` (twice as fast as
     ``decode_image`` per file)."""
     from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
+    if size is not None:
+        check_resized_images(len(files), 3, size)
 
     def fail(i: int, why: str) -> ConfigError:
         hint = "" if size is not None else " (or set data.image_size to resize them)"

@@ -55,6 +55,7 @@ import torch
 from pl_fedsparse.data.datasets import (
     _IMAGE_SUFFIXES,
     BaseDataset,
+    check_resized_images,
     _cache_load,
     _cache_save,
     _cached,
@@ -316,6 +317,8 @@ def _to_uint8_image(img: Any, mode: str | None) -> torch.Tensor:
 def _tv_split(ds: Any, spec: str, size: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``uint8 [N, C, H, W]`` images and ``int64`` labels of one split of a torchvision dataset: from its ``data``
     array when it has one (CIFAR, MNIST-like, SVHN, STL10, USPS), else item by item (PIL images)."""
+    if size is not None:
+        check_resized_images(len(ds), 3, size)
     data = getattr(ds, "data", None)
     targets = next((getattr(ds, a) for a in ("targets", "labels", "_labels") if getattr(ds, a, None) is not None),
                    None)
