@@ -106,15 +106,16 @@ def one_line(err: str, prefix: str = "error:") -> str:
 
 
 def fit_rows(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
-    """Run ``pl-fed fit <args>`` (which must name ``--trainer.default_root_dir``), expect exit 0, return the rows of
-    its metrics.jsonl."""
+    """Run ``pl-fed fit <args>`` (which must name ``--trainer.default_root_dir``), expect exit 0, return the evaluated
+    rows of its metrics.jsonl (every round has a row; ``"evaluated": false`` ones carry costs only)."""
     import json
     from pathlib import Path
 
     code, _, err = run_main(["fit", *args], capsys)
     assert code == 0, err
     run = Path(args[args.index("--trainer.default_root_dir") + 1])
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["evaluated"]]
 
 
 @pytest.fixture(autouse=True)
