@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pl_fedsparse.errors import CheckpointError
+from pl_fedsparse.errors import CheckpointError, cause_of
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -77,23 +77,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _os_cause(e: BaseException) -> OSError | None:
-    """The :class:`OSError` behind ``e``: torch's zip writer turns a failed ``write`` (a full disk) into a
-    ``RuntimeError`` ("unexpected pos ...") raised while the ``OSError`` is being handled."""
-    seen: BaseException | None = e
-    for _ in range(8):
-        if seen is None:
-            return None
-        if isinstance(seen, OSError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def _atomic(path: Path, write: Any) -> None:
     """Write through ``write(file)`` into a temporary file beside ``path``, then rename it over ``path``: a failure
-    (a full disk, a signal) removes the temporary file and leaves ``path`` as it was. Any ``OSError`` is raised
-    (torch's wrapped one included) is raised as an ``OSError``."""
+    (a full disk, a signal) removes the temporary file and leaves ``path`` as it was. A write that failed with an
+    ``OSError`` raises it, also when the writer wrapped it (torch's zip writer raises ``RuntimeError("unexpected
+    pos ...")`` while handling a full disk's ``OSError``)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +95,7 @@ def _atomic(path: Path, write: Any) -> None:
     except BaseException as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        cause = _os_cause(e) if isinstance(e, Exception) and not isinstance(e, OSError) else None
+        cause = cause_of(e, OSError) if isinstance(e, Exception) and not isinstance(e, OSError) else None
         if cause is not None:
             raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from None
         raise

@@ -87,7 +87,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from pl_fedsparse import shipped
 from pl_fedsparse.data import FederatedDataModule
-from pl_fedsparse.errors import STORAGE_ERRNOS, ConfigError, StorageError, check
+from pl_fedsparse.errors import STORAGE_ADVICE, STORAGE_ERRNOS, ConfigError, StorageError, check
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
 from pl_fedsparse.signals import Terminated, exit_status, interrupt_in, stop_on_signals
@@ -662,12 +662,10 @@ _OS_HINTS = {
     errno.ENOTDIR: "a component of the path is a file, not a directory",
     errno.EACCES: "this user may not access it: fix the permissions or choose another path",
     errno.EPERM: "this user may not access it: fix the permissions or choose another path",
-    errno.EROFS: "the file system is read-only: choose another path",
-    errno.ENOSPC: "the disk is full: free some space or choose another path",
-    errno.EDQUOT: "the disk quota is exceeded: free some space or choose another path",
     errno.EEXIST: "it already exists: remove it or choose another path",
     errno.EISDIR: "it is a directory, a file was expected",
     errno.ENAMETOOLONG: "choose a shorter path",
+    **STORAGE_ADVICE,  # full disk, quota, I/O error, read-only: one wording with StorageError's
 }
 
 

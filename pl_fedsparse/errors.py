@@ -11,13 +11,14 @@ import errno
 import os
 from typing import Any
 
-__all__ = ["ConfigError", "DataNotFoundError", "CheckpointError", "StorageError", "STORAGE_ERRNOS", "check",
-           "storage_error"]
+__all__ = ["ConfigError", "DataNotFoundError", "CheckpointError", "StorageError", "STORAGE_ERRNOS", "STORAGE_ADVICE",
+           "cause_of", "check", "storage_error"]
 
 #: the errors of a storage that stopped taking writes (not of a wrong path): full disk, quota, I/O error, read-only
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 
-_STORAGE_ADVICE = {
+#: what to do about each storage error (also the CLI's hint for an unhandled one)
+STORAGE_ADVICE = {
     errno.ENOSPC: "the disk is full: free some space or move the run (--trainer.default_root_dir)",
     errno.EDQUOT: "the disk quota is exceeded: free some space or move the run (--trainer.default_root_dir)",
     errno.EIO: "the storage reported an I/O error: check the disk or move the run (--trainer.default_root_dir)",
@@ -36,6 +37,29 @@ class DataNotFoundError(ConfigError):
 
 class CheckpointError(ConfigError):
     """A checkpoint is unreadable, corrupted or belongs to another configuration."""
+
+
+def cause_of(exc: BaseException | None, kind: type[BaseException] | tuple[type[BaseException], ...]) -> Any:
+    """The first exception of type ``kind`` in ``exc``'s chain (``exc`` itself, then its ``__cause__`` or
+    ``__context__``, ...); ``None`` when there is none. E.g. the ``OSError`` behind torch's "unexpected pos"
+    ``RuntimeError``, or the ``KeyboardInterrupt`` behind Lightning's ``sys.exit(1)``.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise OSError(28, "No space left on device")
+        ...     except OSError:
+        ...         raise RuntimeError("unexpected pos")
+        ... except RuntimeError as e:
+        ...     cause_of(e, OSError).errno
+        28
+    """
+    seen, hops = exc, 0
+    while seen is not None and hops < 16:
+        if isinstance(seen, kind):
+            return seen
+        seen, hops = seen.__cause__ or seen.__context__, hops + 1
+    return None
 
 
 class StorageError(OSError):
@@ -63,7 +87,7 @@ def storage_error(e: OSError, what: str, state: str) -> StorageError:
     """
     path = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else None
     problem = e.strerror or os.strerror(e.errno or 0) or type(e).__name__
-    advice = _STORAGE_ADVICE.get(e.errno or 0, "check the storage")
+    advice = STORAGE_ADVICE.get(e.errno or 0, "check the storage")
     text = f"{path + ': ' if path else ''}{what} failed: {problem} ({advice}; {state})"
     return StorageError(e.errno, text, path)
 

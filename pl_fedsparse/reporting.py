@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
-from pl_fedsparse.checkpoint import dumps_json
+from pl_fedsparse.checkpoint import atomic_write_text, dumps_json
 from pl_fedsparse.rundir import (  # noqa: F401 - re-exported: the names' home before the run directory moved
     RESUME_MAY_CHANGE,
     RunDirectory,
@@ -206,8 +206,6 @@ class RunReporter:
         return self.directory.open(resuming, checkpoint, ckpt_path, start=start)
 
     def _write(self, name: str, text: str, atomic: bool = False) -> None:
-        from pl_fedsparse.checkpoint import atomic_write_text
-
         try:
             if atomic:
                 atomic_write_text(self.path(name), text)

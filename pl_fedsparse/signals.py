@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from pl_fedsparse.errors import cause_of
+
 __all__ = ["Terminated", "exit_status", "interrupt_in", "stop_on_signals"]
 
 
@@ -47,12 +49,7 @@ def exit_status(interrupt: KeyboardInterrupt) -> int:
 def interrupt_in(exc: BaseException | None) -> KeyboardInterrupt | None:
     """The :class:`KeyboardInterrupt` (or :class:`Terminated`) that ``exc`` is, or that caused it — Lightning ends an
     interrupted fit with ``sys.exit(1)`` raised while handling the interrupt."""
-    seen, hops = exc, 0
-    while seen is not None and hops < 16:
-        if isinstance(seen, KeyboardInterrupt):
-            return seen
-        seen, hops = seen.__cause__ or seen.__context__, hops + 1
-    return None
+    return cause_of(exc, KeyboardInterrupt)
 
 
 @contextmanager
