@@ -74,9 +74,12 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads if args.mode == "inprocess" else 1)
     data: dict[str, Any] = {"name": "cifar10", "root": args.data_root} if args.data_root else {
         "name": "synthetic", "synthetic": {"num_train": 50000, "num_test": 1000, "channels": 3, "size": 32}}
-    executor = RayExecutor(num_workers=args.workers) if args.mode == "ray" else None
-    run_dir = ROOT / "benchmarks" / "_runs" / "ray_speedup" / f"{args.workload}_{args.mode}_{args.malloc}_{args.codec}"
-    common: dict[str, Any] = {"num_rounds": 1000, "local_epochs": 5, "eval_every": 100000, "accelerator": "cpu",
+    executor = RayExecutor(num_workers=args.workers, num_gpus_per_worker=args.gpus_per_worker) \
+        if args.mode == "ray" else None
+    run_dir = ROOT / "benchmarks" / "_runs" / "ray_speedup" / \
+        f"{args.workload}_{args.mode}_{args.malloc}_{args.codec}_{args.accelerator}"
+    common: dict[str, Any] = {"num_rounds": 1000, "local_epochs": 5, "eval_every": 100000,
+                              "accelerator": args.accelerator,
                               "logger": False, "enable_progress_bar": False, "checkpoint_every": 0,
                               "default_root_dir": str(run_dir), "overwrite": True, "executor": executor,
                               "client_state_codec": args.codec}
@@ -123,6 +126,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     timed = rows[1:]
     out: dict[str, Any] = {
         "workload": args.workload, "mode": args.mode, "workers": args.workers if args.mode == "ray" else 1,
+        "accelerator": args.accelerator, "gpus_per_worker": args.gpus_per_worker if args.mode == "ray" else None,
         "threads": args.threads if args.mode == "inprocess" else 1, "malloc_tuning": bool(tuned),
         "client_state_codec": args.codec,
         "data": "cifar10" if args.data_root else "synthetic", "rounds_timed": len(timed),
@@ -151,6 +155,9 @@ def main() -> None:
     ap.add_argument("--malloc", choices=["on", "off"], default="on")
     ap.add_argument("--codec", choices=["none", "lossless"], default="none", help="trainer.client_state_codec")
     ap.add_argument("--data-root", default=None, help="CIFAR-10 folder (synthetic data of the same shape if omitted)")
+    ap.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="trainer.accelerator (one)")
+    ap.add_argument("--gpus-per-worker", type=float, default=0.0,
+                    help="RayExecutor num_gpus_per_worker (fractions share one GPU; one, --mode ray)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "scale_out" / "ray_speedup.json")
     args = ap.parse_args()
     if args.verb == "one":

@@ -150,7 +150,7 @@ class _Record(FederatedCallback):
         self.fits.append(update)
 
 
-_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 @pytest.mark.parametrize(("accelerator", "precision"), [("cpu", "32-true"), ("cpu", "bf16-mixed"),

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU suite: one command that measures what matters on one GPU in about 25 minutes, resumably.
+#
+#   bash benchmarks/gpu_suite.sh                 # every step not yet recorded under benchmarks/gpu/
+#   bash benchmarks/gpu_suite.sh --dry-run       # the commands parse and the configs resolve (no GPU; CI runs it)
+#   bash benchmarks/gpu_suite.sh --force         # re-run the recorded steps too
+#   bash benchmarks/gpu_suite.sh --only tests overhead   # some steps
+#
+# Steps (each writes its record under benchmarks/gpu/; a step whose record exists is skipped, so a suite cut off by
+# a time limit resumes where it stopped):
+#   env       nvidia-smi, the Python packages' versions                                  -> env.txt
+#   tests     the GPU-marked tests (pytest -m gpu)                                       -> tests.txt
+#   overhead  benchmarks/overhead.py, engine vs a plain loop, at 32-true, bf16-mixed and 16-mixed
+#                                                                                       -> overhead_<precision>.txt
+#   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
+#             utilisation, the estimate for the paper's full run                          -> rounds.jsonl, rounds/
+#   ray       benchmarks/ray_speedup.py on the GPU: in-process vs 4 Ray workers sharing it (0.25 GPU each)
+#                                                                                       -> ray_<mode>.txt
+# Data: CIFAR10_ROOT (default data/cifar10, the extracted ImageFolder copy) and FMNIST_ROOT (default
+# /usr/share/datasets/fashion-mnist); a step whose data or package is missing is recorded as skipped, not failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+OUT=benchmarks/gpu
+CIFAR10_ROOT=${CIFAR10_ROOT:-data/cifar10}
+FMNIST_ROOT=${FMNIST_ROOT:-/usr/share/datasets/fashion-mnist}
+export CIFAR10_ROOT FMNIST_ROOT PYTHONUNBUFFERED=1
+DRY=0; FORCE=0; ONLY=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --force) FORCE=1 ;;
+    --only) shift; while [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; do ONLY+=("$1"); shift; done; continue ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "error: gpu_suite.sh: unknown argument '$1' (allowed: --dry-run, --force, --only STEP...)" >&2; exit 2 ;;
+  esac
+  shift
+done
+STEPS=(env tests overhead rounds ray)
+for s in "${ONLY[@]}"; do
+  case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
+done
+wanted() { [ ${#ONLY[@]} -eq 0 ] && return 0; case " ${ONLY[*]} " in *" $1 "*) return 0 ;; esac; return 1; }
+# A step runs unless its record exists (or --force); in a dry run it prints its commands and checks they resolve.
+todo() { [ "$FORCE" = 1 ] || [ ! -s "$OUT/$1" ]; }
+say() { echo "== $*"; }
+FAILED=0
+step() {  # step <record> <command...>: run, tee into the record, keep a failed step's output as <record>.failed
+  local rec=$1; shift
+  if [ "$DRY" = 1 ]; then echo "\$ $*"; return 0; fi
+  if ! todo "$rec"; then say "$rec recorded already (--force re-runs it)"; return 0; fi
+  say "$*"
+  if "$@" 2>&1 | tee "$OUT/$rec.part"; then mv "$OUT/$rec.part" "$OUT/$rec"
+  else mv "$OUT/$rec.part" "$OUT/$rec.failed"; FAILED=1; fi
+}
+mkdir -p "$OUT"
+if [ "$DRY" = 0 ] && ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "error: gpu_suite.sh: no CUDA device is visible to $PY (torch.cuda.is_available() is false); use --dry-run" >&2
+  exit 2
+fi
+
+if wanted env; then
+  env_report() { nvidia-smi || true; "$PY" -c "import platform, torch, lightning, torchmetrics; print('python', platform.python_version()); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('lightning', lightning.__version__, 'torchmetrics', torchmetrics.__version__)"; git log -1 --format='commit %H %s' 2>/dev/null || true; }
+  if [ "$DRY" = 1 ]; then echo "\$ nvidia-smi; $PY -c 'versions'"; else say "env"; env_report 2>&1 | tee "$OUT/env.txt"; fi
+fi
+
+if wanted tests; then
+  step tests.txt "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+  [ "$DRY" = 1 ] && "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | grep -v '^$' | tail -3
+fi
+
+if wanted overhead; then
+  for p in 32-true bf16-mixed 16-mixed; do
+    if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+      step "overhead_$p.txt" "$PY" benchmarks/overhead.py --data-root "$CIFAR10_ROOT" --accelerator gpu --precision "$p" --repeats 7
+    else say "overhead $p skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  done
+  [ "$DRY" = 1 ] && "$PY" benchmarks/overhead.py --help > /dev/null && echo "overhead.py parses"
+fi
+
+if wanted rounds; then
+  if [ "$DRY" = 1 ]; then
+    echo "\$ $PY benchmarks/gpu_rounds.py run"
+    "$PY" benchmarks/gpu_rounds.py dry-run || exit 1
+  else
+    say "$PY benchmarks/gpu_rounds.py run $([ "$FORCE" = 1 ] && echo --force)"
+    "$PY" benchmarks/gpu_rounds.py run $([ "$FORCE" = 1 ] && echo --force) || FAILED=1
+  fi
+fi
+
+if wanted ray; then
+  if [ "$DRY" = 0 ] && ! "$PY" -c "import ray" 2>/dev/null; then
+    say "ray skipped: ray is not installed (pip install 'pl_fedsparse[ray]')"
+  else
+    for mode in inprocess ray; do
+      step "ray_$mode.txt" "$PY" benchmarks/ray_speedup.py one --workload lenet --mode "$mode" --workers 4 \
+        --gpus-per-worker 0.25 --accelerator gpu --rounds 3 --threads 4 --data-root "$CIFAR10_ROOT"
+    done
+    [ "$DRY" = 1 ] && "$PY" benchmarks/ray_speedup.py --help > /dev/null && echo "ray_speedup.py parses"
+  fi
+fi
+[ "$DRY" = 1 ] && echo "dry run: every step's command resolves"
+exit $FAILED
