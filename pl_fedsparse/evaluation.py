@@ -153,7 +153,7 @@ def merge_views(views: dict[str, EvalView], new: list[EvalView]) -> None:
 
 
 def _same_state(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].device)) for k in a)
 
 
 class Evaluator:
@@ -178,23 +178,25 @@ class Evaluator:
                                            seed=loop.streams.seed("eval", client_idx), corruption=corruption,
                                            severity=severity)
 
-    @torch.inference_mode()
     def logits(self, loader: Any) -> tuple[Tensor, Tensor]:
         """CPU float logits and labels of the working module over an evaluation loader (autocast as in training)."""
         loop = self.loop
         assert loop.model is not None
         device = loop.device
+        # moved outside inference mode: a module moved inside it gets inference-tensor parameters, which the next
+        # training fit of the same working module cannot use ("Inference tensors cannot be saved for backward")
         module = loop.model.to(device)
         module.eval()
         dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(loop.precision)
         autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         logits, labels = [], []
-        for x, y in loader:
-            x = x.to(device, non_blocking=True)
-            with autocast:
-                out = module(x)
-            logits.append(out.float().cpu())
-            labels.append(y.cpu())
+        with torch.inference_mode():
+            for x, y in loader:
+                x = x.to(device, non_blocking=True)
+                with autocast:
+                    out = module(x)
+                logits.append(out.float().cpu())
+                labels.append(y.cpu())
         module.train()
         if not logits:
             return torch.zeros(0, int(loop.datamodule.num_classes)), torch.zeros(0, dtype=torch.long)

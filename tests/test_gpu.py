@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fit_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -37,6 +36,7 @@ def test_gpu_run_matches_the_cpu_run(config: str, tmp_path: Path, capsys: pytest
     for a, b in zip(cpu, gpu):
         for key in EXACT:
             assert a.get(key) == b.get(key), (config, a["round"], key)
+        assert b["client_faults"] == 0, (config, b)  # e.g. a module left with inference-mode parameters
         assert b["acc_mean"] == pytest.approx(a["acc_mean"], abs=0.03), (config, a["round"])
         assert b["loss_mean"] == pytest.approx(a["loss_mean"], rel=0.03), (config, a["round"])
 

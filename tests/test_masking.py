@@ -78,3 +78,21 @@ def test_density_out_of_range_from_cli(tmp_path: Path, capsys: pytest.CaptureFix
                  "--trainer.callbacks.density", "1.5", "--trainer.default_root_dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == "error: SparseMask.density=1.5 is invalid: expected a density in (0, 1]"
+
+
+@pytest.mark.parametrize(("distribution", "density", "same_mask"), [("erk", 0.5, False), ("uniform", 0.3, True),
+                                                                     ("erk", 0.05, False)])
+def test_the_sort_free_initial_masks_are_the_sorted_ones(tmp_path: Path, distribution: str, density: float,
+                                                          same_mask: bool) -> None:
+    """``draw_mask``'s fast path (a randperm prefix) draws exactly the top-k of :meth:`mask_scores`."""
+    from pl_fedsparse.callbacks.masking import top_masks
+
+    cb = SparseMask(density=density, distribution=distribution, same_mask=same_mask)
+    loop = tiny_loop(tmp_path, callbacks=[cb])
+    loop.setup(tiny_module(), tiny_datamodule())
+    for k in range(3):
+        fast = cb.draw_mask(loop, k)
+        slow = top_masks(cb.mask_scores(loop, k), cb.layer_densities(k))
+        assert fast.keys() == slow.keys() and fast
+        assert all(torch.equal(fast[n], slow[n]) for n in fast), k
+    loop.reporter.release()

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.masking import MaskedTraining, UsesMaskedTraining, random_mask_scores, top_masks
+from pl_fedsparse.callbacks.masking import MaskedTraining, UsesMaskedTraining, random_top_masks
 from pl_fedsparse.callbacks.prune_regrow import PruneRegrowSchedule, gradient_scores, prune_regrow
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
@@ -165,7 +165,7 @@ class DualMask(UsesMaskedTraining):
         the ERK (or uniform) layer densities."""
         key = 0 if self.same_mask else client_idx + 1
         densities = layer_densities(self.shapes, self.density, self.distribution, self.erk_power_scale, self.dense_1d)
-        return top_masks(random_mask_scores(loop, self.shapes, key, self.density), densities)
+        return random_top_masks(loop, self.shapes, key, self.density, densities)
 
     def masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
         """``m_c`` (unpacked, bool)."""

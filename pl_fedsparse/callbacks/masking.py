@@ -37,7 +37,7 @@ from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["SparseMask", "MaskedTraining", "UsesMaskedTraining", "random_mask_scores", "top_masks"]
+__all__ = ["MaskedTraining", "SparseMask", "UsesMaskedTraining", "random_mask_scores", "top_masks"]
 
 
 def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], key: int,
@@ -46,6 +46,22 @@ def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], 
     ``(key, density·1e6)`` — DisPFL's ``init_masks`` draw; ``key`` 0 is shared by all clients."""
     gen = loop.streams.generator("mask", key, int(density * 1e6))
     return {k: permutation_scores(s, gen) for k, s in shapes.items()}
+
+
+def random_top_masks(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], key: int, density: float,
+                     densities: dict[str, float]) -> dict[str, Tensor]:
+    """``top_masks(random_mask_scores(loop, shapes, key, density), densities)`` without sorting: the top ``k`` of a
+    permutation score are the permutation's first ``k`` entries (the same draws, in the same order, so the same
+    masks). O(n) per tensor instead of an argsort: a ResNet-18 client's mask took ~1 s, 100 clients ~2 minutes."""
+    gen = loop.streams.generator("mask", key, int(density * 1e6))
+    perms = {k: torch.randperm(math.prod(s), generator=gen) for k, s in shapes.items()}
+    out = {}
+    for k, d in densities.items():
+        if d < 1.0:
+            flat = torch.zeros(perms[k].numel(), dtype=torch.bool)
+            flat[perms[k][:math.floor(d * perms[k].numel())]] = True
+            out[k] = flat.view(shapes[k])
+    return out
 
 
 def top_masks(scores: dict[str, Tensor], densities: dict[str, float]) -> dict[str, Tensor]:
@@ -221,6 +237,10 @@ class SparseMask(UsesMaskedTraining):
 
     def draw_mask(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
         """The initial mask of ``client_idx``: per tensor with density < 1, the top-k of :meth:`mask_scores`."""
+        if type(self).mask_scores is SparseMask.mask_scores:  # the default random scores: no sort needed
+            key = 0 if self.same_mask else client_idx + 1
+            return random_top_masks(loop, self.shapes, key, self.client_density(client_idx),
+                                    self.layer_densities(client_idx))
         return top_masks(self.mask_scores(loop, client_idx), self.layer_densities(client_idx))
 
     def masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
