@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pl_fedsparse.errors import CheckpointError, cause_of
+from pl_fedsparse.errors import CheckpointError, cause_of, with_path
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -98,6 +98,8 @@ def _atomic(path: Path, write: Any) -> None:
         cause = cause_of(e, OSError) if isinstance(e, Exception) and not isinstance(e, OSError) else None
         if cause is not None:
             raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from None
+        if isinstance(e, OSError) and e.filename is None:  # a failed write() names no file: name the target
+            raise with_path(e, path) from None
         raise
     _fsync_dir(path.parent)
 

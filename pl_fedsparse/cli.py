@@ -92,7 +92,7 @@ from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
 from pl_fedsparse.signals import Terminated, exit_status, interrupt_in, stop_on_signals
 
-__all__ = ["FedCLI", "main", "DEFAULT_MODEL", "DEFAULT_DATA"]
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FedCLI", "main"]
 
 #: the ``class_path`` of a ``model:`` / ``data:`` section that names none
 DEFAULT_MODEL = f"{FederatedModule.__module__}.{FederatedModule.__qualname__}"
@@ -652,7 +652,8 @@ def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
         return f"{word}: no checkpoint was written in {rd} (trainer.checkpoint_every=" \
                f"{loop.checkpoint_every}), the run cannot be resumed"
     done = loop.reporter.directory.checkpoint_round
-    at = f" (it continues after round {done}, the last checkpointed one)" if done else \
+    held = "round 0" if done == 1 else f"rounds 0 to {done - 1}"  # metrics.jsonl's round numbers (from 0)
+    at = f" (it continues at round {done}; the checkpoint holds {held})" if done else \
         " (no round had completed)" if done == 0 else ""
     config = f"--config {rd / 'config.yaml'} " if (rd / "config.yaml").is_file() else ""
     return f"{word}: resume with `{PROG} fit {config}--trainer.default_root_dir {rd} --ckpt_path {ckpt}`{at}"

@@ -11,8 +11,18 @@ import errno
 import os
 from typing import Any
 
-__all__ = ["ConfigError", "DataNotFoundError", "CheckpointError", "StorageError", "STORAGE_ERRNOS", "STORAGE_ADVICE",
-           "cause_of", "check", "storage_error"]
+__all__ = [
+    "STORAGE_ADVICE",
+    "STORAGE_ERRNOS",
+    "CheckpointError",
+    "ConfigError",
+    "DataNotFoundError",
+    "StorageError",
+    "cause_of",
+    "check",
+    "storage_error",
+    "with_path",
+]
 
 #: the errors of a storage that stopped taking writes (not of a wrong path): full disk, quota, I/O error, read-only
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
@@ -68,6 +78,18 @@ class StorageError(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+def with_path(e: OSError, path: str | os.PathLike[str]) -> OSError:
+    """``e`` naming ``path`` when it names no file (a failed ``write()`` does not say which file it was writing).
+
+    Example:
+        >>> with_path(OSError(errno.ENOSPC, "No space left on device"), "/r/run.json").filename
+        '/r/run.json'
+    """
+    if e.filename is not None:
+        return e
+    return OSError(e.errno, e.strerror or str(e), str(path))
 
 
 def storage_error(e: OSError, what: str, state: str) -> StorageError:

@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from pl_fedsparse.checkpoint import atomic_write_text, dumps_json
+from pl_fedsparse.errors import with_path
 from pl_fedsparse.rundir import (  # noqa: F401 - re-exported: the names' home before the run directory moved
     RESUME_MAY_CHANGE,
     RunDirectory,
@@ -34,8 +35,15 @@ from pl_fedsparse.rundir import (  # noqa: F401 - re-exported: the names' home b
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["RESUME_MAY_CHANGE", "RunReporter", "config_changes", "results_table", "round_checkpoints",
-           "tensorboard_tag", "run_hparams"]
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "RunReporter",
+    "config_changes",
+    "results_table",
+    "round_checkpoints",
+    "run_hparams",
+    "tensorboard_tag",
+]
 
 log = logging.getLogger(__name__)
 
@@ -199,9 +207,13 @@ class RunReporter:
 
                 # a resumed run drops the events of the rounds it runs again
                 purge = {"purge_step": completed} if checkpoint is not None else {}
-                self._writer = SummaryWriter(log_dir=str(self.path("tensorboard")), **purge)
-                if loop.config_text is not None:
-                    self._writer.add_text("config", "```yaml\n" + loop.config_text + "\n```", completed)
+                try:
+                    self._writer = SummaryWriter(log_dir=str(self.path("tensorboard")), **purge)
+                    if loop.config_text is not None:
+                        self._writer.add_text("config", "```yaml\n" + loop.config_text + "\n```", completed)
+                except OSError as e:
+                    raise self.directory.unwritable(with_path(e, self.path("tensorboard")),
+                                                    "writing the TensorBoard events") from None
 
         return self.directory.open(resuming, checkpoint, ckpt_path, start=start)
 
@@ -213,7 +225,7 @@ class RunReporter:
                 with open(self.path(name), "a", encoding="utf-8") as f:
                     f.write(text)
         except OSError as e:
-            raise self.directory.unwritable(e, f"writing {name}") from None
+            raise self.directory.unwritable(with_path(e, self.path(name)), f"writing {name}") from None
 
     def log_row(self, row: Mapping[str, Any]) -> None:
         """Append the round's row to ``metrics.jsonl``; every numeric entry to TensorBoard (step = round)."""

@@ -41,7 +41,7 @@ from pl_fedsparse.checkpoint import (
     refresh_umask,
     save_checkpoint,
 )
-from pl_fedsparse.errors import STORAGE_ERRNOS, CheckpointError, ConfigError, storage_error
+from pl_fedsparse.errors import STORAGE_ERRNOS, CheckpointError, ConfigError, StorageError, storage_error
 
 try:
     import fcntl
@@ -334,7 +334,7 @@ class RunDirectory:
             self.release()
             if created:
                 self._remove_if_empty()
-            if isinstance(e, OSError):
+            if isinstance(e, OSError) and not isinstance(e, StorageError):  # a StorageError says it already
                 raise self.unwritable(e, "starting the run") from None
             raise
         return self.run_dir

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import math
 import os
 import struct
@@ -57,12 +58,28 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
+from pl_fedsparse.errors import ConfigError, DataNotFoundError, cause_of, check
 from pl_fedsparse.resources import check_fits
 
-__all__ = ["BaseDataset", "DATASETS", "EMNIST_SPLITS", "SYNTHETIC_DEFAULTS", "CACHE_ENV", "load_dataset",
-           "synthetic_params", "clear_memo", "cache_dir", "download_dir", "read_idx", "make_synthetic",
-           "channel_stats", "input_kind", "InputKind"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CACHE_ENV",
+    "DATASETS",
+    "EMNIST_SPLITS",
+    "SYNTHETIC_DEFAULTS",
+    "BaseDataset",
+    "InputKind",
+    "cache_dir",
+    "channel_stats",
+    "clear_memo",
+    "download_dir",
+    "input_kind",
+    "load_dataset",
+    "make_synthetic",
+    "read_idx",
+    "synthetic_params",
+]
 
 DATASETS: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "emnist", "image_folder",
                              "tensors", "torchvision", "leaf")
@@ -341,7 +358,9 @@ def _cache_load(path: Path) -> dict[str, torch.Tensor] | None:
 
 
 def _cache_save(path: Path, blob: dict[str, torch.Tensor]) -> None:
-    """Write ``blob`` atomically (temp file in the same folder + ``os.replace``); silently skip if not writable."""
+    """Write ``blob`` atomically (temp file in the same folder + ``os.replace``). The cache is an optimisation: a
+    folder that does not take the write (read-only, full, over quota) costs a warning and the decoding next time, not
+    the run."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -349,9 +368,13 @@ def _cache_save(path: Path, blob: dict[str, torch.Tensor]) -> None:
         with os.fdopen(fd, "wb") as f:
             torch.save(blob, f)
         os.replace(tmp, path)
-    except (OSError, RuntimeError):  # read-only or full disk: run without a cache
+    except (OSError, RuntimeError) as e:  # read-only or full disk: run without a cache
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        cause = e if isinstance(e, OSError) else cause_of(e, OSError)
+        reason = (cause.strerror or str(cause)) if cause is not None else str(e).splitlines()[0]
+        log.warning("the dataset cache %s was not written (%s); the data will be decoded again next time "
+                    "(the PL_FEDSPARSE_CACHE variable names another folder)", path, reason)
 
 
 def _cached(name: str, folder: str, files: list[str], build, extra: str = "") -> dict[str, torch.Tensor]:
