@@ -115,7 +115,7 @@ def _stop(proc: subprocess.Popen, run: Path, delay: float, at_write: bool, sig: 
 def _signal_trial(run: Path, config: str, sig: str, stops: int, duration: float, rng: random.Random,
                   env: dict[str, str], expected: list[dict]) -> dict:
     """One trial of ``kill`` or ``term``: stop the run ``stops`` times, resume it, compare."""
-    kills = during_write = restarts_plain = early = 0
+    kills = during_write = restarts_plain = early = late = 0
     unclean: list[str] = []
     cmd = _cmd(run, resume=False, config=config)
     while True:
@@ -130,7 +130,13 @@ def _signal_trial(run: Path, config: str, sig: str, stops: int, duration: float,
                 during_write += int(stopped == 2)
                 err = proc.stderr.read().decode() if proc.stderr else ""
                 if sig == "term":
-                    if proc.returncode == -signal.SIGTERM and not err.strip():
+                    quiet = proc.returncode == -signal.SIGTERM and "error" not in err and "terminated" not in err
+                    done = (run / "summary.json").exists() and len(_rows(run)) == len(expected)
+                    if quiet and done:
+                        # the run had finished and the interpreter was exiting (handlers restored): nothing lost
+                        late += 1
+                        why = "lock or temporary file left" if (run / ".lock").exists() or _tmp_files(run) else None
+                    elif quiet and not err.strip():
                         # before pl-fed installed its handlers (imports): the default action, nothing written yet
                         early += 1
                         why = "lock or temporary file left" if (run / ".lock").exists() or _tmp_files(run) else None
@@ -153,7 +159,7 @@ def _signal_trial(run: Path, config: str, sig: str, stops: int, duration: float,
             break
     same = (run / "metrics.jsonl").exists() and _rows(run) == expected
     return {"stops": kills, "during_write": during_write, "restarts_plain": restarts_plain, "identical": same,
-            "unclean": unclean, "before_startup": early}
+            "unclean": unclean, "before_startup": early, "after_finish": late}
 
 
 def _disk_trial(run: Path, config: str, ref_bytes: int, rng: random.Random, env: dict[str, str],
@@ -218,6 +224,7 @@ def chaos(config: str, fault: str, trials: int, stops: int, seed: int, out: Path
                "stops": sum(r.get("stops", int(r.get("filled", False))) for r in results),
                "during_write": sum(r.get("during_write", 0) for r in results),
                "before_startup": sum(r.get("before_startup", 0) for r in results),
+               "after_finish": sum(r.get("after_finish", 0) for r in results),
                "unclean_stops": sum(len(r.get("unclean", [])) for r in results), "results": results}
     print(f"summary: {config} {fault}: {summary['trials']} trials, {summary['stops']} stops "
           f"({summary['during_write']} during a write), {summary['unclean_stops']} unclean, "
@@ -251,11 +258,13 @@ def main() -> int:
             Path(args.out_record).write_text(json.dumps(summaries, indent=1) + "\n")
     ok = all(s["identical"] == s["trials"] and s["unclean_stops"] == 0 for s in summaries)
     if len(summaries) > 1:
-        print("\n| config | fault | trials | stops | during a write | before start-up | unclean stops | identical |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| config | fault | trials | stops | during a write | before start-up | after the run | unclean stops "
+              "| identical |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for s in summaries:
             print(f"| {s['config']} | {s['fault']} | {s['trials']} | {s['stops']} | {s['during_write']} | "
-                  f"{s['before_startup']} | {s['unclean_stops']} | {s['identical']}/{s['trials']} |")
+                  f"{s['before_startup']} | {s['after_finish']} | {s['unclean_stops']} | "
+                  f"{s['identical']}/{s['trials']} |")
     return 0 if ok else 1
 
 

@@ -34,6 +34,8 @@ import contextlib
 import copy
 import logging
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -338,6 +340,23 @@ def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
 LOOPBACK = "127.0.0.1"
 
 
+def _start_sentinel(ray: Any) -> subprocess.Popen[bytes] | None:
+    """Start ``_ray_sentinel.py`` for the local Ray instance this process just started: when this process dies, even
+    by SIGKILL, the pipe to the sentinel closes and it stops the instance's processes (Ray leaves its GCS, raylet and
+    agents running otherwise). Linux only (it reads ``/proc``); ``None`` elsewhere or when the session directory is
+    unknown."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    try:
+        session_dir = ray._private.worker._global_node.get_session_dir_path()
+    except AttributeError:
+        return None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ray_sentinel.py")
+    return subprocess.Popen([sys.executable, "-S", script, session_dir], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            close_fds=True)
+
+
 @contextlib.contextmanager
 def _loopback_node(local: bool) -> Iterator[None]:
     """While ``ray.init`` starts a local instance: keep its node address on the loopback interface.
@@ -417,6 +436,7 @@ class RayExecutor(ClientExecutor):
         self.loop: FederatedLoop | None = None
         self.actors: list[Any] = []
         self._started_ray = False
+        self._sentinel: subprocess.Popen[bytes] | None = None  # stops our local Ray instance if this process dies
         self._spec_ref: Any = None
         self._sync_key = 0
         self._round_retries = 0
@@ -459,6 +479,7 @@ class RayExecutor(ClientExecutor):
                 raise ConfigError(f"trainer.executor.address={self.address!r} is invalid: expected a reachable Ray "
                                   f"cluster or null for a local one ({' '.join(str(e).split())[:200]})") from None
             self._started_ray = True
+            self._sentinel = _start_sentinel(ray) if self.address is None else None
         threads = max(1, int(self.num_cpus_per_worker))
         gpu_fraction = self.num_gpus_per_worker if 0 < self.num_gpus_per_worker < 1 else None
         actor_cls = ray.remote(num_cpus=self.num_cpus_per_worker, num_gpus=self.num_gpus_per_worker,
@@ -480,6 +501,10 @@ class RayExecutor(ClientExecutor):
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
+        sentinel, self._sentinel = self._sentinel, None
+        if sentinel is not None:  # end of file: it stops what ray.shutdown left, if anything, and exits
+            with contextlib.suppress(OSError):
+                sentinel.stdin.close()
 
     def __del__(self) -> None:  # a run that stopped with an error still frees its workers
         try:
