@@ -69,6 +69,7 @@ import importlib.machinery
 import os
 import re
 import secrets
+import signal
 import sys
 import textwrap
 from collections.abc import Iterator, Sequence
@@ -637,6 +638,14 @@ def _working_dir_importable(directory: str) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- messages
+def _as_received(e: KeyboardInterrupt, received: list[int]) -> KeyboardInterrupt:
+    """The interrupt as the signal that started it: code that catches an interrupt and raises a new plain
+    ``KeyboardInterrupt`` (``ray.get`` does) must not turn a SIGTERM (exit 143) into a Ctrl-C (exit 130)."""
+    if received and received[0] == signal.SIGTERM and not isinstance(e, Terminated):
+        return Terminated(signal.SIGTERM)
+    return e
+
+
 def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
                          interrupt: KeyboardInterrupt | None = None) -> str:
     """What an interrupted run left behind and how to continue it."""
@@ -754,19 +763,22 @@ def main(argv: list[str] | None = None) -> int:
     from pl_fedsparse.allocator import tune_malloc
 
     tune_malloc()  # glibc: keep freed fit buffers in the heap (issue 13; PL_FEDSPARSE_MALLOC_TUNING=0 opts out)
+    received: list[int] = []
     try:
-        with stop_on_signals(), _working_dir_importable(os.getcwd()):
+        with stop_on_signals() as received, _working_dir_importable(os.getcwd()):
             FedCLI(args=argv)
     except ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
+        e = _as_received(e, received)
         sys.stderr.write(_interrupted_message(_current_run, e) + "\n")
         return exit_status(e)
     except SystemExit as e:
         interrupt = interrupt_in(e) if e.code == 1 else None  # Lightning's shutdown of an interrupted fit
         if interrupt is None:
             raise
+        interrupt = _as_received(interrupt, received)
         sys.stderr.write(_interrupted_message(_current_run, interrupt) + "\n")
         return exit_status(interrupt)
     except StorageError as e:

@@ -34,8 +34,10 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -340,6 +342,22 @@ def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
 LOOPBACK = "127.0.0.1"
 
 
+@contextlib.contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """Put this process's SIGTERM and SIGINT handlers back after the block: ``ray.init`` installs a native failure
+    handler for SIGTERM that dumps a stack trace and aborts (exit -6), which would bypass ``pl-fed``'s clean stop
+    (exit 143, the resume command, the workers stopped)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
 def _start_sentinel(ray: Any) -> subprocess.Popen[bytes] | None:
     """Start ``_ray_sentinel.py`` for the local Ray instance this process just started: when this process dies, even
     by SIGKILL, the pipe to the sentinel closes and it stops the instance's processes (Ray leaves its GCS, raylet and
@@ -473,7 +491,7 @@ class RayExecutor(ClientExecutor):
             _check_reachable(self.address)
             try:
                 # "local": a fresh instance even if this machine runs a cluster (ray start) the user did not name
-                with _loopback_node(self.address is None):
+                with _loopback_node(self.address is None), _keep_signal_handlers():
                     ray.init(address=self.address or "local", **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"trainer.executor.address={self.address!r} is invalid: expected a reachable Ray "

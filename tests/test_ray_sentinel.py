@@ -116,3 +116,36 @@ def test_no_ray_process_outlives_a_sigkilled_run(tmp_path: Path) -> None:
         for p in tree:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_sigterm_on_ray_stops_the_workers_and_exits_143(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    from pl_fedsparse.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    args = ["fit", *TINY_CLI, "--trainer.num_rounds", "200", "--trainer.default_root_dir", str(run),
+            "--trainer.executor", "pl_fedsparse.executors.RayExecutor", "--trainer.executor.num_workers", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    driver = subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", *args], env=env, cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and driver.poll() is None:
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().count("\n") >= 2:
+                break
+            time.sleep(0.2)
+        tree = [p for p in _descendants(driver.pid) if _alive(p)]
+        driver.send_signal(signal.SIGTERM)  # while the workers fit a round
+        _, err = driver.communicate(timeout=120)
+        assert driver.returncode == 143, err[-3000:]
+        lines = [x for x in err.splitlines() if x.startswith("terminated (SIGTERM): resume with `pl-fed fit")]
+        assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert not (run / ".lock").exists()
+        assert load_checkpoint(run / "checkpoints" / "last.ckpt")["round"] >= 1
+        assert not _wait_dead(tree, 30), [(p, _ray_sentinel._cmdline(p)[:80]) for p in tree if _alive(p)]
+    finally:
+        for p in tree:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
