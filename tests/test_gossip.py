@@ -132,6 +132,28 @@ def test_dpsgd_ft_fine_tunes_the_consensus_model(tmp_path: Path) -> None:
     assert any(not torch.equal(w[n], loop.personal_state(0)[n]) for n in w)
 
 
+def test_dpsgd_ft_starts_every_fine_tuning_from_the_uniform_consensus(tmp_path: Path) -> None:
+    """DisPFL code's D-PSGD-FT: every client fine-tunes the plain average of all clients' models (not its own)."""
+    from pl_fedsparse import FederatedCallback
+
+    starts: dict[int, dict] = {}
+
+    class Grab(FederatedCallback):
+        def on_client_fit_start(self, loop, module, context):  # type: ignore[no-untyped-def]
+            if context.kind == "finetune":
+                starts[context.client_idx] = {n: t.detach().clone() for n, t in module.state_dict().items()}
+
+    loop = _loop(tmp_path, Ring(), [Gossip(), FineTune(epochs=1, start="consensus"), Grab()], rounds=2)
+    loop.fit(tiny_module(), tiny_datamodule())
+    assert sorted(starts) == list(range(loop.num_clients))
+    personal = [loop.personal_state(k) for k in range(loop.num_clients)]
+    for k, start in starts.items():
+        for n in loop.initial_state:
+            consensus = sum(p[n].double() for p in personal) / len(personal)
+            torch.testing.assert_close(start[n].double(), consensus, rtol=1e-6, atol=1e-7)
+        assert any(not torch.equal(start[n], personal[k][n]) for n in loop.initial_state)  # not its own model
+
+
 def test_gossip_needs_a_peer_topology(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="trainer.topology=Star is invalid for Gossip"):
         tiny_loop(tmp_path, num_rounds=1, callbacks=[Gossip()]).fit(tiny_module(), tiny_datamodule())
