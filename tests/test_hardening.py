@@ -277,3 +277,25 @@ def test_a_topology_that_cannot_be_built_writes_nothing(tmp_path: Path, capsys: 
                                  "--trainer.topology.k", "10"), capsys)
     assert code == 2 and "k" in one_line(err), err
     assert not run.exists()
+
+
+# ---------------------------------------------------------------------------------------------- a row per round
+def test_every_round_has_a_row_with_its_faults_bytes_and_flops(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    code, _, err = run_main(tiny(run, "--trainer.eval_every", "2", "--trainer.join_ratio", "1.0",
+                                 "--trainer.callbacks+", "pl_fedsparse.testing.FaultInjection",
+                                 "--trainer.callbacks.client", "0", "--trainer.callbacks.rounds", "[2]",
+                                 "--trainer.callbacks.kind", "exception", rounds=4), capsys)
+    assert code == 0, err
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert [r["evaluated"] for r in rows] == [False, True, False, True]
+    for r in rows:
+        assert r["comm_bytes_total"] > 0 and r["flops_train"] > 0 and r["time_s"] > 0, r
+        assert ("acc_mean" in r) == r["evaluated"], r  # evaluation columns only on evaluated rounds
+    assert [r["client_faults"] for r in rows] == [0, 0, 1, 0]  # the fault of an unevaluated round is in its row
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["client_faults_total"] == 1
+    assert summary["comm_cum_bytes_total"] == rows[-1]["comm_cum_bytes_total"] == sum(r["comm_bytes_total"]
+                                                                                      for r in rows)
