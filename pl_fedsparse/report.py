@@ -6,6 +6,9 @@ and ``config.yaml`` (the method's callbacks), and writes next to each other in `
 * ``report.md`` and ``report.csv`` — one row per run: method, rounds, personal accuracy (mean / weighted / bottom
   decile), global accuracy, the shift and corruption averages and F1/ECE when the run has them, total MB, training
   FLOPs and wall time;
+* ``seeds.md`` and ``seeds.csv`` when some runs differ only in their seeds (``seed_everything``, ``data.seed``):
+  one row per such group with each column's mean ± sample standard deviation over the seeds and the count, so a
+  gap between two methods can be read against the seeds' spread;
 * with matplotlib (``pip install 'pl_fedsparse[plots]'``): ``acc_vs_round.png``, ``acc_vs_traffic.png`` (mean
   personal accuracy against cumulative bytes, the papers' efficiency plot) and ``client_acc.png`` (the per-client
   accuracy distribution at the end). Without matplotlib the table is still written and one line says why the
@@ -33,7 +36,12 @@ import yaml
 
 from pl_fedsparse.errors import ConfigError
 
-__all__ = ["Run", "load_run", "table_rows", "markdown_table", "write_report", "main"]
+__all__ = ["Run", "SeedGroup", "load_run", "seed_groups", "seed_table", "table_rows", "markdown_table",
+           "write_report", "main"]
+
+#: configuration keys that tell runs of one experiment apart without changing it: the seeds and where it was written
+SEED_KEYS = ("seed_everything", "data.seed")
+LOCATION_KEYS = ("trainer.default_root_dir", "trainer.overwrite")
 
 #: (column, key in the final row, kind) — columns shown when at least one run has the key
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -118,6 +126,108 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         except ValueError:
             raise ConfigError(f"run_dir={str(path)!r} is invalid: summary.json is not JSON") from None
     return Run(p, name or p.resolve().name, _method(p / "config.yaml"), rows, summary)
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _experiment(run: Run) -> dict[str, Any] | None:
+    """The run's configuration, flattened, without its seeds and location (``None`` without a readable config)."""
+    try:
+        cfg = yaml.safe_load((run.path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    return {k: v for k, v in _flat(cfg).items() if k not in SEED_KEYS + LOCATION_KEYS}
+
+
+def _same_experiment(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal in every key both have. A key only one has is a parameter added by a later version, which writes it
+    with its default, so it is not compared."""
+    return all(json.dumps(a[k], sort_keys=True, default=str) == json.dumps(b[k], sort_keys=True, default=str)
+               for k in a.keys() & b.keys())
+
+
+@dataclass
+class SeedGroup:
+    """Runs of one configuration that differ only in their seeds.
+
+    Attributes:
+        runs: the runs, in the order given.
+        seeds: each run's ``seed_everything`` (``None`` where the config does not say).
+    """
+
+    runs: list[Run]
+    seeds: list[Any]
+
+    def values(self, key: str) -> list[float]:
+        return [float(v) for v in (_value(r, key) for r in self.runs) if v is not None]
+
+
+def seed_groups(runs: Sequence[Run]) -> list[SeedGroup]:
+    """Group ``runs`` whose configurations are equal but for the seeds and the output directory (first-seen order;
+    keys only one configuration has are not compared, see :func:`_same_experiment`). A run without a readable
+    ``config.yaml`` is a group of its own."""
+    out: list[tuple[dict[str, Any] | None, SeedGroup]] = []
+    for r in runs:
+        exp = _experiment(r)
+        try:
+            seed = (yaml.safe_load((r.path / "config.yaml").read_text(encoding="utf-8")) or {}).get("seed_everything")
+        except (OSError, yaml.YAMLError, AttributeError):
+            seed = None
+        group = next((g for e, g in out if e is not None and exp is not None and _same_experiment(e, exp)), None)
+        if group is None:
+            group = SeedGroup([], [])
+            out.append((exp, group))
+        group.runs.append(r)
+        group.seeds.append(seed)
+    return [g for _, g in out]
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float | None]:
+    mean = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def seed_table(runs: Sequence[Run], metrics: Sequence[str] = ()) -> tuple[str, str]:
+    """Markdown and CSV of the seed groups: per column ``mean ± std (n)`` (sample std over the seeds).
+
+    Example:
+        A group of three seeds with final accuracies 0.6670, 0.6301 and 0.6485 shows ``64.85 ± 1.85 (3)``.
+    """
+    cols = [c for c in COLUMNS + tuple(_extra_column(k) for k in metrics if k not in {c[1] for c in COLUMNS})
+            if any(_value(r, c[1]) is not None for r in runs) and c[2] in ("pct", "num", "mb")]
+    header = ["runs", "method", "seeds", "rounds"] + [c[0] for c in cols]
+    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["runs", "method", "seeds", "rounds"] + [f"{c[0]} {s}" for c in cols for s in ("mean", "std", "n")])
+    for g in seed_groups(runs):
+        rounds = sorted({int(r.final.get("round", -1)) + 1 for r in g.runs})
+        cells, raw = [], []
+        for _, key, kind in cols:
+            xs = g.values(key)
+            if not xs:
+                cells.append("-")
+                raw += [None, None, 0]
+                continue
+            mean, std = _mean_std(xs)
+            cells.append(_fmt(mean, kind) + ("" if std is None else f" ± {_fmt(std, kind)}") + f" ({len(xs)})")
+            raw += [mean, std, len(xs)]
+        names = ", ".join(r.name for r in g.runs)
+        seeds = ", ".join(str(s) for s in g.seeds)
+        md.append("| " + " | ".join([names, g.runs[0].method, seeds, "/".join(map(str, rounds))] + cells) + " |")
+        writer.writerow([names, g.runs[0].method, seeds, "/".join(map(str, rounds))] + raw)
+    return "\n".join(md) + "\n", buf.getvalue()
 
 
 def _value(run: Run, key: str) -> Any:
@@ -258,6 +368,10 @@ def write_report(runs: Sequence[Run], out: str | Path, figures: bool = True, met
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "report.md").write_text(table, encoding="utf-8")
         (out_dir / "report.csv").write_text(table_csv, encoding="utf-8")
+        if any(len(g.runs) > 1 for g in seed_groups(runs)):
+            seeds_md, seeds_csv = seed_table(runs, metrics)
+            (out_dir / "seeds.md").write_text(seeds_md, encoding="utf-8")
+            (out_dir / "seeds.csv").write_text(seeds_csv, encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"out={str(out)!r} is invalid: {e.strerror or e}; expected a writable directory") from None
     result: dict[str, Any] = {"table": out_dir / "report.md", "csv": out_dir / "report.csv", "figures": [],
@@ -300,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pl-fed report: error: {e}", file=sys.stderr)
         return 2
     print(markdown_table(runs, args.metrics, args.baseline), end="")
+    if any(len(g.runs) > 1 for g in seed_groups(runs)):
+        print("\nAcross seeds (mean ± sample std (n)):\n" + seed_table(runs, args.metrics)[0], end="")
     print(f"\ntable: {result['table']}, {result['csv']}")
     if result["figures"]:
         print("figures: " + ", ".join(str(p) for p in result["figures"]))

@@ -113,3 +113,38 @@ def test_extra_metrics_and_a_baseline(tmp_path: Path) -> None:
     assert raw[1][-2] == pytest.approx(0.25)
     with pytest.raises(ConfigError, match="baseline='nope' is invalid: no run of that name; expected one of fedavg"):
         table_rows([load_run(a)], baseline="nope")
+
+
+def _seeded(d: Path, acc: float, seed: int, lr: float = 0.1, **extra_cfg: Any) -> Path:
+    make_run(d, [acc - 0.1, acc], [100, 200], ["Gossip"])
+    cfg = {"seed_everything": seed, "trainer": {"callbacks": [{"class_path": "pl_fedsparse.callbacks.Gossip"}],
+                                                "default_root_dir": str(d)},
+           "model": {"lr": lr}, "data": {"seed": seed, **extra_cfg}}
+    (d / "config.yaml").write_text(json.dumps(cfg))
+    return d
+
+
+def test_runs_that_differ_only_in_seed_are_one_row_with_mean_and_std(tmp_path: Path) -> None:
+    from pl_fedsparse.report import seed_groups, seed_table
+
+    runs = [load_run(_seeded(tmp_path / "a0", 0.6670, 0)), load_run(_seeded(tmp_path / "b0", 0.5, 0, lr=0.05)),
+            load_run(_seeded(tmp_path / "a1", 0.6301, 1)),
+            load_run(_seeded(tmp_path / "a2", 0.6485, 2, image_size=None))]  # a key a later version added
+    groups = seed_groups(runs)
+    assert [[r.name for r in g.runs] for g in groups] == [["a0", "a1", "a2"], ["b0"]]
+    assert groups[0].seeds == [0, 1, 2]
+    md, table_csv = seed_table(runs)
+    row = next(line for line in md.splitlines() if line.startswith("| a0, a1, a2 "))
+    assert "| 64.85 ± 1.85 (3) |" in row  # mean and sample std of 66.70, 63.01, 64.85
+    assert "| 50.00 (1) |" in md  # a single seed: no spread to show
+    parsed = list(csv.reader(table_csv.splitlines()))
+    assert parsed[1][4:7] == ["0.6485333333333333", str(parsed[1][5]), "3"]
+    assert float(parsed[1][5]) == pytest.approx(0.018450, abs=1e-5)
+
+
+def test_write_report_adds_the_seed_table_only_when_seeds_repeat(tmp_path: Path) -> None:
+    one = [load_run(_seeded(tmp_path / "x0", 0.6, 0)), load_run(_seeded(tmp_path / "y0", 0.6, 0, lr=0.5))]
+    assert not (write_report(one, tmp_path / "r1", figures=False)["table"].parent / "seeds.md").exists()
+    two = [*one, load_run(_seeded(tmp_path / "x1", 0.7, 1))]
+    out = write_report(two, tmp_path / "r2", figures=False)["table"].parent
+    assert "x0, x1" in (out / "seeds.md").read_text() and (out / "seeds.csv").is_file()
