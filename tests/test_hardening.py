@@ -134,6 +134,20 @@ def test_disk_full_elsewhere_is_one_line(pattern: str, after: int, names: str, t
     assert_clean(run)
 
 
+@pytest.mark.parametrize(("code", "advice"), [(errno.EIO, "I/O error"), (errno.EROFS, "read-only"),
+                                              (errno.EDQUOT, "quota")])
+def test_other_storage_failures_are_one_line_too(code: int, advice: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    FullDisk(monkeypatch, tmp_path, "*.ckpt*", after=1, code=code)
+    rc, _, err = run_main(tiny(run), capsys)
+    line = one_line(err)
+    assert rc == 74 and os.strerror(code) in line and advice in line and "last.ckpt" in line, err
+    assert_clean(run)
+    assert load_checkpoint(run / "checkpoints" / "last.ckpt")
+
+
 def test_a_dataset_cache_that_cannot_be_written_costs_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     from test_data_sources import write_folder
