@@ -240,7 +240,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=4, help="stops per trial (kill, term)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/_runs/chaos")
-    ap.add_argument("--all", action="store_true", help="term and disk-full over FedAvg, DisPFL, pFedGate, FedPSE, "
+    ap.add_argument("--all", action="store_true", help="kill, term and disk-full over FedAvg, DisPFL, pFedGate, FedPSE, "
                                                         "DM-PFL (--trials each)")
     ap.add_argument("--out-record", default=None, help="write the summaries as JSON here")
     args = ap.parse_args()
@@ -248,7 +248,7 @@ def main() -> int:
         if os.geteuid() != 0 or not sys.platform.startswith("linux"):
             raise SystemExit("error: chaos.py --fault disk-full mounts a tmpfs: it needs Linux and root")
     if args.all:
-        plan = [(cfg, fault) for cfg in METHODS.values() for fault in ("term", "disk-full")]
+        plan = [(cfg, fault) for cfg in METHODS.values() for fault in ("kill", "term", "disk-full")]
     else:
         plan = [(args.config, args.fault)]
     summaries = []

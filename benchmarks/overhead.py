@@ -11,7 +11,11 @@ and the median of ``--repeats`` rounds is reported (which path runs first altern
     python benchmarks/overhead.py                                      # synthetic 3x32x32 data of the same size
     python benchmarks/overhead.py --accelerator gpu --precision bf16-mixed   # GPU
 
-Prints the two medians and their ratio (target: <= 1.05).
+Prints the two medians and their ratio (target: <= 1.05), by wall time and by this process's CPU time.
+
+``--eval`` also times one evaluation of every client (the engine's ``loop.evaluate()``: every client's personal
+model, FedAvg's global one, on its test set, with accuracy, loss and the per-client summaries) against a plain loop
+doing the same forward passes and metric maths, alternating the same way, and prints that ratio too.
 """
 
 from __future__ import annotations
@@ -64,6 +68,47 @@ def plain_round(module: FederatedModule, dm: FederatedDataModule, clients: list[
     return weighted_average(states, weights)
 
 
+@torch.inference_mode()
+def plain_evaluate(module: FederatedModule, dm: FederatedDataModule, state: dict, device: torch.device,
+                   precision: str) -> dict:
+    """Every client's accuracy and mean loss of ``state`` on its test set, as a plain loop."""
+    module.load_state_dict(state)
+    module.to(device).eval()
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    accs, losses = [], []
+    for k in range(dm.num_clients):
+        correct, loss, n = 0, 0.0, 0
+        for x, y in dm.eval_loader(k, split="test"):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                logits = module(x).float()
+            correct += int((logits.argmax(1) == y).sum())
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            n += int(y.numel())
+        accs.append(correct / max(n, 1))
+        losses.append(loss / max(n, 1))
+    module.train()
+    return {"acc_mean": statistics.fmean(accs), "loss_mean": statistics.fmean(losses)}
+
+
+def _timed(fn, device: torch.device) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(wall, CPU) seconds of ``fn()``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t, c = time.perf_counter(), time.process_time()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _report(name: str, plain: list[tuple[float, float]], fed: list[tuple[float, float]]) -> None:
+    pw, fw = statistics.median(x[0] for x in plain), statistics.median(x[0] for x in fed)
+    pc, fc = statistics.median(x[1] for x in plain), statistics.median(x[1] for x in fed)
+    print(f"{name}: median plain {pw:.3f} s wall / {pc:.3f} s CPU, pl_fedsparse {fw:.3f} s wall / {fc:.3f} s CPU")
+    print(f"{name}: ratio pl_fedsparse / plain = {fw / pw:.3f} wall, {fc / pc:.3f} CPU  (target <= 1.05)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-root", default=None, help="CIFAR-10 folder; synthetic data of the same shape if omitted")
@@ -71,6 +116,7 @@ def main() -> None:
     ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--eval", action="store_true", help="also time one evaluation of every client (see above)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -96,44 +142,53 @@ def main() -> None:
           f"data={'cifar10' if args.data_root else 'synthetic'} samples/client={dm.num_samples(0)}")
 
     fed_times, plain_times = [], []
+    fed_eval, plain_eval = [], []
     for rep in range(args.repeats + 1):  # the first pair is a warm-up
         r = rep
         clients = loop.select_clients(r)
         start = dict(loop.global_state)
 
-        def time_plain() -> float:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
+        def run_plain() -> None:
             plain_round(module, dm, clients, start, r, loop.seed, 5, device, args.precision)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - t
 
-        def time_fed() -> float:
+        def run_fed() -> None:
             loop.global_state = start
-            t = time.perf_counter()
             loop.run_round(r)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t
             loop.global_state = start
-            return elapsed
 
         # alternate which path runs first, so neither gains from running second (caches, clocks)
         if rep % 2 == 0:
-            tp, tf = time_plain(), time_fed()
+            tp, tf = _timed(run_plain, device), _timed(run_fed, device)
         else:
-            tf, tp = time_fed(), time_plain()
+            tf, tp = _timed(run_fed, device), _timed(run_plain, device)
+        line = f"round {rep}{' (warm-up)' if rep == 0 else ''}: plain {tp[0]:.3f} s  pl_fedsparse {tf[0]:.3f} s"
+        if args.eval:
+            state = dict(loop.global_state)
+            results: dict = {}
+
+            def eval_plain() -> None:
+                results["plain"] = plain_evaluate(module, dm, state, device, args.precision)
+
+            def eval_fed() -> None:
+                results["fed"] = loop.evaluate()
+
+            if rep % 2 == 0:
+                ep, ef = _timed(eval_plain, device), _timed(eval_fed, device)
+            else:
+                ef, ep = _timed(eval_fed, device), _timed(eval_plain, device)
+            same = abs(results["plain"]["acc_mean"] - results["fed"]["acc_mean"]) < 1e-6
+            line += f"  | evaluation: plain {ep[0]:.3f} s  pl_fedsparse {ef[0]:.3f} s  (same accuracy: {same})"
+            if rep > 0:
+                plain_eval.append(ep)
+                fed_eval.append(ef)
         if rep > 0:
             plain_times.append(tp)
             fed_times.append(tf)
-        print(f"round {rep}{' (warm-up)' if rep == 0 else ''}: plain {tp:.3f} s  pl_fedsparse {tf:.3f} s")
+        print(line, flush=True)
     loop.reporter.release()
-    p, f = statistics.median(plain_times), statistics.median(fed_times)
-    print(f"median plain loop   : {p:.3f} s/round")
-    print(f"median pl_fedsparse : {f:.3f} s/round")
-    print(f"ratio pl_fedsparse / plain = {f / p:.3f}  (target <= 1.05)")
+    _report("training round", plain_times, fed_times)
+    if args.eval:
+        _report("evaluation", plain_eval, fed_eval)
 
 
 if __name__ == "__main__":
