@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pl_fedsparse.errors import CheckpointError, cause_of, with_path
+from pl_fedsparse.signals import deferred_signals
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
@@ -85,7 +86,8 @@ def _atomic(path: Path, write: Any) -> None:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with deferred_signals():  # the temporary file exists only once `tmp` names it for the cleanup below
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -110,19 +112,24 @@ def atomic_link(source: str | Path, path: str | Path) -> None:
     source, path = Path(source), Path(path)
     for _ in range(100):
         tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            os.link(source, tmp)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
+        with deferred_signals():  # link, rename and cleanup as one step: no interrupt leaves the temporary name
+            try:
+                os.link(source, tmp)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+                linked = False
+            else:
+                linked = True
+                try:
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)  # rename() leaves both names when they already were one file
+        if not linked:
             atomic_write_bytes(path, source.read_bytes())  # no hard links here: a second atomic write
             return
-        try:
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)  # rename() leaves both names when they already were one file
         _fsync_dir(path.parent)
         return
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(path.parent))

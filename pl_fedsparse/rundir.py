@@ -42,6 +42,7 @@ from pl_fedsparse.checkpoint import (
     save_checkpoint,
 )
 from pl_fedsparse.errors import STORAGE_ERRNOS, CheckpointError, ConfigError, StorageError, storage_error
+from pl_fedsparse.signals import deferred_signals
 
 try:
     import fcntl
@@ -309,20 +310,10 @@ class RunDirectory:
                                       f"that change results: {diffs}; resume with the run's config.yaml")
         refresh_umask()
         created = False
-        try:
-            if loop.default_root_dir:
-                self.run_dir = Path(loop.default_root_dir)
-                if self.run_dir.exists() and not self.run_dir.is_dir():
-                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.run_dir))
-                created = not self.run_dir.exists()
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            else:
-                self.run_dir, created = self._new_default_dir(), True
-            self._lock()
-        except OSError as e:
-            if created:
-                self._remove_if_empty()
-            raise self.unwritable(e, "creating the run directory") from None
+        # creating the directory and its lock is one step for an interrupt: it lands before or after, so nothing
+        # is left that no cleanup knows of (an empty new directory, an unrecorded lock)
+        with deferred_signals():
+            created = self._create_and_lock()
         try:
             # from here on this process holds the directory: the checks and the first write are one step
             self.run_id = self._check_directory(resuming, checkpoint, ckpt_param)
@@ -338,6 +329,25 @@ class RunDirectory:
                 raise self.unwritable(e, "starting the run") from None
             raise
         return self.run_dir
+
+    def _create_and_lock(self) -> bool:
+        """Create (if needed) and lock the run directory; whether it was created. An OSError leaves nothing."""
+        created = False
+        try:
+            if self.loop.default_root_dir:
+                self.run_dir = Path(self.loop.default_root_dir)
+                if self.run_dir.exists() and not self.run_dir.is_dir():
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self.run_dir))
+                created = not self.run_dir.exists()
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self.run_dir, created = self._new_default_dir(), True
+            self._lock()
+        except OSError as e:
+            if created:
+                self._remove_if_empty()
+            raise self.unwritable(e, "creating the run directory") from None
+        return created
 
     def _new_default_dir(self) -> Path:
         """``runs/run-<timestamp>``, or ``-1``, ``-2``, ... when another run started in the same second."""

@@ -23,10 +23,11 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 from pl_fedsparse.errors import cause_of
 
-__all__ = ["Terminated", "exit_status", "interrupt_in", "stop_on_signals"]
+__all__ = ["Terminated", "deferred_signals", "exit_status", "interrupt_in", "stop_on_signals"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -66,6 +67,9 @@ def stop_on_signals() -> Iterator[list[int]]:
         received.append(signum)
         if len(received) > 1:
             return  # already stopping: let the cleanup finish
+        if _DEFERRED["depth"] > 0:
+            _DEFERRED["pending"].append(signum)  # raised when the deferred block ends
+            return
         if signum == signal.SIGTERM:
             raise Terminated(signum)
         raise KeyboardInterrupt
@@ -78,3 +82,28 @@ def stop_on_signals() -> Iterator[list[int]]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+#: the main thread's deferred blocks: their depth and the signals that arrived inside them
+_DEFERRED: dict[str, Any] = {"depth": 0, "pending": []}
+
+
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Inside the block, the interrupt of a SIGTERM or SIGINT (from :func:`stop_on_signals`) waits until the block
+    ends. This is for the few statements that create a file and record it for cleanup (a lock, a temporary file), so
+    that an interrupt cannot fall between the two and leave the file behind. A Python-level deferral: another thread
+    may receive the OS signal, but only the main thread runs the handler, and it checks this block. Outside the main
+    thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _DEFERRED["depth"] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED["depth"] -= 1
+        if _DEFERRED["depth"] == 0 and _DEFERRED["pending"]:
+            signum = _DEFERRED["pending"][0]
+            _DEFERRED["pending"].clear()
+            raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
@@ -313,3 +314,16 @@ def test_every_round_has_a_row_with_its_faults_bytes_and_flops(tmp_path: Path,
     assert summary["client_faults_total"] == 1
     assert summary["comm_cum_bytes_total"] == rows[-1]["comm_cum_bytes_total"] == sum(r["comm_bytes_total"]
                                                                                       for r in rows)
+
+
+def test_a_signal_inside_a_deferred_block_lands_after_it() -> None:
+    from pl_fedsparse.signals import Terminated, deferred_signals, stop_on_signals
+
+    reached = []
+    with pytest.raises(Terminated), stop_on_signals():
+        with deferred_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            reached.append("end of the block")  # the file this block creates is recorded before the signal lands
+        reached.append("after the block")  # never: the signal is delivered when the block ends
+    assert reached == ["end of the block"]
