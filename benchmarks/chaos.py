@@ -57,6 +57,11 @@ def _cmd(run: Path, resume: bool, config: str = CONFIG) -> list[str]:
     return base + ["--config", config, *ARGS, "--trainer.default_root_dir", str(run)]
 
 
+def _leftovers(run: Path) -> str | None:
+    """Why the run directory is not clean after a stop (a ``.lock`` or a ``.tmp`` file), or ``None``."""
+    return "lock or temporary file left" if (run / ".lock").exists() or _tmp_files(run) else None
+
+
 def _clean_stop(run: Path, rc: int, err: str, expected_rc: int, prefix: str) -> str | None:
     """Why a stop was not clean (``None`` when it was): exit status, one line, no traceback, lock and temp files."""
     lines = [x for x in err.splitlines() if x.strip() and "Warning" not in x and "skip_none" not in x
@@ -65,9 +70,7 @@ def _clean_stop(run: Path, rc: int, err: str, expected_rc: int, prefix: str) -> 
         return f"exit {rc} (expected {expected_rc}): {err.strip()[-300:]}"
     if "Traceback" in err or len([x for x in lines if x.startswith(prefix)]) != 1:
         return f"not one line: {err.strip()[-300:]}"
-    if (run / ".lock").exists() or _tmp_files(run):
-        return "lock or temporary file left"
-    return None
+    return _leftovers(run)
 
 
 def _resume_command(err: str, run: Path, config: str) -> list[str]:
@@ -135,11 +138,11 @@ def _signal_trial(run: Path, config: str, sig: str, stops: int, duration: float,
                     if quiet and done:
                         # the run had finished and the interpreter was exiting (handlers restored): nothing lost
                         late += 1
-                        why = "lock or temporary file left" if (run / ".lock").exists() or _tmp_files(run) else None
+                        why = _leftovers(run)
                     elif quiet and not err.strip():
                         # before pl-fed installed its handlers (imports): the default action, nothing written yet
                         early += 1
-                        why = "lock or temporary file left" if (run / ".lock").exists() or _tmp_files(run) else None
+                        why = _leftovers(run)
                     else:
                         why = _clean_stop(run, proc.returncode, err, 143, "terminated (SIGTERM)")
                     if why:

@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> None:
             rc = proc.wait()
         wall = time.perf_counter() - t0
         gpu = sampler.stop()
-        if sampler_path.exists():
-            shutil.move(sampler_path, run_dir / "gpu.csv") if run_dir.exists() else None
+        if sampler_path.exists() and run_dir.exists():
+            shutil.move(sampler_path, run_dir / "gpu.csv")
         metrics = run_dir / "metrics.jsonl"
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
         line = {**summarise(name, rows, wall, rc), **gpu, "accelerator": args.accelerator,

@@ -309,7 +309,6 @@ class RunDirectory:
                 raise CheckpointError(f"{ckpt_param} is invalid: the configuration differs from the run's in keys "
                                       f"that change results: {diffs}; resume with the run's config.yaml")
         refresh_umask()
-        created = False
         # creating the directory and its lock is one step for an interrupt: it lands before or after, so nothing
         # is left that no cleanup knows of (an empty new directory, an unrecorded lock)
         with deferred_signals():

@@ -89,23 +89,30 @@ def _descendants(pid: int) -> list[int]:
     return sorted(found)
 
 
-def test_no_ray_process_outlives_a_sigkilled_run(tmp_path: Path) -> None:
-    pytest.importorskip("ray")
+def _ray_run_in_progress(tmp_path: Path, workers: int) -> tuple[Path, subprocess.Popen[str]]:
+    """A ``pl-fed fit`` on Ray in a subprocess (stderr to ``tmp_path/stderr.txt``: a pipe nobody reads could fill
+    and stall it), returned once two rounds are in ``metrics.jsonl``."""
     run = tmp_path / "run"
     args = ["fit", *TINY_CLI, "--trainer.num_rounds", "200", "--trainer.default_root_dir", str(run),
-            "--trainer.executor", "pl_fedsparse.executors.RayExecutor", "--trainer.executor.num_workers", "1"]
+            "--trainer.executor", "pl_fedsparse.executors.RayExecutor", "--trainer.executor.num_workers", str(workers)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     driver = subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", *args], env=env, cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "stderr.txt").open("w"), text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and driver.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.2)
+    assert driver.poll() is None, "the run ended before it could be stopped"
+    return run, driver
+
+
+def test_no_ray_process_outlives_a_sigkilled_run(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    run, driver = _ray_run_in_progress(tmp_path, workers=1)
     tree: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and driver.poll() is None:
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().count("\n") >= 2:
-                break
-            time.sleep(0.2)
-        assert driver.poll() is None, "the run ended before it could be killed"
         assert json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["round"] == 0
         tree = [p for p in _descendants(driver.pid) if _alive(p)]
         assert len(tree) >= 3, tree  # GCS, raylet, a worker (and the sentinel) run below the driver
@@ -122,23 +129,13 @@ def test_sigterm_on_ray_stops_the_workers_and_exits_143(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     from pl_fedsparse.checkpoint import load_checkpoint
 
-    run = tmp_path / "run"
-    args = ["fit", *TINY_CLI, "--trainer.num_rounds", "200", "--trainer.default_root_dir", str(run),
-            "--trainer.executor", "pl_fedsparse.executors.RayExecutor", "--trainer.executor.num_workers", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-    driver = subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", *args], env=env, cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run, driver = _ray_run_in_progress(tmp_path, workers=2)
     tree: list[int] = []
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and driver.poll() is None:
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().count("\n") >= 2:
-                break
-            time.sleep(0.2)
         tree = [p for p in _descendants(driver.pid) if _alive(p)]
         driver.send_signal(signal.SIGTERM)  # while the workers fit a round
-        _, err = driver.communicate(timeout=120)
+        driver.wait(timeout=120)
+        err = (tmp_path / "stderr.txt").read_text()
         assert driver.returncode == 143, err[-3000:]
         lines = [x for x in err.splitlines() if x.startswith("terminated (SIGTERM): resume with `pl-fed fit")]
         assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
