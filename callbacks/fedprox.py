@@ -13,7 +13,8 @@ FedAvg, exactly. From the repository root:
         - class_path: callbacks.fedprox.FedProx
           init_args: {mu: 0.01}
 
-(``configs/synthetic_fedprox.yaml``; tested in ``tests/test_user_callbacks.py``.)
+(``configs/synthetic_fedprox.yaml``; tested in ``tests/test_user_callbacks.py``.) ``vectorized_fit`` gives the same term
+in the form the ``VectorizedExecutor`` applies to many clients' stacked fits at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from pl_fedsparse import FederatedCallback, current_fit
 from pl_fedsparse.errors import check
+from pl_fedsparse.vectorized import StackedFit, VectorizedFitHooks
 
 
 class FedProx(FederatedCallback):
@@ -54,3 +56,23 @@ class FedProx(FederatedCallback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.anchor = []
+
+    def vectorized_fit(self) -> VectorizedFitHooks:
+        return _StackedProx(self.mu)
+
+
+class _StackedProx(VectorizedFitHooks):
+    """The same proximal term on a stacked group of fits: row ``i`` of every tensor is one client."""
+
+    def __init__(self, mu: float) -> None:
+        self.mu = mu
+        self.anchor: dict[str, torch.Tensor] = {}
+
+    def start(self, fit: StackedFit) -> None:
+        train = fit.contexts[0].kind == "train" and self.mu > 0  # a group holds one kind of fit
+        self.anchor = {n: p.detach().clone() for n, p in fit.params.items()} if train else {}
+
+    def before_optimizer_step(self, fit: StackedFit) -> None:
+        with torch.no_grad():
+            for n, start in self.anchor.items():
+                fit.grads[n].add_(fit.params[n] - start, alpha=self.mu)

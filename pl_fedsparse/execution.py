@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
 __all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning",
-           "check_environment", "find_fault", "ClientFaultError", "FitMeter"]
+           "check_environment", "find_fault", "ClientFaultError", "FitMeter", "begin_fit", "end_fit",
+           "fit_update"]
 
 
 @dataclass
@@ -214,42 +215,22 @@ class InProcessExecutor(ClientExecutor):
         loop = self.loop
         assert loop is not None and loop.model is not None
         ctx, module, k = request.context, loop.model, request.context.client_idx
-        loop.client_store.import_client(k, request.client_state)  # no-op here: the same objects
-        load_state(module, request.start)
-        torch.manual_seed(ctx.seed)
-        n_samples = int(loop.datamodule.num_samples(k, "train"))
-        # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the
-        # client's stored state (exported before the fit, by reference) is never written in place — a fit reads
-        # private copies and replaces entries — so a failed fit is rolled back by putting those objects back
-        contract = loop.contract
-        watch = contract.watch(loop.callbacks, request.client_state)
+        watch, n_samples = begin_fit(loop, request)
+        update, error = None, None
         try:
             with fit_scope(ctx):
                 loop.call("on_client_fit_start", module, ctx)
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
                 meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
                 self._fit(ctx.epochs, module, loader, meter)
-                state = to_cpu_state(module.state_dict())
                 metrics = module.fit_metrics() if meter is None else meter.metrics()
-                update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
-                                      message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+                update = fit_update(module, ctx, n_samples, metrics)
                 loop.call("on_client_fit_end", module, update)
         except Exception as e:  # a failing client must not stop the federation (KeyboardInterrupt is not caught)
             if loop.on_client_fault == "raise":
                 raise
-            update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
-                                  kind=ctx.kind, context=ctx, fault="exception",
-                                  fault_detail=f"{type(e).__name__}: {e}")
-        else:
-            contract.check_fit(watch, ctx)  # outside the try: the user's error, not a client fault
-            samples = metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
-            loop.accounting.charge_training(update, samples)
-            update.fault, update.fault_detail = find_fault(update)
-        if update.fault:  # the client keeps its previous state: every entry the fit set is put back
-            loop.client_store.restore_client(k, request.client_state)
-        contract.check_client_state(watch, ctx)
-        update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
-        return update
+            error = e
+        return end_fit(loop, request, watch, n_samples, update, error)
 
     def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any,
              meter: FitMeter | None = None) -> None:
@@ -271,6 +252,51 @@ class InProcessExecutor(ClientExecutor):
                 raise (interrupt if interrupt is not None else KeyboardInterrupt()) from None
             raise
 
+
+
+def begin_fit(loop: FederatedLoop, request: FitRequest) -> tuple[Any, int]:
+    """The start of every local fit, whatever runs it: the client's state in the store, the start weights in the
+    working module, the torch RNG seeded from the fit's stream, the callback contract's watch begun. Returns the
+    watch and the client's number of training samples."""
+    assert loop.model is not None
+    ctx, k = request.context, request.context.client_idx
+    loop.client_store.import_client(k, request.client_state)  # no-op in process: the same objects
+    load_state(loop.model, request.start)
+    torch.manual_seed(ctx.seed)
+    n_samples = int(loop.datamodule.num_samples(k, "train"))
+    # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the
+    # client's stored state (exported before the fit, by reference) is never written in place — a fit reads private
+    # copies and replaces entries — so a failed fit is rolled back by putting those objects back
+    return loop.contract.watch(loop.callbacks, request.client_state), n_samples
+
+
+def fit_update(module: torch.nn.Module, ctx: FitContext, n_samples: int, metrics: dict[str, float]) -> ClientUpdate:
+    """The update of a finished fit: the module's trained state (on the CPU), uploaded whole until a callback's
+    ``on_client_fit_end`` says otherwise."""
+    state = to_cpu_state(module.state_dict())
+    return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
+                        message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+
+
+def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
+            error: Exception | None) -> ClientUpdate:
+    """The end of every local fit: the contract checked, the compute charged, faults found and rolled back (the
+    client keeps its previous state), the client's state exported into the update."""
+    ctx, k = request.context, request.context.client_idx
+    if error is not None or update is None:
+        update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
+                              kind=ctx.kind, context=ctx, fault="exception",
+                              fault_detail=f"{type(error).__name__}: {error}")
+    else:
+        loop.contract.check_fit(watch, ctx)  # the user's error, not a client fault
+        samples = update.metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
+        loop.accounting.charge_training(update, samples)
+        update.fault, update.fault_detail = find_fault(update)
+    if update.fault:  # the client keeps its previous state: every entry the fit set is put back
+        loop.client_store.restore_client(k, request.client_state)
+    loop.contract.check_client_state(watch, ctx)
+    update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
+    return update
 
 def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:
     """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_data`` (it

@@ -53,11 +53,13 @@ from pl_fedsparse.contract import CallbackContractError
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
+from pl_fedsparse.vectorized import VectorizedExecutor
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["FitWorker", "RayExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree", "worker_spec"]
+__all__ = ["FitWorker", "RayExecutor", "VectorizedExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree",
+           "worker_spec"]
 
 log = logging.getLogger(__name__)
 

@@ -201,6 +201,20 @@ class FederatedCallback(pl.Callback):
         """Return ``client_idx``'s current (bool) masks by tensor name (``None``: dense)."""
         raise NotImplementedError
 
+    def vectorized_fit(self) -> Any:
+        """What this callback does inside a local fit, in the form the
+        :class:`~pl_fedsparse.vectorized.VectorizedExecutor` applies to a stacked group of fits: a
+        :class:`~pl_fedsparse.vectorized.VectorizedFitHooks`, or ``None`` when it does nothing inside a fit.
+
+        The default is ``None`` for a callback that overrides none of Lightning's in-fit hooks
+        (:data:`~pl_fedsparse.vectorized.IN_FIT_HOOKS`) and ``NotImplemented`` otherwise: the executor then refuses
+        the run in one line naming the callback. Override it to make a callback with in-fit hooks vectorisable
+        (``docs/extending.md``).
+        """
+        from pl_fedsparse.vectorized import in_fit_hooks
+
+        return NotImplemented if in_fit_hooks(self) else None
+
     @classmethod
     def workers_may_evaluate(cls) -> bool:
         """Whether this class's evaluation hooks may run in an executor's workers (see ``evaluate_in_workers``)."""

@@ -234,3 +234,33 @@ class Ditto(FederatedCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ref_dev = []
+
+    @override
+    def vectorized_fit(self) -> Any:
+        """The proximal gradient λ (v − w^t) on stacked personal fits (one reference ``w^t`` for all)."""
+        return _VectorizedProximal(self)
+
+
+class _VectorizedProximal:
+    """Ditto's ``on_before_optimizer_step`` over a stacked group of its personal fits."""
+
+    def __init__(self, ditto: Ditto) -> None:
+        self.ditto = ditto
+        self.ref: dict[str, Tensor] = {}
+
+    def capture(self, index: int, module: pl.LightningModule, context: Any) -> None:
+        pass
+
+    def start(self, fit: Any) -> None:
+        ctx = fit.contexts[0]  # a group holds one kind of fit from one requester
+        mine = ctx.kind == "personal" and ctx.requester == self.ditto.state_key
+        ref = self.ditto._ref if mine and self.ditto.lam != 0 else {}
+        self.ref = {n: ref[n].to(p.device, p.dtype).unsqueeze(0) for n, p in fit.params.items() if n in ref}
+
+    def before_optimizer_step(self, fit: Any) -> None:
+        with torch.no_grad():
+            for n, ref in self.ref.items():  # ∇ λ/2 ‖v − w^t‖² = λ (v − w^t)
+                fit.grads[n].add_(fit.params[n] - ref, alpha=self.ditto.lam)
+
+    def after_optimizer_step(self, fit: Any) -> None:
+        pass

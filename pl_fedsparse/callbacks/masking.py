@@ -133,6 +133,50 @@ class MaskedTraining:
         return masks
 
 
+class _VectorizedMaskedTraining:
+    """:class:`MaskedTraining` over a stacked group of fits (:class:`~pl_fedsparse.vectorized.VectorizedExecutor`):
+    each client's trainable masks and frozen values, captured after its ``begin``, stacked; the same two edits per
+    step — gradients times the masks before the optimizer step, weights times the masks plus the frozen part after
+    it. A client without a mask for a tensor gets ones (times 1 and plus 0 are exact)."""
+
+    def __init__(self, training: MaskedTraining) -> None:
+        self.training = training
+        self.captured: list[tuple[dict[str, Tensor], dict[str, Tensor]]] = []
+        self.masks: dict[str, Tensor] = {}
+        self.frozen: dict[str, Tensor] = {}
+
+    def capture(self, index: int, module: pl.LightningModule, context: Any) -> None:
+        if index == 0:
+            self.captured = []
+        self.captured.append((dict(self.training.active), dict(self.training._frozen)))
+
+    def start(self, fit: Any) -> None:
+        names = [n for n in fit.params if any(n in m for m, _ in self.captured)]
+        frozen = [n for n in fit.params if any(n in f for _, f in self.captured)]
+        self.masks, self.frozen = {}, {}
+        for n in names:
+            p = fit.params[n]
+            self.masks[n] = torch.stack([m[n].to(p.dtype) if n in m else torch.ones(p.shape[1:], dtype=p.dtype)
+                                         for m, _ in self.captured]).to(p.device)
+        for n in frozen:
+            p = fit.params[n]
+            self.frozen[n] = torch.stack([f[n].to(p.dtype) if n in f else torch.zeros(p.shape[1:], dtype=p.dtype)
+                                          for _, f in self.captured]).to(p.device)
+        self.captured = []
+
+    def before_optimizer_step(self, fit: Any) -> None:
+        if self.training.mask_gradients:
+            for n, m in self.masks.items():
+                fit.grads[n].mul_(m)
+
+    def after_optimizer_step(self, fit: Any) -> None:
+        with torch.no_grad():
+            for n, m in self.masks.items():
+                fit.params[n].mul_(m)
+            for n, f in self.frozen.items():
+                fit.params[n].add_(f)
+
+
 class UsesMaskedTraining(FederatedCallback):
     """Base of callbacks that train through a :class:`MaskedTraining` part (``self.training``): forwards the four
     Lightning hooks of a local fit to it. The subclass calls ``self.training.begin(...)`` in ``on_client_fit_start``
@@ -156,6 +200,11 @@ class UsesMaskedTraining(FederatedCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.training.on_train_end()
+
+    @override
+    def vectorized_fit(self) -> Any:
+        """The masked training's two per-step edits on stacked fits (:class:`_VectorizedMaskedTraining`)."""
+        return _VectorizedMaskedTraining(self.training)
 
 
 class SparseMask(UsesMaskedTraining):

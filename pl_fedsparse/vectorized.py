@@ -1,0 +1,632 @@
+"""Many clients per step: :class:`VectorizedExecutor` trains a round's clients together, one stacked step at a time.
+
+Clients in federated simulation hold a few hundred samples, so one client's step is a handful of tiny kernels and
+framework calls; run one client after the other and the per-fit and per-step costs dominate (an idle accelerator, a
+CPU busy with bookkeeping). ``torch.func`` removes them: the fits of a stage that share a module and an optimizer
+are stacked along a leading client dimension and trained as one — the module's own ``forward`` under
+:func:`torch.func.functional_call` and :func:`torch.func.vmap`, gradients from :func:`torch.func.grad_and_value`, and
+the optimizer's update (SGD with momentum, dampening, Nesterov and weight decay; Adam) applied element-wise to the
+stacked tensors. Everything a fit is made of stays per client:
+
+* **data**: each client iterates its own loader (``datamodule.train_loader(client, seed)``: its own batches,
+  shuffling and augmentation). The torch RNG each client's data draws from is its own, seeded as
+  :class:`~pl_fedsparse.execution.InProcessExecutor` seeds it and swapped in around every batch it takes. Clients
+  whose batches differ in shape at a step (the last, smaller batch) are stepped in sub-groups; a client with fewer
+  steps stops, and its weights and optimizer state are untouched from then on;
+* **optimizer**: the one the module's ``configure_optimizers`` returns for that client (per-client learning rate by
+  round: :func:`~pl_fedsparse.context.current_fit` is that client's context while it is called);
+* **gradient clipping** (``trainer.gradient_clip_val``): each client's total gradient norm, as Lightning clips it;
+* **mixed precision**: ``bf16-mixed`` autocasts the forward and the loss as Lightning's precision plugin does;
+  ``16-mixed`` (a loss scale per client) is refused;
+* **callbacks**: every federation hook runs per client, in order, as in process (``on_client_fit_start`` of each
+  client with its start weights loaded, ``on_client_fit_end`` with its trained weights loaded); what a callback does
+  *inside* a fit (Lightning's ``on_before_optimizer_step``, ``on_train_batch_end``, …) it declares in a vectorised
+  form, :meth:`VectorizedFitHooks` returned by ``vectorized_fit()`` — the library's masks
+  (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term and the FedProx example do.
+  A callback with in-fit hooks and no vectorised form is refused when the federation starts, in one line naming it
+  (or its clients are run in process, ``unsupported: sequential``);
+* **faults**: a client whose loss or weights become non-finite is rolled back and left out, the others of its group
+  are unaffected (the maths of one client never reads another's); an exception inside a stacked step re-runs that
+  group's clients one by one in process, so a failing client is contained as before.
+
+What can be vectorised (checked when the federation starts, one-line :class:`~pl_fedsparse.errors.ConfigError`
+otherwise): a module whose ``training_step`` is ``loss(forward(x), y)`` on ``(x, y)`` batches — the shipped
+:class:`~pl_fedsparse.module.FederatedModule` (not overriding it), or any module that says so with the class
+attribute ``vectorizable = True`` — with no batch-statistics buffers (BatchNorm; GroupNorm is fine: all the library's
+backbones) and no dropout (its random mask could not follow each client's stream); an optimizer that is element-wise
+(``torch.optim.SGD``, ``torch.optim.Adam`` without AMSGrad) and no learning-rate scheduler. The per-step training
+loss (``train_loss``, ``samples_seen``) is measured by the executor as
+:class:`~pl_fedsparse.execution.FitMeter` does. Results equal the in-process executor's up to float rounding
+(batched matrix products round differently in the last bits); bytes and FLOPs are identical (tested for every
+supported method's synthetic config).
+
+Example::
+
+    pl-fed fit --config configs/quickstart.yaml --trainer.executor pl_fedsparse.executors.VectorizedExecutor
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from pl_fedsparse.client import ClientUpdate
+from pl_fedsparse.context import FitContext, fit_scope
+from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.execution import (ClientExecutor, FitMeter, FitRequest, InProcessExecutor, begin_fit, end_fit,
+                                    fit_update, load_state)
+from pl_fedsparse.protocol import training_loss
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["VectorizedExecutor", "VectorizedFitHooks", "StackedFit", "IN_FIT_HOOKS", "in_fit_hooks"]
+
+log = logging.getLogger(__name__)
+
+#: Lightning callback hooks that run inside a local fit: a callback overriding any of them must say what it does to a
+#: stacked fit (``vectorized_fit``)
+IN_FIT_HOOKS: tuple[str, ...] = (
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
+    "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+)
+
+
+def in_fit_hooks(callback: Any) -> list[str]:
+    """The in-fit Lightning hooks (:data:`IN_FIT_HOOKS`) ``callback``'s class overrides.
+
+    Example:
+        >>> class Clip(pl.Callback):
+        ...     def on_before_optimizer_step(self, trainer, pl_module, optimizer): ...
+        >>> in_fit_hooks(Clip())
+        ['on_before_optimizer_step']
+    """
+    return [h for h in IN_FIT_HOOKS if getattr(type(callback), h, None) is not getattr(pl.Callback, h, None)]
+
+
+# ------------------------------------------------------------------------------------------------ the hook protocol
+@dataclass
+class StackedFit:
+    """A group of fits trained together, as the vectorised hooks see it.
+
+    Attributes:
+        contexts: the fits' contexts, in stacking order (row ``i`` of every tensor is ``contexts[i]``'s client).
+        params: trainable parameters by name, stacked ``[K, *shape]`` on the device (updated in place).
+        grads: their gradients, same shapes (valid in ``before_optimizer_step``).
+        device: where the stacked tensors live.
+    """
+
+    contexts: list[FitContext]
+    params: dict[str, Tensor]
+    grads: dict[str, Tensor] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class VectorizedFitHooks:
+    """What a callback does inside a fit, over a stacked group of fits (all of one kind and one requester).
+
+    A callback whose Lightning in-fit hooks matter returns one of these from ``vectorized_fit()``. The executor calls
+    :meth:`capture` right after each client's ``on_client_fit_start`` (the callback's per-fit attributes are that
+    client's then), :meth:`start` once the group is stacked, and per step :meth:`before_optimizer_step` (Lightning's
+    ``on_before_optimizer_step``: gradients unscaled, before clipping) and :meth:`after_optimizer_step` (Lightning's
+    ``on_train_batch_end``). Every method edits the stacked tensors in place, row ``i`` for client ``i``; rows of
+    clients that already stopped are restored by the executor afterwards.
+    """
+
+    def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        """Client ``index``'s fit has started (its start weights are in ``module``)."""
+
+    def start(self, fit: StackedFit) -> None:
+        """The group is stacked (``fit.params`` hold every client's start weights)."""
+
+    def before_optimizer_step(self, fit: StackedFit) -> None:
+        """Edit ``fit.grads`` (e.g. mask them, add a proximal term)."""
+
+    def after_optimizer_step(self, fit: StackedFit) -> None:
+        """Edit ``fit.params`` after the optimizer step (e.g. re-apply masks)."""
+
+
+# ------------------------------------------------------------------------------------------------ per-client parts
+class _Snapshot:
+    """A callback's attributes (and those of helper objects it holds, one level down), to put back later: the
+    per-fit state ``on_client_fit_start`` leaves for ``on_client_fit_end`` is each client's own, although all the
+    group's fits start before the first one ends."""
+
+    def __init__(self, callbacks: Sequence[Any]) -> None:
+        self.items: list[tuple[Any, dict[str, Any]]] = []
+        for cb in callbacks:
+            attrs = getattr(cb, "__dict__", None)
+            if attrs is None:
+                continue
+            self.items.append((cb, dict(attrs)))
+            for value in attrs.values():
+                if _is_helper(value):
+                    self.items.append((value, dict(vars(value))))
+
+    def restore(self) -> None:
+        for obj, attrs in self.items:
+            vars(obj).clear()
+            vars(obj).update(attrs)
+
+
+def _is_helper(value: Any) -> bool:
+    """A plain helper object a callback keeps its per-fit state in (e.g. ``MaskedTraining``), not a framework part."""
+    if isinstance(value, (Tensor, torch.nn.Module, type)) or not hasattr(value, "__dict__"):
+        return False
+    module = type(value).__module__
+    return not module.startswith(("lightning", "pytorch_lightning", "torch", "builtins", "pl_fedsparse.loop"))
+
+
+class _Stream:
+    """One client's batches for one fit: its loader, its epochs (or steps), its own torch RNG state."""
+
+    def __init__(self, loader: Any, epochs: int | None, steps: int | None) -> None:
+        self.loader, self.epochs, self.steps = loader, epochs, steps
+        self.rng = torch.get_rng_state()
+        self.it: Iterator[Any] | None = None
+        self.epoch = self.taken = 0
+        self.done = False
+
+    def next(self) -> Any:
+        """The next batch, or ``None`` when the fit has no more steps."""
+        if self.done:
+            return None
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.rng)
+        try:
+            while True:
+                if self.steps is not None and self.taken >= self.steps:
+                    break
+                if self.it is None:
+                    if self.epochs is not None and self.epoch >= self.epochs:
+                        break
+                    self.it = iter(self.loader)
+                try:
+                    batch = next(self.it)
+                except StopIteration:
+                    self.it, self.epoch = None, self.epoch + 1
+                    if self.steps is not None and self.epoch > 0 and self.taken == 0:
+                        break  # an empty loader: max_steps would never be reached
+                    continue
+                self.taken += 1
+                return batch
+            self.done = True
+            return None
+        finally:
+            self.rng = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+@dataclass
+class _Optim:
+    """One client's optimizer, as element-wise hyper-parameters per trainable parameter name."""
+
+    kind: Literal["sgd", "adam"]
+    lr: dict[str, float]
+    hyper: dict[str, tuple[Any, ...]]  # name -> the hyper-parameters other than lr
+
+    def signature(self) -> tuple[Any, ...]:
+        return self.kind, tuple(sorted(self.hyper.items()))
+
+
+def _optimizer_of(module: pl.LightningModule, names: Mapping[int, str]) -> _Optim:
+    """The element-wise form of what ``configure_optimizers`` returns (one optimizer, no scheduler)."""
+    out: Any = module.configure_optimizers()
+    where = f"model={type(module).__name__}.configure_optimizers()"
+    if isinstance(out, dict):
+        if out.get("lr_scheduler") is not None:
+            raise ConfigError(f"{where} returns a learning-rate scheduler: the VectorizedExecutor supports none "
+                              "(use the learning rate by round, FederatedModule.lr_decay, or the in-process executor)")
+        out = out.get("optimizer")
+    if isinstance(out, (list, tuple)):
+        if len(out) != 1 or isinstance(out[0], (list, tuple)):
+            raise ConfigError(f"{where} returns {len(out)} optimizers or schedulers: the VectorizedExecutor "
+                              "supports exactly one optimizer")
+        out = out[0]
+    if isinstance(out, torch.optim.SGD):
+        kind: Literal["sgd", "adam"] = "sgd"
+    elif isinstance(out, torch.optim.Adam) and type(out) is torch.optim.Adam:
+        kind = "adam"
+    else:
+        raise ConfigError(f"{where} returns {type(out).__name__}: the VectorizedExecutor supports torch.optim.SGD "
+                          "and torch.optim.Adam (element-wise updates)")
+    lr, hyper = {}, {}
+    for group in out.param_groups:
+        if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
+            raise ConfigError(f"{where}: maximize, amsgrad and differentiable are not supported by the "
+                              "VectorizedExecutor")
+        if kind == "sgd":
+            h: tuple[Any, ...] = (float(group["momentum"]), float(group["dampening"]), bool(group["nesterov"]),
+                                  float(group["weight_decay"]))
+        else:
+            b1, b2 = group["betas"]
+            h = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            name = names.get(id(p))
+            if name is None:
+                raise ConfigError(f"{where} optimizes a tensor that is not one of the module's parameters")
+            lr[name], hyper[name] = float(group["lr"]), h
+    return _Optim(kind, lr, hyper)
+
+
+def _check_module(module: pl.LightningModule) -> None:
+    """Refuse, in one line, a module the VectorizedExecutor cannot train exactly."""
+    from pl_fedsparse.module import FederatedModule
+
+    name = type(module).__name__
+    own_step = getattr(type(module), "training_step", None) is not FederatedModule.training_step
+    if own_step and not getattr(module, "vectorizable", False):
+        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: its training_step is its "
+                          "own (set the class attribute vectorizable = True if it is loss(forward(x), y) on (x, y) "
+                          "batches, or use the in-process executor)")
+    for sub_name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.track_running_stats:
+            raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: {sub_name} "
+                              f"({type(sub).__name__}) keeps batch statistics (use GroupNorm, or the in-process "
+                              "executor)")
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: {sub_name} is a "
+                              "dropout layer (its random masks cannot follow each client's stream; use the in-process "
+                              "executor)")
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: it uses manual "
+                          "optimization")
+
+
+# ------------------------------------------------------------------------------------------------ the executor
+class VectorizedExecutor(ClientExecutor):
+    """Train a stage's fits together, stacked along a client dimension (module docstring).
+
+    Args:
+        max_group_size: most clients stacked in one group (memory: each client adds its weights, gradients,
+            optimizer state and one batch of activations); a larger stage runs as several groups.
+        unsupported: what to do with fits a callback cannot vectorise (it has in-fit hooks and no
+            ``vectorized_fit``): ``"error"`` refuses the run when the federation starts, naming the callback;
+            ``"sequential"`` runs those fits one by one in process (every fit, when such a callback is configured).
+
+    Example (YAML)::
+
+        trainer:
+          executor: {class_path: pl_fedsparse.executors.VectorizedExecutor, init_args: {max_group_size: 100}}
+    """
+
+    def __init__(self, *, max_group_size: int = 128, unsupported: Literal["error", "sequential"] = "error") -> None:
+        check(isinstance(max_group_size, int) and not isinstance(max_group_size, bool) and max_group_size >= 1,
+              "VectorizedExecutor.max_group_size", max_group_size, "an int >= 1")
+        check(unsupported in ("error", "sequential"), "VectorizedExecutor.unsupported", unsupported,
+              "one of error, sequential")
+        self.max_group_size, self.unsupported = max_group_size, unsupported
+        self.loop: FederatedLoop | None = None
+        self.sequential = InProcessExecutor()
+        self.hooks: list[tuple[Any, VectorizedFitHooks]] = []
+        self._all_sequential = False
+        self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
+
+    def setup(self, loop: FederatedLoop) -> None:
+        self.loop = loop
+        self.sequential.setup(loop)
+        assert loop.model is not None
+        if loop.precision == "16-mixed":
+            raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
+                              "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
+        _check_module(loop.model)
+        refused = []
+        for cb in loop.callbacks:
+            form = cb.vectorized_fit() if callable(getattr(cb, "vectorized_fit", None)) else None
+            hooks = in_fit_hooks(cb)
+            if form is NotImplemented or (form is None and hooks and not callable(getattr(cb, "vectorized_fit", None))):
+                refused.append((cb, hooks))
+            elif form is not None:
+                self.hooks.append((cb, form))
+        if refused:
+            cb, hooks = refused[0]
+            if self.unsupported == "error":
+                raise ConfigError(f"trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: "
+                                  f"{type(cb).__name__} has in-fit hooks ({', '.join(hooks)}) and no vectorized_fit "
+                                  "(give it one, docs/extending.md, or set VectorizedExecutor.unsupported: "
+                                  "sequential)")
+            log.warning("VectorizedExecutor: %s has in-fit hooks and no vectorized_fit; every fit runs in process",
+                        type(cb).__name__)
+            self._all_sequential = True
+
+    def round_metrics(self) -> dict[str, Any]:
+        out = {}
+        if self._stats["sequential_fits"] and self._stats["vectorized_fits"]:
+            out = {"sequential_fits": self._stats["sequential_fits"]}  # a group fell back: say so in the row
+        self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
+        return out
+
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        if self._all_sequential:
+            self._stats["sequential_fits"] += len(requests)
+            return self.sequential.run(requests)
+        out: list[ClientUpdate | None] = [None] * len(requests)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, r in enumerate(requests):  # one kind of fit per group: the callbacks' in-fit forms may rely on it
+            c = r.context
+            groups.setdefault((c.kind, c.requester, c.epochs), []).append(i)
+        for members in groups.values():
+            for at in range(0, len(members), self.max_group_size):
+                chunk = members[at:at + self.max_group_size]
+                for i, u in zip(chunk, self._run_group([requests[i] for i in chunk]), strict=True):
+                    out[i] = u
+        return [u for u in out if u is not None]
+
+    # ---------------------------------------------------------------------------------------- one group
+    def _run_group(self, requests: list[FitRequest]) -> list[ClientUpdate]:
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        module = loop.model
+        callbacks = list(loop.callbacks)
+        before = _Snapshot(callbacks)
+        names = {id(p): n for n, p in module.named_parameters()}
+        started: list[dict[str, Any]] = []
+        results: list[ClientUpdate | None] = [None] * len(requests)
+        for i, request in enumerate(requests):
+            ctx = request.context
+            before.restore()  # each fit starts from the callbacks as they were before the stage, as in process
+            watch, n_samples = begin_fit(loop, request)
+            item: dict[str, Any] = {"index": i, "request": request, "watch": watch, "n_samples": n_samples}
+            try:
+                with fit_scope(ctx):
+                    loop.call("on_client_fit_start", module, ctx)
+                    loader = loop.datamodule.train_loader(ctx.client_idx, seed=ctx.seed)
+                    item["optim"] = _optimizer_of(module, names)
+                    for _, hooks in self.hooks:
+                        hooks.capture(len(started), module, ctx)
+            except ConfigError:
+                raise
+            except Exception as e:
+                if loop.on_client_fault == "raise":
+                    raise
+                results[i] = end_fit(loop, request, watch, n_samples, None, e)
+                continue
+            steps = loop.local_steps if ctx.epochs is None else None
+            epochs = None if steps else (ctx.epochs or loop.local_epochs)
+            item["stream"] = _Stream(loader, epochs, steps)
+            item["start"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            item["snapshot"] = _Snapshot(callbacks)
+            started.append(item)
+        # one optimizer configuration per stacked group (the same module and kind: in practice always one)
+        by_signature: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for item in started:
+            by_signature.setdefault(item["optim"].signature(), []).append(item)
+        for items in by_signature.values():
+            try:
+                trained = self._train(items) if len(by_signature) == 1 else self._train_subset(items)
+            except (ConfigError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # contain it: this group's clients run one by one, as in process
+                if loop.on_client_fault == "raise":
+                    raise
+                log.warning("VectorizedExecutor: a stacked step failed (%s: %s); its %d fits run in process",
+                            type(e).__name__, e, len(items))
+                for item in items:
+                    request = item["request"]
+                    loop.client_store.restore_client(request.context.client_idx, request.client_state)
+                    before.restore()
+                    results[item["index"]] = self.sequential.run_one(request)
+                    self._stats["sequential_fits"] += 1
+                continue
+            for item, (state, metrics) in zip(items, trained, strict=True):
+                request, ctx = item["request"], item["request"].context
+                item["snapshot"].restore()
+                update, error = None, None
+                try:
+                    with fit_scope(ctx):
+                        load_state(module, state)
+                        update = fit_update(module, ctx, item["n_samples"], metrics)
+                        loop.call("on_client_fit_end", module, update)
+                except Exception as e:
+                    if loop.on_client_fault == "raise":
+                        raise
+                    error = e
+                results[item["index"]] = end_fit(loop, request, item["watch"], item["n_samples"], update, error)
+                self._stats["vectorized_fits"] += 1
+        return [u for u in results if u is not None]
+
+    def _train_subset(self, items: list[dict[str, Any]]) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
+        # several optimizer configurations in one group: the vectorised hooks were captured for the whole group,
+        # so they cannot be split; run this part in process instead (never happens with the library's modules)
+        raise RuntimeError("clients of one group configured different optimizers")
+
+    def _train(self, items: list[dict[str, Any]]) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
+        """Train ``items`` (started fits) together; return each one's trained state and fit metrics."""
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        module, device = loop.model, loop.device
+        optims: list[_Optim] = [it["optim"] for it in items]
+        trainable = list(optims[0].lr)
+        state_names = list(items[0]["start"])
+        params = dict(module.named_parameters())
+        fixed_names = [n for n in state_names if n not in optims[0].lr]
+        K = len(items)
+
+        def stack(name: str) -> Tensor:
+            return torch.stack([it["start"][name] for it in items]).to(device)
+
+        P = {n: stack(n) for n in trainable}
+        F = {n: stack(n) for n in fixed_names}
+        fit = StackedFit([it["request"].context for it in items], P, {}, device)
+        for _, hooks in self.hooks:
+            hooks.start(fit)
+        lrs = {n: [o.lr[n] for o in optims] for n in trainable}
+        step_fn = _sgd_step if optims[0].kind == "sgd" else _adam_step
+        opt_state: dict[str, dict[str, Tensor]] = {n: {} for n in trainable}
+        steps_done = torch.zeros(K, dtype=torch.long)
+        loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
+        seen = [0] * K
+        streams: list[_Stream] = [it["stream"] for it in items]
+        module.to(device).train()
+        autocast = loop.precision == "bf16-mixed"
+        grad_fn = torch.func.vmap(torch.func.grad_and_value(_loss_of(module, device.type, autocast)))
+        clip = loop.gradient_clip_val
+        del params
+        while True:
+            batches = [s.next() for s in streams]
+            active = [b is not None for b in batches]
+            if not any(active):
+                break
+            G = {n: torch.zeros_like(p) for n, p in P.items()}
+            shapes: dict[tuple[Any, ...], list[int]] = {}
+            for i, b in enumerate(batches):
+                if b is not None:
+                    x, y = b
+                    shapes.setdefault((tuple(x.shape), tuple(y.shape)), []).append(i)
+            for rows in shapes.values():
+                xs = torch.stack([batches[i][0] for i in rows]).to(device)
+                ys = torch.stack([batches[i][1] for i in rows]).to(device)
+                every = len(rows) == K
+                idx = None if every else torch.tensor(rows, device=device)
+                sub_p = P if idx is None else {n: p.index_select(0, idx) for n, p in P.items()}
+                sub_f = F if idx is None else {n: f.index_select(0, idx) for n, f in F.items()}
+                grads, losses = grad_fn(sub_p, sub_f, xs, ys)
+                n_b = ys.shape[1]
+                for n, g in grads.items():
+                    if idx is None:
+                        G[n] = g
+                    else:
+                        G[n].index_copy_(0, idx, g)
+                contrib = losses.detach().float() * n_b
+                if idx is None:
+                    loss_sum += contrib
+                else:
+                    loss_sum.index_add_(0, idx, contrib)
+                for i in rows:
+                    seen[i] += n_b
+            everyone = all(active)
+            if not everyone:  # rows of clients that stopped are put back after the step
+                keep_p = {n: p.clone() for n, p in P.items()}
+                keep_s = {n: {k: v.clone() for k, v in s.items()} for n, s in opt_state.items()}
+            fit.grads = G
+            for _, hooks in self.hooks:
+                hooks.before_optimizer_step(fit)
+            if clip is not None:
+                _clip_per_client(G, float(clip))
+            act = torch.tensor(active)
+            steps_done += act.long()
+            step_fn(P, G, opt_state, optims[0], lrs, steps_done, device)
+            for _, hooks in self.hooks:
+                hooks.after_optimizer_step(fit)
+            if not everyone:
+                live = act.to(device)
+                for n in P:
+                    P[n].copy_(torch.where(_rows(live, P[n]), P[n], keep_p[n]))
+                    for k, v in opt_state[n].items():
+                        old = keep_s[n].get(k)
+                        if old is not None:
+                            v.copy_(torch.where(_rows(live, v), v, old))
+                        else:  # created at this step (a first step): clients that stopped never had it
+                            v.mul_(_rows(live, v).to(v.dtype))
+            fit.grads = {}
+        out = []
+        for i, it in enumerate(items):
+            state = {n: t.clone() for n, t in it["start"].items()}
+            for n in trainable:
+                state[n] = P[n][i].detach().to("cpu")
+            n = seen[i]
+            loss = float(loss_sum[i]) / n if n else float("nan")
+            out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
+        return out
+
+
+def _rows(live: Tensor, like: Tensor) -> Tensor:
+    """``live`` ``[K]`` shaped to broadcast over ``like`` ``[K, ...]``."""
+    return live.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _loss_of(module: pl.LightningModule, device_type: str, autocast: bool) -> Any:
+    """``(params, fixed, x, y) -> loss`` of one client, for ``grad_and_value`` (gradients w.r.t. ``params``). Under
+    ``bf16-mixed`` the forward and the loss run under autocast, the backward outside it (as Lightning does)."""
+
+    def loss(params: dict[str, Tensor], fixed: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            logits = torch.func.functional_call(module, {**params, **fixed}, (x,))
+            return training_loss(module, logits, y)
+
+    return loss
+
+
+def _clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:
+    """Each client's gradients scaled by ``min(1, max_norm / (‖g‖ + 1e-6))`` over all its tensors, as
+    ``torch.nn.utils.clip_grad_norm_`` (Lightning's ``gradient_clip_val``) does for one client."""
+    norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1) for g in grads.values()], dim=1)
+    total = torch.linalg.vector_norm(norms, 2, dim=1)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads.values():
+        g.mul_(_rows(coef, g))
+
+
+def _lr_rows(values: list[float], like: Tensor) -> float | Tensor:
+    """One learning rate for all rows (a float: the exact op torch.optim uses) or one per row."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return _rows(torch.tensor(values, dtype=like.dtype, device=like.device), like)
+
+
+def _sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: _Optim,
+              lrs: dict[str, list[float]], steps: Tensor, device: torch.device) -> None:
+    """``torch.optim.SGD``'s update (single-tensor form) on stacked tensors: weight decay, momentum (the first step
+    takes the gradient as the buffer), dampening, Nesterov."""
+    with torch.no_grad():
+        for n, p in P.items():
+            momentum, dampening, nesterov, wd = optim.hyper[n]
+            g = G[n]
+            if wd != 0:
+                g = g.add(p, alpha=wd)
+            if momentum != 0:
+                buf = state[n].get("momentum_buffer")
+                if buf is None:
+                    buf = state[n]["momentum_buffer"] = torch.clone(g).detach()
+                else:
+                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
+                g = g.add(buf, alpha=momentum) if nesterov else buf
+            lr = _lr_rows(lrs[n], p)
+            if isinstance(lr, float):
+                p.add_(g, alpha=-lr)
+            else:
+                p.sub_(g * lr)
+
+
+def _adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: _Optim,
+               lrs: dict[str, list[float]], steps: Tensor, device: torch.device) -> None:
+    """``torch.optim.Adam``'s update (single-tensor form, no AMSGrad) on stacked tensors, with each client's own
+    step count for the bias corrections."""
+    with torch.no_grad():
+        for n, p in P.items():
+            beta1, beta2, eps, wd = optim.hyper[n]
+            g = G[n]
+            if wd != 0:
+                g = g.add(p, alpha=wd)
+            s = state[n]
+            if "exp_avg" not in s:
+                s["exp_avg"] = torch.zeros_like(p)
+                s["exp_avg_sq"] = torch.zeros_like(p)
+            exp_avg, exp_avg_sq = s["exp_avg"], s["exp_avg_sq"]
+            exp_avg.lerp_(g, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            counts = steps.tolist()
+            lr = _lr_rows(lrs[n], p)
+            if isinstance(lr, float) and all(c == counts[0] for c in counts):
+                step = counts[0]
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2**step
+                step_size = lr / bias_correction1
+                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+            else:
+                t = torch.tensor(counts, dtype=p.dtype, device=p.device)
+                bc1 = _rows(1 - beta1**t, p)
+                bc2 = _rows((1 - beta2**t).sqrt(), p)
+                lr_t = lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=p.dtype, device=p.device)
+                denom = (exp_avg_sq.sqrt() / bc2).add_(eps)
+                p.sub_(exp_avg / denom * (lr_t / bc1))
