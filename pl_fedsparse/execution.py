@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning",
            "check_environment", "find_fault", "ClientFaultError", "FitMeter", "begin_fit", "end_fit",
-           "fit_update"]
+           "fit_update", "seed_fit"]
 
 
 @dataclass
@@ -254,15 +254,17 @@ class InProcessExecutor(ClientExecutor):
 
 
 
-def begin_fit(loop: FederatedLoop, request: FitRequest) -> tuple[Any, int]:
+def begin_fit(loop: FederatedLoop, request: FitRequest, load: bool = True) -> tuple[Any, int]:
     """The start of every local fit, whatever runs it: the client's state in the store, the start weights in the
-    working module, the torch RNG seeded from the fit's stream, the callback contract's watch begun. Returns the
-    watch and the client's number of training samples."""
+    working module (unless ``load`` is false: the caller takes them from the request itself), the torch RNG seeded
+    from the fit's stream, the callback contract's watch begun. Returns the watch and the client's number of
+    training samples."""
     assert loop.model is not None
     ctx, k = request.context, request.context.client_idx
     loop.client_store.import_client(k, request.client_state)  # no-op in process: the same objects
-    load_state(loop.model, request.start)
-    torch.manual_seed(ctx.seed)
+    if load:
+        load_state(loop.model, request.start)
+    seed_fit(ctx.seed)
     n_samples = int(loop.datamodule.num_samples(k, "train"))
     # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the
     # client's stored state (exported before the fit, by reference) is never written in place — a fit reads private
@@ -270,18 +272,33 @@ def begin_fit(loop: FederatedLoop, request: FitRequest) -> tuple[Any, int]:
     return loop.contract.watch(loop.callbacks, request.client_state), n_samples
 
 
-def fit_update(module: torch.nn.Module, ctx: FitContext, n_samples: int, metrics: dict[str, float]) -> ClientUpdate:
-    """The update of a finished fit: the module's trained state (on the CPU), uploaded whole until a callback's
-    ``on_client_fit_end`` says otherwise."""
-    state = to_cpu_state(module.state_dict())
+def seed_fit(seed: int) -> None:
+    """Seed torch's global RNG for one fit: the CPU generator, and the accelerator's when it is in use.
+
+    ``torch.manual_seed`` also queues a seed for every device type not initialised yet, with a formatted stack trace
+    each time (about 1 ms per call here, and the queue grows with every fit); a run on the CPU needs none of it.
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+    if torch.backends.mps.is_available():
+        torch.mps.manual_seed(seed)
+
+
+def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, metrics: dict[str, float],
+               state: Mapping[str, Tensor] | None = None) -> ClientUpdate:
+    """The update of a finished fit: the module's trained state (or ``state``), copied to the CPU, uploaded whole
+    until a callback's ``on_client_fit_end`` says otherwise."""
+    state = to_cpu_state(module.state_dict() if state is None else state)  # type: ignore[union-attr]
     return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
                         message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
 
 
 def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
-            error: Exception | None) -> ClientUpdate:
+            error: Exception | None, finite: Iterable[int] = ()) -> ClientUpdate:
     """The end of every local fit: the contract checked, the compute charged, faults found and rolled back (the
-    client keeps its previous state), the client's state exported into the update."""
+    client keeps its previous state), the client's state exported into the update. ``finite``: ids of tensors the
+    caller has already found finite (:func:`find_fault`)."""
     ctx, k = request.context, request.context.client_idx
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
@@ -291,14 +308,14 @@ def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int
         loop.contract.check_fit(watch, ctx)  # the user's error, not a client fault
         samples = update.metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
         loop.accounting.charge_training(update, samples)
-        update.fault, update.fault_detail = find_fault(update)
+        update.fault, update.fault_detail = find_fault(update, finite)
     if update.fault:  # the client keeps its previous state: every entry the fit set is put back
         loop.client_store.restore_client(k, request.client_state)
     loop.contract.check_client_state(watch, ctx)
     update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
     return update
 
-def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:
+def find_fault(update: ClientUpdate, finite: Iterable[int] = ()) -> tuple[str | None, str | None]:
     """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_data`` (it
     trained on no sample), ``nonfinite_loss``, ``nonfinite_weights`` (also what NaN gradients lead to) or
     ``nonfinite_upload``.
@@ -314,11 +331,13 @@ def find_fault(update: ClientUpdate) -> tuple[str | None, str | None]:
     loss = update.metrics.get("train_loss")
     if loss is not None and not math.isfinite(loss):
         return "nonfinite_loss", f"train_loss={loss}"
+    known = set(finite)  # tensors the executor has already checked (e.g. all clients' weights at once)
     for name, t in update.state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if id(t) not in known and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return "nonfinite_weights", name
+    checked = {id(t) for t in update.state.values()}  # an upload of the trained weights is checked once
     for name, t in (update.message.tensors.items() if update.message is not None else []):
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if id(t) not in checked and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return "nonfinite_upload", name
     return None, None
 

@@ -47,6 +47,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -310,6 +311,7 @@ class VectorizedExecutor(ClientExecutor):
         self.hooks: list[tuple[Any, VectorizedFitHooks]] = []
         self._all_sequential = False
         self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
+        self._optimizers: dict[tuple[Any, ...], _Optim] = {}
 
     def setup(self, loop: FederatedLoop) -> None:
         self.loop = loop
@@ -338,9 +340,23 @@ class VectorizedExecutor(ClientExecutor):
                         type(cb).__name__)
             self._all_sequential = True
 
+    def _optimizer(self, module: pl.LightningModule, names: Mapping[int, str], ctx: FitContext) -> _Optim:
+        """The fit's optimizer (``configure_optimizers`` under its context). The shipped module's depends on the
+        fit's ``lr_round`` and on which parameters train only, so it is built once per both."""
+        from pl_fedsparse.module import FederatedModule
+
+        kind = type(module)
+        if (kind.configure_optimizers is not FederatedModule.configure_optimizers
+                or kind.current_lr is not FederatedModule.current_lr):
+            return _optimizer_of(module, names)
+        key = (ctx.lr_round, tuple(p.requires_grad for p in module.parameters()))
+        if key not in self._optimizers:
+            self._optimizers = {key: _optimizer_of(module, names)}  # one round's: no growth over a run
+        return self._optimizers[key]
+
     def round_metrics(self) -> dict[str, Any]:
         out = {}
-        if self._stats["sequential_fits"] and self._stats["vectorized_fits"]:
+        if self._stats["sequential_fits"] and not self._all_sequential:
             out = {"sequential_fits": self._stats["sequential_fits"]}  # a group fell back: say so in the row
         self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
         return out
@@ -369,18 +385,25 @@ class VectorizedExecutor(ClientExecutor):
         callbacks = list(loop.callbacks)
         before = _Snapshot(callbacks)
         names = {id(p): n for n, p in module.named_parameters()}
+        full = list(module.state_dict())
+        # the working module matters to a fit's start and end only where a callback reads or edits it there
+        fed = loop.fed_callbacks
+        at_start = bool(self.hooks) or any(_overrides(cb, "on_client_fit_start") for cb in fed)
+        at_end = any(_overrides(cb, "on_client_fit_end") for cb in fed)
         started: list[dict[str, Any]] = []
+        stacked: dict[str, Tensor] = {}
         results: list[ClientUpdate | None] = [None] * len(requests)
         for i, request in enumerate(requests):
             ctx = request.context
             before.restore()  # each fit starts from the callbacks as they were before the stage, as in process
-            watch, n_samples = begin_fit(loop, request)
+            direct = not at_start and list(request.start) == full  # the start weights go straight into the rows
+            watch, n_samples = begin_fit(loop, request, load=not direct)
             item: dict[str, Any] = {"index": i, "request": request, "watch": watch, "n_samples": n_samples}
             try:
                 with fit_scope(ctx):
                     loop.call("on_client_fit_start", module, ctx)
                     loader = loop.datamodule.train_loader(ctx.client_idx, seed=ctx.seed)
-                    item["optim"] = _optimizer_of(module, names)
+                    item["optim"] = self._optimizer(module, names, ctx)
                     for _, hooks in self.hooks:
                         hooks.capture(len(started), module, ctx)
             except ConfigError:
@@ -393,16 +416,23 @@ class VectorizedExecutor(ClientExecutor):
             steps = loop.local_steps if ctx.epochs is None else None
             epochs = None if steps else (ctx.epochs or loop.local_epochs)
             item["stream"] = _Stream(loader, epochs, steps)
-            item["start"] = {k: v.detach().clone() for k, v in module.state_dict().items()}
             item["snapshot"] = _Snapshot(callbacks)
+            with torch.no_grad():  # the start weights (after on_client_fit_start) into the stacked rows
+                for name, t in (request.start if direct else module.state_dict()).items():
+                    if name not in stacked:
+                        stacked[name] = torch.empty((len(requests), *t.shape), dtype=t.dtype, device=loop.device)
+                    stacked[name][len(started)].copy_(t)
             started.append(item)
+        stacked = {n: t[:len(started)] for n, t in stacked.items()}
         # one optimizer configuration per stacked group (the same module and kind: in practice always one)
         by_signature: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
         for item in started:
             by_signature.setdefault(item["optim"].signature(), []).append(item)
         for items in by_signature.values():
             try:
-                trained = self._train(items) if len(by_signature) == 1 else self._train_subset(items)
+                if len(by_signature) > 1:  # the hooks were captured for the whole group: it cannot be split
+                    raise RuntimeError("clients of one group configured different optimizers")
+                trained = self._train(items, stacked)
             except (ConfigError, KeyboardInterrupt):
                 raise
             except Exception as e:  # contain it: this group's clients run one by one, as in process
@@ -417,45 +447,40 @@ class VectorizedExecutor(ClientExecutor):
                     results[item["index"]] = self.sequential.run_one(request)
                     self._stats["sequential_fits"] += 1
                 continue
-            for item, (state, metrics) in zip(items, trained, strict=True):
+            finite = _finite_rows(stacked)  # every client's weights checked at once (find_fault skips them)
+            for i, (item, (state, metrics)) in enumerate(zip(items, trained, strict=True)):
                 request, ctx = item["request"], item["request"].context
                 item["snapshot"].restore()
-                update, error = None, None
+                update, error, known = None, None, []
                 try:
                     with fit_scope(ctx):
-                        load_state(module, state)
-                        update = fit_update(module, ctx, item["n_samples"], metrics)
+                        if at_end:
+                            load_state(module, state)
+                        update = fit_update(module, ctx, item["n_samples"], metrics, None if at_end else state)
+                        if finite[i]:
+                            known = [id(t) for t in update.state.values()]
                         loop.call("on_client_fit_end", module, update)
                 except Exception as e:
                     if loop.on_client_fault == "raise":
                         raise
                     error = e
-                results[item["index"]] = end_fit(loop, request, item["watch"], item["n_samples"], update, error)
+                results[item["index"]] = end_fit(loop, request, item["watch"], item["n_samples"], update, error,
+                                                 known)
                 self._stats["vectorized_fits"] += 1
         return [u for u in results if u is not None]
 
-    def _train_subset(self, items: list[dict[str, Any]]) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
-        # several optimizer configurations in one group: the vectorised hooks were captured for the whole group,
-        # so they cannot be split; run this part in process instead (never happens with the library's modules)
-        raise RuntimeError("clients of one group configured different optimizers")
-
-    def _train(self, items: list[dict[str, Any]]) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
-        """Train ``items`` (started fits) together; return each one's trained state and fit metrics."""
+    def _train(self, items: list[dict[str, Any]], stacked: dict[str, Tensor]
+               ) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
+        """Train ``items`` (started fits, their start states the rows of ``stacked``) together; return each one's
+        trained state and fit metrics."""
         loop = self.loop
         assert loop is not None and loop.model is not None
         module, device = loop.model, loop.device
         optims: list[_Optim] = [it["optim"] for it in items]
         trainable = list(optims[0].lr)
-        state_names = list(items[0]["start"])
-        params = dict(module.named_parameters())
-        fixed_names = [n for n in state_names if n not in optims[0].lr]
         K = len(items)
-
-        def stack(name: str) -> Tensor:
-            return torch.stack([it["start"][name] for it in items]).to(device)
-
-        P = {n: stack(n) for n in trainable}
-        F = {n: stack(n) for n in fixed_names}
+        P = {n: t for n, t in stacked.items() if n in optims[0].lr}  # trained in place
+        F = {n: t for n, t in stacked.items() if n not in optims[0].lr}  # buffers, frozen parameters
         fit = StackedFit([it["request"].context for it in items], P, {}, device)
         for _, hooks in self.hooks:
             hooks.start(fit)
@@ -470,13 +495,12 @@ class VectorizedExecutor(ClientExecutor):
         autocast = loop.precision == "bf16-mixed"
         grad_fn = torch.func.vmap(torch.func.grad_and_value(_loss_of(module, device.type, autocast)))
         clip = loop.gradient_clip_val
-        del params
         while True:
             batches = [s.next() for s in streams]
             active = [b is not None for b in batches]
             if not any(active):
                 break
-            G = {n: torch.zeros_like(p) for n, p in P.items()}
+            G: dict[str, Tensor] = {}
             shapes: dict[tuple[Any, ...], list[int]] = {}
             for i, b in enumerate(batches):
                 if b is not None:
@@ -489,13 +513,14 @@ class VectorizedExecutor(ClientExecutor):
                 idx = None if every else torch.tensor(rows, device=device)
                 sub_p = P if idx is None else {n: p.index_select(0, idx) for n, p in P.items()}
                 sub_f = F if idx is None else {n: f.index_select(0, idx) for n, f in F.items()}
-                grads, losses = grad_fn(sub_p, sub_f, xs, ys)
+                with _exact_linear(not autocast):
+                    grads, losses = grad_fn(sub_p, sub_f, xs, ys)
                 n_b = ys.shape[1]
                 for n, g in grads.items():
                     if idx is None:
                         G[n] = g
-                    else:
-                        G[n].index_copy_(0, idx, g)
+                    else:  # rows of clients without a batch at this step stay zero
+                        G.setdefault(n, torch.zeros_like(P[n])).index_copy_(0, idx, g)
                 contrib = losses.detach().float() * n_b
                 if idx is None:
                     loss_sum += contrib
@@ -529,14 +554,30 @@ class VectorizedExecutor(ClientExecutor):
                             v.mul_(_rows(live, v).to(v.dtype))
             fit.grads = {}
         out = []
-        for i, it in enumerate(items):
-            state = {n: t.clone() for n, t in it["start"].items()}
-            for n in trainable:
-                state[n] = P[n][i].detach().to("cpu")
+        for i in range(K):
+            state = {n: t[i] for n, t in stacked.items()}  # views: loaded into the module, then copied out
             n = seen[i]
             loss = float(loss_sum[i]) / n if n else float("nan")
             out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
         return out
+
+
+def _finite_rows(stacked: dict[str, Tensor]) -> list[bool]:
+    """Per row (client): whether all its floating-point tensors are certainly finite — their sum is (a NaN or an
+    infinity makes it non-finite; a sum that overflows only sends that client to the one-by-one check)."""
+    ok: Tensor | None = None
+    for t in stacked.values():
+        if t.is_floating_point():
+            rows = torch.isfinite(t.reshape(t.shape[0], -1).sum(dim=1))
+            ok = rows if ok is None else ok & rows
+    return ok.tolist() if ok is not None else [True] * (next(iter(stacked.values())).shape[0] if stacked else 0)
+
+
+def _overrides(callback: Any, hook: str) -> bool:
+    """Whether ``callback``'s class overrides the federation hook ``hook`` of ``FederatedCallback``."""
+    from pl_fedsparse.callbacks.base import FederatedCallback
+
+    return getattr(type(callback), hook, None) is not getattr(FederatedCallback, hook)
 
 
 def _rows(live: Tensor, like: Tensor) -> Tensor:
@@ -546,7 +587,8 @@ def _rows(live: Tensor, like: Tensor) -> Tensor:
 
 def _loss_of(module: pl.LightningModule, device_type: str, autocast: bool) -> Any:
     """``(params, fixed, x, y) -> loss`` of one client, for ``grad_and_value`` (gradients w.r.t. ``params``). Under
-    ``bf16-mixed`` the forward and the loss run under autocast, the backward outside it (as Lightning does)."""
+    ``bf16-mixed`` the forward and the loss run under autocast, the backward outside it (as Lightning does); in full
+    precision ``F.linear`` is :class:`_StackedLinear` (the same bits as one client's)."""
 
     def loss(params: dict[str, Tensor], fixed: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
@@ -554,6 +596,68 @@ def _loss_of(module: pl.LightningModule, device_type: str, autocast: bool) -> An
             return training_loss(module, logits, y)
 
     return loss
+
+
+_LINEAR = torch.nn.functional.linear
+
+
+class _StackedLinear(torch.autograd.Function):
+    """``F.linear`` whose batching rule gives, per client, the bits of the unbatched call.
+
+    One client's ``linear`` is ``addmm(bias, x, Wᵀ)``: the product accumulated onto the bias. ``vmap``'s own rule
+    computes ``bmm(x, Wᵀ) + bias``, which rounds differently in the last bit — enough for two runs to drift apart
+    over a few hundred SGD steps. ``baddbmm`` accumulates like ``addmm`` (bit-identical per batch on the CPU), and the
+    backward is written as the unbatched one (``go @ W``, ``goᵀ @ x``, ``Σ go``), whose batched forms are too.
+    """
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # type: ignore[override]
+        return _LINEAR(x, w, b)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, w, b = inputs
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+
+    @staticmethod
+    def backward(ctx: Any, go: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        x2, go2 = x.reshape(-1, x.shape[-1]), go.reshape(-1, go.shape[-1])
+        return (go2 @ w).reshape(x.shape), go2.t() @ x2, go2.sum(0) if ctx.has_bias else None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, w: Tensor, b: Tensor | None
+             ) -> tuple[Tensor, int]:
+        n = info.batch_size
+
+        def batched(t: Tensor, d: int | None) -> Tensor:
+            return t.movedim(d, 0) if d is not None else t.expand(n, *t.shape)
+
+        x, w = batched(x, in_dims[0]), batched(w, in_dims[1])
+        x3 = x.reshape(n, -1, x.shape[-1])
+        if b is None:
+            out = torch.bmm(x3, w.transpose(1, 2))
+        else:
+            out = torch.baddbmm(batched(b, in_dims[2]).unsqueeze(1), x3, w.transpose(1, 2))
+        return out.reshape(*x.shape[:-1], w.shape[1]), 0
+
+
+def _stacked_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    return _StackedLinear.apply(x, w, b)
+
+
+@contextlib.contextmanager
+def _exact_linear(enabled: bool) -> Iterator[None]:
+    """``torch.nn.functional.linear`` is :func:`_stacked_linear` for the duration (what ``nn.Linear`` calls)."""
+    if not enabled:
+        yield
+        return
+    torch.nn.functional.linear = _stacked_linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = _LINEAR
 
 
 def _clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:

@@ -1,0 +1,125 @@
+"""Seconds per round: the VectorizedExecutor against the in-process executor, same federation, alternating runs.
+
+Two workloads (``--task``):
+
+* ``mlp`` — the quickstart task (synthetic 3×16×16 images, the 2×200 MLP, batch 32, 2 local epochs, lr 0.1, its
+  6,000 images; ``--samples`` changes that) split over ``--clients`` clients (default 100, Dirichlet 0.3), every one
+  of them training every round (``join_ratio 1``): the regime where per-client cost dominates.
+* ``lenet`` — LeNet-CIFAR on real CIFAR-10 (``--data-root``, 32×32 RGB, batch 64, 1 local epoch, augmentation off),
+  ``--clients`` clients of 500 training images, all training every round.
+
+Each run is ``--rounds`` rounds (default 4) without evaluation (only the last round evaluates; it is left out) and
+without checkpoints; the first round is left out too (warm-up). Runs alternate A, B, A, B … (``--pairs`` pairs), and
+the script prints, per executor, the median training seconds per round (``time_train_s`` of the rows), the CPU
+seconds per round (process CPU time over the timed rounds), and the ratios in-process / vectorised. It also checks
+that the two executors' final accuracies agree (|Δ| ≤ 1e-5), so a fast wrong answer cannot pass.
+
+    OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task mlp --clients 100 --pairs 5
+    OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task lenet --clients 10 --data-root data/cifar10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pl_fedsparse.cli import FedCLI  # noqa: E402
+
+EXECUTORS = {"in_process": None, "vectorized": "pl_fedsparse.executors.VectorizedExecutor"}
+
+
+def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: str, samples: int) -> list[str]:
+    common = ["--trainer.num_rounds", str(rounds), "--trainer.join_ratio", "1.0", "--trainer.eval_every", "1000",
+              "--trainer.checkpoint_every", "0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.accelerator", "cpu", "--trainer.default_root_dir", tmp, "--trainer.callbacks", "[]",
+              "--data.num_clients", str(clients)]
+    if task == "mlp":
+        return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *common,
+                "--data.synthetic", json.dumps({"num_train": samples})]
+    if data_root is None:
+        raise SystemExit("--data-root is required for --task lenet (a folder with CIFAR-10, see README 'Data')")
+    return ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *common, "--data.root", data_root,
+            "--data.max_train_samples", str(500 * clients), "--trainer.local_epochs", "1", "--data.augment", "false"]
+
+
+def one_run(task: str, executor: str | None, clients: int, rounds: int, data_root: str | None,
+            samples: int = 6000) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = args_for(task, clients, rounds, data_root, tmp, samples)
+        if executor:
+            argv += ["--trainer.executor", executor]
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli = FedCLI(args=argv, run=False)
+            loop = cli.trainer
+            timed: list[float] = []
+            cpu0 = [0.0]
+            real_round = loop.run_round
+
+            def timed_round(r: int) -> dict[str, Any]:
+                if r == 1:
+                    cpu0[0] = time.process_time()
+                if r == rounds - 1:
+                    timed.append(time.process_time() - cpu0[0])
+                return real_round(r)
+
+            loop.run_round = timed_round  # type: ignore[method-assign]
+            loop.fit(cli.model, cli.datamodule)
+    rows = loop.history
+    train = [r["time_train_s"] for r in rows[1:-1]]
+    return {"train_s": statistics.median(train), "cpu_s": timed[0] / max(1, rounds - 2),
+            "acc": rows[-1].get("acc_mean"), "loss": rows[-1].get("loss_mean")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=["mlp", "lenet"], default="mlp")
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--samples", type=int, default=6000,
+                   help="mlp: synthetic images in all, shared by the clients (6000: the quickstart's)")
+    p.add_argument("--out", default=None, help="write the raw results as JSON here")
+    a = p.parse_args()
+    if a.rounds < 3:
+        p.error("--rounds must be >= 3 (the first and the last round are not timed)")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in EXECUTORS}
+    for pair in range(a.pairs):
+        order = list(EXECUTORS) if pair % 2 == 0 else list(reversed(EXECUTORS))
+        for name in order:
+            runs[name].append(one_run(a.task, EXECUTORS[name], a.clients, a.rounds, a.data_root, a.samples))
+        print(f"pair {pair}: " + ", ".join(f"{n} {runs[n][-1]['train_s']:.3f} s" for n in EXECUTORS), flush=True)
+    med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("train_s", "cpu_s")} for n in EXECUTORS}
+    ref, vec = runs["in_process"][-1], runs["vectorized"][-1]
+    dacc = abs(ref["acc"] - vec["acc"])
+    print(f"task {a.task}, {a.clients} clients per round, {a.rounds} rounds x {a.pairs} pairs, "
+          f"{torch.get_num_threads()} thread(s)")
+    for n in EXECUTORS:
+        print(f"  {n:<11} train {med[n]['train_s']:.3f} s/round   cpu {med[n]['cpu_s']:.3f} s/round")
+    print(f"  speed-up (in-process / vectorised): wall {med['in_process']['train_s'] / med['vectorized']['train_s']:.2f}x"
+          f"   cpu {med['in_process']['cpu_s'] / med['vectorized']['cpu_s']:.2f}x")
+    print(f"  final accuracy: in-process {ref['acc']:.6f}, vectorised {vec['acc']:.6f} (|diff| {dacc:.1e})")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"args": vars(a), "runs": runs, "median": med}, indent=1))
+    if dacc > 1e-5:
+        raise SystemExit(f"the executors disagree: |acc diff| = {dacc:.2e} > 1e-5")
+
+
+if __name__ == "__main__":
+    main()
