@@ -3,9 +3,13 @@ client's test data, from a checkpoint.
 
 Why: the DisPFL code reports, for D-PSGD, the uniform average of all 100 client models (``dpsgd_api.py:85,159-167``,
 method notes ``dispfl_fedspa.md`` "D-PSGD"), and D-PSGD-FT fine-tunes from that average. pl_fedsparse's serverless
-runs report each client's last trained model (personal accuracy) and have no global model. This script gives the
-paper's D-PSGD number for a finished run, so both readings can be compared: ``acc_mean`` (personal models, the
-project's row) and ``global_acc`` (the consensus, the paper's D-PSGD row).
+runs report each client's last trained model (personal accuracy, ``acc_mean``) and have no global model; with
+``Gossip(consensus_eval: true)`` (the D-PSGD configs) a run also reports the consensus at every evaluation
+(``consensus_acc`` in ``metrics.jsonl``). This script gives the same number for a run made without it, from a
+checkpoint: it switches that evaluation view on and evaluates — the very code path of the in-run view
+(:func:`pl_fedsparse.callbacks.gossip.consensus_state`, the ``"consensus"`` model kind of
+:mod:`pl_fedsparse.evaluation`), so its ``consensus_acc`` equals the run's own at the same round
+(``tests/test_consensus_view.py``).
 
     python benchmarks/consensus_eval.py benchmarks/_runs/long_horizon/dispfl_dpsgd [--ckpt last.ckpt] \\
         [--data-root data/cifar10] [--out benchmarks/long_horizon/dispfl_dpsgd/consensus.json]
@@ -20,9 +24,9 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
+from pl_fedsparse.callbacks import Gossip
 from pl_fedsparse.cli import FedCLI
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,17 +42,17 @@ def consensus_metrics(run_dir: Path, ckpt: str, data_root: Path) -> dict:
                            "--trainer.default_root_dir", tmp, "--trainer.logger", "false",
                            "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"], run=False)
         loop, model, dm = cli.trainer, cli.model, cli.datamodule
+        gossip = [cb for cb in loop.callbacks if isinstance(cb, Gossip)]
+        if not gossip:
+            raise SystemExit(f"{run_dir}: not a Gossip run (D-PSGD, DisPFL); its config has no "
+                             "pl_fedsparse.callbacks.Gossip")
+        for cb in gossip:
+            cb.consensus_eval = True  # the in-run view (evaluation only: it changes no state)
         loop.setup(model, dm, ckpt_path=str(run_dir / "checkpoints" / ckpt), stage="test")
-        n = loop.num_clients
-        states = [loop.personal_state(k) for k in range(n)]
-        consensus = {name: (torch.stack([s[name].float() for s in states]).mean(0).to(t.dtype)
-                            if t.is_floating_point() else t)
-                     for name, t in states[0].items()}
-        loop.global_state, loop.eval_global = consensus, True
         metrics = loop.evaluate("test")
-        return {"run_dir": str(run_dir), "ckpt": ckpt, "round": loop.round_idx, "num_clients": n,
+        return {"run_dir": str(run_dir), "ckpt": ckpt, "round": loop.round_idx, "num_clients": loop.num_clients,
                 "acc_mean": metrics["acc_mean"], "acc_bottom10": metrics["acc_bottom10"],
-                "consensus_acc": metrics["global_acc"], "consensus_acc_weighted": metrics.get("global_acc_weighted")}
+                "consensus_acc": metrics["consensus_acc"], "consensus_acc_weighted": metrics["consensus_acc_weighted"]}
 
 
 def main() -> None:

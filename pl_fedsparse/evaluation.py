@@ -6,14 +6,18 @@ from the global test distribution), CIFAR-10-C-style corruptions, or an unreport
 training data (DM-PFL+'s base entropies). For every client the loop computes the logits of each model kind
 (``"personal"``, ``"global"``) on each view, lets callbacks add kinds built from them
 (:meth:`~pl_fedsparse.callbacks.FederatedCallback.on_client_predictions`, e.g. DM-PFL+'s adaptive choice) and
-reports the accuracy of every kind on every reported view:
+reports the accuracy of every kind on every reported view. A callback may also lend the evaluation models shared by
+every client that exist for evaluation only (:func:`shared_models`, e.g. :class:`~pl_fedsparse.callbacks.Gossip`'s
+``consensus``, the uniform average of all clients' models): each is one more kind, evaluated on every client's data
+like the global model.
 
 =======================  ===================================================================================
 metric                   meaning
 =======================  ===================================================================================
 ``acc_mean`` …           personal model, clean view (mean / weighted / std / bottom decile over clients)
 ``global_acc``           global model, clean view
-``<kind>_acc``           an added kind (e.g. ``adaptive_acc``), clean view
+``<kind>_acc``           an added or shared kind (e.g. ``adaptive_acc``, ``consensus_acc``), clean view; also
+                         ``<kind>_acc_weighted`` (for ``global`` too)
 ``<view>/acc_mean`` …    personal model on a view (e.g. ``shift100/acc_mean``, ``contrast_s5/acc_mean``)
 ``<view>/global_acc``    global model on a view
 ``<view>/<kind>_acc``    an added kind on a view
@@ -48,7 +52,7 @@ from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["CLEAN", "EvalView", "Evaluator", "kind_metric", "view_metric_prefix"]
+__all__ = ["CLEAN", "EvalView", "Evaluator", "kind_metric", "shared_models", "view_metric_prefix"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,29 @@ def kind_metric(kind: str) -> str:
     return {"personal": "acc_mean", "global": "global_acc"}.get(kind, f"{kind}_acc")
 
 
+def shared_models(loop: FederatedLoop) -> dict[str, dict[str, Tensor]]:
+    """Evaluation-only models shared by every client, by model kind: what the callbacks' ``eval_models(loop)``
+    return (an optional method; e.g. :meth:`pl_fedsparse.callbacks.Gossip.eval_models` gives
+    ``{"consensus": state}``).
+
+    Every client's data is evaluated with each of them besides its personal (and the global) model, reported as
+    ``<kind>_acc``, ``<kind>_acc_weighted``, ``<view>/<kind>_acc``, ``<kind>_<metric>``. Such a model is no one's
+    message: nothing is counted as communication. The evaluator asks in the driver before any forward pass, then
+    again wherever a client's forward pass runs (an out-of-process executor's worker asks its replica of the
+    callbacks), so a provider returns the same states throughout an evaluation (e.g. computed at the first call and
+    dropped in ``on_evaluation_end``).
+    """
+    out: dict[str, dict[str, Tensor]] = {}
+    for cb in loop.fed_callbacks:
+        provide = getattr(cb, "eval_models", None)
+        for kind, state in (provide(loop) if provide is not None else {}).items():
+            check(kind not in ("personal", "global", *out) and bool(kind) and "/" not in kind,
+                  f"{type(cb).__name__}.eval_models", kind,
+                  "a model kind name without '/', other than personal, global and another callback's kinds")
+            out[kind] = state
+    return out
+
+
 #: bins of the expected calibration error
 ECE_BINS = 15
 
@@ -157,7 +184,8 @@ def _same_state(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
 
 
 class Evaluator:
-    """Evaluates every client's models — ``"personal"`` and, when there is one, ``"global"`` — on every view.
+    """Evaluates every client's models — ``"personal"``, the ``"global"`` one when there is one, and the shared
+    evaluation-only ones (:func:`shared_models`) — on every view.
 
     For each client: one loader per distinct view (shifted / corrupted once, shared by every model kind); for each
     model kind, its state is loaded into the working module, ``on_client_evaluate_start`` lets callbacks adjust it
@@ -229,6 +257,7 @@ class Evaluator:
                                              v.severity)
         personal = loop.personal_state(k)
         kinds = [("personal", personal)] + ([("global", loop.global_state)] if has_global else [])
+        kinds += list(shared_models(loop).items())  # e.g. the consensus: evaluated like the global model
         # the global logits can only be the personal ones when both kinds start from the same state
         may_reuse = has_global and personal is loop.global_state
         outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
@@ -259,9 +288,8 @@ class Evaluator:
                 for name, kinds_out in outputs.items() if views[name].report}
 
     @staticmethod
-    def _progress_label(views: dict[str, EvalView], has_global: bool) -> str:
+    def _progress_label(views: dict[str, EvalView], models: int) -> str:
         """``"evaluating clients (51 views x 2 models)"``: what each step of the evaluation progress bar covers."""
-        models = 2 if has_global else 1
         return f"evaluating clients ({len(views)} view{'s' * (len(views) > 1)} x {models} model{'s' * (models > 1)})"
 
     def evaluate(self, split: str) -> dict[str, Any]:
@@ -270,13 +298,16 @@ class Evaluator:
         loop = self.loop
         views = self.views()
         has_global = loop.global_state is not None and loop.eval_global
+        # here, in the driver, before the forward passes run (here or in an executor's workers): a provider builds its
+        # shared models from every client's state now (the workers hold only their clients' state)
+        models = 1 + has_global + len(shared_models(loop))
         clients = list(range(loop.num_clients))
         spread = loop.executor.forward_clients(clients, split, views, has_global)  # None: here, one by one
         # clients done / total, on a terminal only (as the rounds' bar; an out-of-process executor has already
         # computed every forward here): the order and the numbers are unchanged
         todo = list(enumerate(clients))
         if spread is None:
-            todo = loop.reporter.progress(todo, self._progress_label(views, has_global), leave=False)
+            todo = loop.reporter.progress(todo, self._progress_label(views, models), leave=False)
         per_client = [self._summarize(k, views, *(spread[i] if spread is not None else
                                                   self.forward(k, split, views, has_global)))
                       for i, k in todo]

@@ -49,6 +49,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("acc weighted %", "acc_weighted", "pct"),
     ("acc bottom decile %", "acc_bottom10", "pct"),
     ("global acc %", "global_acc", "pct"),
+    ("consensus acc %", "consensus_acc", "pct"),
     ("shift avg acc %", "shift_avg/acc_mean", "pct"),
     ("corruption avg acc %", "corruption_avg/acc_mean", "pct"),
     ("adaptive acc %", "adaptive_acc", "pct"),

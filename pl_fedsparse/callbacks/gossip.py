@@ -19,6 +19,17 @@ density 0.5 that is 24 MB per client instead of 45 MB (``benchmarks/client_memor
 ``trainer.client_state_codec: lossless``). Before its first fit a client holds references to the shared initial
 weights (nothing per client). The round's snapshot holds the entries as stored (encoded under the lossless codec) and
 decodes one sender at a time; it stays in the driver (``driver_only_attributes``).
+
+Two readings of a serverless run (``consensus_eval``): every evaluation reports each client's own model — the personal
+view, ``acc_mean`` — and, with ``consensus_eval: true``, also the *consensus*: the uniform average of all clients'
+models (:func:`consensus_state`), evaluated on every client's test data as the model kind ``"consensus"``
+(``consensus_acc``, ``consensus_acc_weighted``, ``<view>/consensus_acc``, ``consensus_f1_macro``, …; see
+:mod:`pl_fedsparse.evaluation`). The consensus is what the DisPFL code reports for D-PSGD (``dpsgd_api.py:85``: the
+"global" model is the average of all clients' models, ``:159-167``, then tested on every client) and what its
+D-PSGD-FT fine-tunes from (:class:`~pl_fedsparse.callbacks.FineTune` with ``start: consensus``). No peer could
+compute it, so it is an evaluation-only view: it is built in the driver right before an evaluation and dropped
+after it, sends nothing (no bytes in the ledger), trains nothing (no FLOPs) and leaves every client's state as it
+was — a run gives the same training numbers with it on or off (``tests/test_consensus_view.py``).
 """
 
 from __future__ import annotations
@@ -32,19 +43,67 @@ from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
-from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["Gossip"]
+__all__ = ["Gossip", "consensus_state"]
+
+
+def consensus_state(loop: FederatedLoop) -> dict[str, Tensor]:
+    """The *consensus* of a federation: the uniform average of every client's personal model.
+
+    The DisPFL code's D-PSGD "global" model (``dpsgd_api.py:85``, averaged over all clients at ``:159-167``) and the
+    start of its D-PSGD-FT fine-tuning. Each client's model is ``loop.personal_state(k)`` — what the personal view of
+    the evaluation loads for that client (before evaluation hooks adjust it, e.g. ``FineTune``'s fine-tuned model
+    or a mask under ``mask_personal_eval``). For masked clients (DisPFL) it is the plain uniform average of their
+    stored weights, each zero off its own mask, as the DisPFL code averages its clients' models: no per-coordinate
+    normalisation by the masks and no mask on the result.
+
+    Clients are added one at a time (memory: one client's expanded model plus the sum, not every client's), with
+    the arithmetic of ``weighted_average(states, [1.0] * n)`` (:func:`~pl_fedsparse.functional.weighted_average`,
+    the same additions in the same order), so the result is bit for bit ``FineTune(start="consensus")``'s start.
+    Non-floating entries are taken from client 0. Reads the client store only (no RNG, no communication).
+
+    Args:
+        loop: a set-up federation (in the driver: every client's state is needed).
+
+    Returns:
+        A new state dict (CPU tensors).
+    """
+    n = loop.num_clients
+    total: dict[str, Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for k in range(n):
+        for name, t in loop.personal_state(k).items():
+            if k == 0:
+                dtypes[name] = t.dtype
+                if not t.is_floating_point():
+                    total[name] = t.clone()
+                    continue
+                acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+                total[name] = torch.zeros(t.shape, dtype=acc_dtype, device=t.device)
+            if dtypes[name].is_floating_point:
+                total[name].add_(t.to(total[name].dtype), alpha=1.0 / n)
+    return {name: t.to(dtypes[name]) for name, t in total.items()}
 
 
 class Gossip(FederatedCallback):
     """Peer-to-peer averaging over the topology's neighbours (owns ``client_message``, ``aggregate`` and
     ``personal_state``: there is no global model; a client's personal model is its last trained model).
+
+    Args:
+        consensus_eval: also evaluate the consensus — the uniform average of all clients' models
+            (:func:`consensus_state`) — on every client's test data at every evaluation, reported as
+            ``consensus_acc``, ``consensus_acc_weighted`` (and ``<view>/consensus_acc``, ``consensus_<metric>``) beside
+            the personal models' ``acc_mean``: the DisPFL code's D-PSGD reading (``dpsgd_api.py:85,159-167``).
+            Evaluation only: no bytes, no FLOPs, no change to training; a resumed run may switch it. Default off: it
+            costs one more forward pass per client and view, and for DisPFL itself the code reports each client's
+            freshly trained model (``_local_test_on_all_clients``, mean at ``dispfl_api.py:262``); the D-PSGD and
+            D-PSGD-FT configs switch it on.
 
     Example:
         .. code-block:: yaml
@@ -55,14 +114,23 @@ class Gossip(FederatedCallback):
                 - class_path: pl_fedsparse.callbacks.RandomRegrow      # DisPFL; omit for D-PSGD
                   init_args: {density: 0.5, same_mask: false, mask_personal_eval: false}
                 - class_path: pl_fedsparse.callbacks.Gossip
+                  init_args: {consensus_eval: true}                    # also report the consensus (D-PSGD)
     """
 
     driver_only_attributes = ("_snapshot", "_decode")  # (client_message runs in the driver)
+    #: the consensus of the evaluation in progress (None between evaluations); not driver-only: an out-of-process
+    #: executor's workers receive it with the callbacks to evaluate their clients on it
+    scratch_attributes = ("_consensus",)
+    #: evaluation only: switching the consensus view changes no round already run
+    resume_may_change: tuple[str, ...] = ("consensus_eval",)
 
-    def __init__(self) -> None:
+    def __init__(self, *, consensus_eval: bool = False) -> None:
+        check(isinstance(consensus_eval, bool), "Gossip.consensus_eval", consensus_eval, "true or false")
+        self.consensus_eval = consensus_eval
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._snapshot: dict[int, tuple[dict[str, Tensor], dict[str, Tensor]]] = {}
         self._decode: Callable[[Any], Any] = lambda value: value
+        self._consensus: dict[str, Tensor] | None = None
 
     @override
     def setup_federation(self, loop: FederatedLoop) -> None:
@@ -70,6 +138,7 @@ class Gossip(FederatedCallback):
             raise ConfigError(f"trainer.topology={type(loop.topology).__name__} is invalid for Gossip: expected a "
                               "peer topology (pl_fedsparse.topology.Ring, FullyConnected or RandomPeers)")
         self._shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items()}
+        self._consensus = None
         self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
         # the mask of the last fit, bit-packed ({} = dense); before the first fit, the client's initial mask (from the
         # mask callback's client_masks policy), so round 0 already sends w₀ ⊙ m_k as DisPFL's clients do
@@ -122,6 +191,7 @@ class Gossip(FederatedCallback):
     def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
         # after every callback's on_client_fit_end, so update.masks is final whatever the callback order; only the
         # round's own fits are here (fine-tuning fits never become a client's gossip model)
+        self._consensus = None  # (the clients' models change here: never evaluate a consensus of older ones)
         for update in updates:
             masks = {n: m.to(torch.bool) for n, m in (update.masks or {}).items() if n in self._shapes}
             # sparse: the values at the mask's positions (the trained model is zero elsewhere; see the module doc)
@@ -138,3 +208,25 @@ class Gossip(FederatedCallback):
         packed = self.get_client_state(loop, client_idx, "mask")
         weights = self.get_client_state(loop, client_idx, "weights")
         return self._expand(weights, unpack_masks(packed, self._shapes) if packed else {})
+
+    def eval_models(self, loop: FederatedLoop) -> dict[str, dict[str, Tensor]]:
+        """The evaluation-only models of this evaluation (:func:`pl_fedsparse.evaluation.shared_models`):
+        ``{"consensus": consensus_state(loop)}`` with ``consensus_eval``, else none.
+
+        Computed once per evaluation, in the driver (the evaluator asks before any forward pass), and kept until
+        ``on_evaluation_end``: every client's forward pass — here or in an executor's worker, which receives it with
+        the callbacks — evaluates the same consensus.
+        """
+        if not self.consensus_eval:
+            return {}
+        if self._consensus is None:
+            self._consensus = consensus_state(loop)
+        return {"consensus": self._consensus}
+
+    @override
+    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+        self._consensus = None  # a dense model: not kept (nor shipped to workers) between evaluations
+
+    @override
+    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+        return [("consensus model acc", "consensus_acc")] if self.consensus_eval else []
