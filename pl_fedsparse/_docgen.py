@@ -32,6 +32,7 @@ KINDS = {
     "broadcast": "Broadcast hooks (called on every callback; return `None`)",
     "collected": "Collected hooks (called on every callback; the loop gathers the returned lists)",
     "policy": "Policies (one owner: the callback whose class overrides it; the base versions are never called)",
+    "declaration": "Declarations (asked once when the federation starts)",
     "state": "Per-client state helpers (call them; don't override them)",
 }
 
@@ -80,13 +81,14 @@ def _summary(fn: Callable[..., Any]) -> str:
 def hook_kinds(cls: type | None = None) -> dict[str, list[str]]:
     """The public methods ``cls`` (default :class:`FederatedCallback`) defines itself, by kind, in source order.
 
-    A policy is a name in :data:`~pl_fedsparse.callbacks.base.POLICIES`; a state helper ends in
+    A policy is a name in :data:`~pl_fedsparse.callbacks.base.POLICIES`, a declaration one in
+    :data:`~pl_fedsparse.callbacks.base.DECLARATIONS`; a state helper ends in
     ``_client_state``; a hook that returns ``None`` is broadcast, any other is collected. Lightning's own hooks,
     properties and class methods are not listed.
     """
     import lightning.pytorch as pl
 
-    from pl_fedsparse.callbacks.base import POLICIES
+    from pl_fedsparse.callbacks.base import DECLARATIONS, POLICIES
 
     cls = _callback_class() if cls is None else cls
     out: dict[str, list[str]] = {kind: [] for kind in KINDS}
@@ -95,6 +97,8 @@ def hook_kinds(cls: type | None = None) -> dict[str, list[str]]:
             continue
         if name in POLICIES:
             kind = "policy"
+        elif name in DECLARATIONS:
+            kind = "declaration"
         elif name.endswith("_client_state"):
             kind = "state"
         else:

@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 from conftest import tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import FederatedCallback, FitContext, FitSpec, Message, _docgen, current_fit
-from pl_fedsparse.callbacks import POLICIES
+from pl_fedsparse.callbacks.base import DECLARATIONS, POLICIES
 from pl_fedsparse.functional import weighted_average
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -32,7 +32,8 @@ def _functions(cls: type) -> list[str]:
 #: every Lightning callback hook (setup, on_fit_start, ..., state_dict, load_state_dict)
 LIGHTNING_HOOKS = _functions(pl.Callback)
 #: every federation hook (broadcast and collected) of FederatedCallback
-FEDERATION_HOOKS = [n for n in _functions(FederatedCallback) if n not in HELPERS and n not in POLICIES]
+FEDERATION_HOOKS = [n for n in _functions(FederatedCallback)
+                    if n not in HELPERS and n not in POLICIES and n not in DECLARATIONS]
 
 
 def documented_order(text: str) -> list[str]:
@@ -195,6 +196,7 @@ def test_hook_reference_covers_every_hook_and_policy() -> None:
     assert set(kinds["broadcast"] + kinds["collected"]) == set(FEDERATION_HOOKS)
     assert set(kinds["state"]) == HELPERS
     assert kinds["collected"] == ["fit_requests", "eval_views", "report_rows"]
+    assert kinds["declaration"] == list(DECLARATIONS)
     block = _docgen.hook_reference()
     for name in FEDERATION_HOOKS + list(POLICIES):
         sig = inspect.signature(getattr(FederatedCallback, name))

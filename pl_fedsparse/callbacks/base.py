@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
 __all__ = ["FederatedCallback", "POLICIES"]
+#: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
+DECLARATIONS = ("vectorized_fit",)
 
 POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state", "client_masks")
 
