@@ -1,0 +1,774 @@
+"""The numbers in the reproduction pages are the committed records' numbers.
+
+Every markdown table in ``docs/reproduce/*.md`` and ``README.md`` that is preceded by a ``<!-- numbers ... -->``
+comment is *checked*: the comment is a small YAML spec that says where each column's numbers come from, the checker
+recomputes every cell from the records (``benchmarks/**/summary.json``, ``metrics.jsonl``, the ``*.json`` / ``*.txt``
+records) and compares it with the page number by number: every number in a cell must read exactly as the records'
+value printed with the spec's format (so at the page's precision). A stale or hand-edited number fails, and so do a
+number in a column the spec does not map, a row the spec does not know and a spec row missing from the table. The
+spec::
+
+    <!-- numbers
+    id: fedspa-200                       # the table's name in error messages
+    dir: benchmarks/long_horizon          # records are named relative to this folder (default: the repository)
+    key: run                              # the column(s) whose text names the row (their numbers are labels)
+    let: {P: '"r.final.acc_mean*100"'}    # names for every row: Python expressions (row-level ``let`` too)
+    rows:                                 # row label -> variables for the cell templates
+      FedSpa-DST: {runs: fedspa_dst fedspa_dst_seed*}
+      Local: {run: fedspa_local, let: {a: 'vals("fedspa_local", P)'}}
+    vars: {clients: n}                    # or: variables read from the key columns' text (instead of ``rows``)
+    cols:                                 # column header -> cell template ({expression:format} fields)
+      personal acc %: '{seeds("r.final.acc_mean*100", 2)}'
+      total MB: '{r.s.comm_cum_bytes_total/1e6:.1f}'
+      verdict: {text: '{claim(...).verdict}'}   # compare the whole text, not only its numbers
+      global: {Local: '-', '*': '{...}'}    # a template per row label ('*': the others)
+    skip: [paper]                         # columns quoted from a paper, not from a record (not checked)
+    -->
+
+Run names are relative to ``dir``; a name starting with ``/`` is relative to the repository. Names in the spec (rows,
+columns) are matched as the table shows them, without ``**`` and backticks.
+
+A cell template is text with ``{expression}`` or ``{expression:format}`` fields; the expression is Python, evaluated
+with the row's variables and these names:
+
+* ``r`` — the row's run (``run: NAME``), ``runs`` — its runs (``runs: NAME GLOB...``, records with a
+  ``summary.json``); ``run(NAME)`` — any run. A run has ``.s`` (``summary.json``), ``.final`` (its ``final``),
+  ``.after(n)`` (the ``metrics.jsonl`` row of 0-based round ``n - 1``), ``.last(key)`` / ``.best(key)`` /
+  ``.best_row(key)`` (the last / highest recorded value, the row holding it), ``.rows``. JSON objects read as
+  attributes (``r.final.acc_mean``) or items (``r.final["seen/acc_weighted"]``).
+* ``seeds(expr, d)`` — ``mean ± sample std (n)`` of ``expr`` over ``runs`` (``mean (1)`` for one run), as
+  ``pl-fed report``'s ``seeds.md`` prints it; ``vals(runs, expr)`` — the values (``runs``: names and globs);
+  ``st(values, d)`` — those values as ``mean ± std (n)``; ``claim(a, b)`` — two value lists compared: ``.gap``,
+  ``.spread`` (the larger sample std), ``.verdict`` ("holds" only where ``a − b`` exceeds the spread; "one seed: not
+  settled" below two seeds a side), ``.same_verdict`` (for ``a ≈ b``); ``consensus(run)`` — a serverless run's
+  consensus accuracy (its ``consensus_acc``, else ``consensus.json`` beside the record, else ``None``);
+  ``known(values)`` — the values that are not ``None``.
+* ``J(file)`` — a JSON record, ``find(list, key, suffix)`` — its item whose ``key`` ends with ``suffix``;
+  ``T(file, regex, group)`` — a group of ``regex``'s first match in a text record, ``count(file, regex)`` — its
+  number of matches; ``md(file, k)`` — the ``k``-th markdown table of a text record as ``{first cell: {header:
+  cell}}``; ``bottom(values)`` — the ⌊N/10⌋-th smallest value.
+
+``python tests/test_docs_numbers.py --write PAGE...`` rewrites the checked cells of PAGE from the records (after new
+seeds are recorded, for example); ``python tests/test_docs_numbers.py`` lists the checked tables.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = ["docs/reproduce/pfedgate.md", "docs/reproduce/fedspa.md", "docs/reproduce/fedpse.md",
+         "docs/reproduce/dmpfl.md", "docs/reproduce/dispfl.md", "docs/reproduce/engine.md", "README.md"]
+
+SPEC_RE = re.compile(r"<!--\s*numbers\b(.*?)-->", re.DOTALL)
+# a number: an optional sign, digits, decimals, an exponent — not part of a word ("conv2", "r34", "VGG11" are not
+# numbers) and not a sign after a digit ("1.6-8.7" is 1.6 and 8.7)
+NUMBER_RE = re.compile(r"(?<![\w.])[+\-−]?\d+(?:\.\d+)?(?:[eE][+\-]?\d+)?(?!\w|\.\d)")
+
+
+# ------------------------------------------------------------------------------------------------ reading records
+class Obj(dict):
+    """A JSON object read by attribute (``o.final.acc_mean``) or item (``o["seen/acc_weighted"]``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return wrap(self[name])
+        except KeyError:
+            raise AttributeError(f"no key {name!r} (keys: {', '.join(sorted(self))[:300]})") from None
+
+    def __getitem__(self, name):
+        return wrap(dict.__getitem__(self, name))
+
+
+def wrap(v):
+    if isinstance(v, dict) and not isinstance(v, Obj):
+        return Obj(v)
+    if isinstance(v, list):
+        return [wrap(x) for x in v]
+    return v
+
+
+class Records:
+    """Record files read once per checker run."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._cache: dict[Path, object] = {}
+
+    def path(self, base: Path, name: str) -> Path:
+        p = (base / name) if not name.startswith("/") else (self.root / name.lstrip("/"))
+        if not p.exists():
+            raise LookupError(f"no record {p.relative_to(self.root) if p.is_relative_to(self.root) else p}")
+        return p
+
+    def json(self, p: Path):
+        if p not in self._cache:
+            self._cache[p] = json.loads(p.read_text())
+        return wrap(self._cache[p])
+
+    def jsonl(self, p: Path) -> list:
+        if p not in self._cache:
+            self._cache[p] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+        return wrap(self._cache[p])
+
+    def text(self, p: Path) -> str:
+        if p not in self._cache:
+            self._cache[p] = p.read_text()
+        return self._cache[p]  # type: ignore[return-value]
+
+
+class Run:
+    """One run's record: ``summary.json`` and ``metrics.jsonl``."""
+
+    def __init__(self, records: Records, path: Path):
+        self.records, self.path, self.name = records, path, path.name
+
+    @cached_property
+    def s(self) -> Obj:
+        return self.records.json(self.path / "summary.json")
+
+    @property
+    def final(self) -> Obj:
+        return self.s.final
+
+    @cached_property
+    def rows(self) -> list[Obj]:
+        return self.records.jsonl(self.path / "metrics.jsonl")
+
+    def after(self, n: int) -> Obj:
+        """The row of round ``n - 1`` (0-based): the state after ``n`` rounds."""
+        for row in self.rows:
+            if row["round"] == n - 1:
+                return row
+        raise LookupError(f"{self.name}: no metrics row for round {n - 1}")
+
+    def evaluated(self, key: str = "acc_mean") -> list[Obj]:
+        return [row for row in self.rows if row.get(key) is not None]
+
+    def last(self, key: str = "acc_mean"):
+        """The last recorded value of ``key`` (``None`` if no row has it)."""
+        rows = self.evaluated(key)
+        return rows[-1][key] if rows else None
+
+    def best(self, key: str = "acc_mean"):
+        return max(row[key] for row in self.evaluated(key))
+
+    def best_row(self, key: str = "acc_mean") -> Obj:
+        return max(self.evaluated(key), key=lambda row: row[key])
+
+    def __repr__(self) -> str:
+        return f"Run({self.name})"
+
+
+def _natural(p: Path):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def resolve_runs(records: Records, base: Path, spec: str) -> list[Run]:
+    runs: list[Run] = []
+    for word in spec.split():
+        if any(ch in word for ch in "*?["):
+            hits = sorted((Path(p) for p in glob.glob(str(base / word)) if (Path(p) / "summary.json").exists()),
+                          key=_natural)
+        else:
+            hits = [records.path(base, word)]
+        runs += [Run(records, p) for p in hits if p not in [r.path for r in runs]]
+    if not runs:
+        raise LookupError(f"no records for runs {spec!r} under {base.relative_to(records.root)}")
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------- statistics
+def sample_std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def seeds_text(values: list[float], d: int) -> str:
+    """``mean ± sample std (n)``, ``mean (1)`` for one value — ``pl-fed report``'s ``seeds.md`` format."""
+    m = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{m:.{d}f} (1)"
+    return f"{m:.{d}f} ± {sample_std(values):.{d}f} ({len(values)})"
+
+
+@dataclass
+class Claim:
+    """``a > b`` over seeds: holds only where the gap exceeds the seeds' spread (the larger sample std)."""
+
+    a: list[float]
+    b: list[float]
+    d: int = 2
+
+    @property
+    def gap(self) -> float:
+        return statistics.fmean(self.a) - statistics.fmean(self.b)
+
+    @property
+    def spread(self) -> float:
+        return max(sample_std(self.a), sample_std(self.b))
+
+    @property
+    def settled(self) -> bool:
+        return len(self.a) >= 2 and len(self.b) >= 2
+
+    @property
+    def verdict(self) -> str:
+        if not self.settled:
+            return "one seed: not settled"
+        if self.gap > self.spread:
+            return "holds"
+        if self.gap < -self.spread:
+            return "no: reversed"
+        return "no: inside the spread"
+
+    @property
+    def same_verdict(self) -> str:
+        """For ``a ≈ b``: holds where the gap is inside the spread."""
+        if not self.settled:
+            return "one seed: not settled"
+        return "holds" if abs(self.gap) <= self.spread else "no"
+
+    @property
+    def spread_text(self) -> str:
+        return "-" if not self.settled else f"{self.spread:.{self.d}f}"
+
+
+def bottom(values: list[float]) -> float:
+    """pFedGate/FedEM's bottom decile: the ⌊N/10⌋-th smallest value (0-based)."""
+    return sorted(values)[len(values) // 10]
+
+
+# ------------------------------------------------------------------------------------------------- templates
+def _fields(template: str) -> list[str | tuple[str, str]]:
+    """Split a template into literal text and (expression, format) fields."""
+    out: list[str | tuple[str, str]] = []
+    i, lit = 0, ""
+    while i < len(template):
+        ch = template[i]
+        if ch == "{" and template.startswith("{{", i):
+            lit, i = lit + "{", i + 2
+            continue
+        if ch == "}" and template.startswith("}}", i):
+            lit, i = lit + "}", i + 2
+            continue
+        if ch != "{":
+            lit, i = lit + ch, i + 1
+            continue
+        depth, j, quote, colon = 0, i + 1, None, -1
+        while j < len(template):
+            c = template[j]
+            if quote:
+                if c == quote:
+                    quote = None
+            elif c in "'\"":
+                quote = c
+            elif c in "([{":
+                depth += 1
+            elif c in ")]":
+                depth -= 1
+            elif c == "}":
+                if depth == 0:
+                    break
+                depth -= 1
+            elif c == ":" and depth == 0:
+                colon = j
+            j += 1
+        else:
+            raise ValueError(f"unclosed field in template {template!r}")
+        body = template[i + 1:j]
+        expr, fmt = (body, "") if colon < 0 else (template[i + 1:colon], template[colon + 1:j])
+        if lit:
+            out.append(lit)
+            lit = ""
+        out.append((expr.strip(), fmt))
+        i = j + 1
+    if lit:
+        out.append(lit)
+    return out
+
+
+def render(template: str, ns: dict) -> str:
+    parts = []
+    for part in _fields(template):
+        if isinstance(part, str):
+            parts.append(part)
+            continue
+        expr, fmt = part
+        value = eval(expr, {**ns, "__builtins__": _BUILTINS})
+        parts.append("-" if value is None else format(value, fmt) if fmt else str(value))
+    return "".join(parts)
+
+
+_BUILTINS = {n: getattr(__builtins__, n) if not isinstance(__builtins__, dict) else __builtins__[n]
+             for n in ("abs", "len", "max", "min", "round", "sum", "sorted", "float", "int", "str", "range", "format",
+                       "enumerate", "zip", "any", "all", "list", "dict", "set", "bool")}
+
+
+# ------------------------------------------------------------------------------------------------- markdown
+def strip_md(cell: str) -> str:
+    return re.sub(r"\s+", " ", cell.replace("**", "").replace("`", "")).strip()
+
+
+def numbers(text: str) -> list[str]:
+    return [n.replace("−", "-") for n in NUMBER_RE.findall(strip_md(text))]
+
+
+def split_row(line: str) -> list[str]:
+    cells = re.split(r"(?<!\\)\|", line.strip())
+    return [c.strip() for c in cells[1:-1]]
+
+
+@dataclass
+class Table:
+    spec: dict
+    spec_line: int
+    header: list[str]
+    rows: list[tuple[int, list[str]]]  # (0-based line number, cells)
+    lines: list[str] = field(default_factory=list)
+
+
+def find_tables(text: str, page: str) -> tuple[list[Table], list[str]]:
+    """Every ``<!-- numbers -->`` spec and the table right after it."""
+    lines = text.splitlines()
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line) + 1)
+    tables, errors = [], []
+    for m in SPEC_RE.finditer(text):
+        first = next(i for i, o in enumerate(offsets) if o > m.start()) - 1
+        try:
+            spec = yaml.safe_load(m.group(1)) or {}
+        except yaml.YAMLError as exc:
+            errors.append(f"{page}:{first + 1}: the numbers spec is not YAML: {exc}")
+            continue
+        end = next(i for i, o in enumerate(offsets) if o > m.end() - 1) - 1
+        i = end + 1
+        while i < len(lines) and not lines[i].strip():
+            i += 1
+        if i + 1 >= len(lines) or not lines[i].lstrip().startswith("|") or "---" not in lines[i + 1]:
+            errors.append(f"{page}:{first + 1}: numbers spec {spec.get('id')!r} is not followed by a table")
+            continue
+        header = [strip_md(c) for c in split_row(lines[i])]
+        rows = []
+        j = i + 2
+        while j < len(lines) and lines[j].lstrip().startswith("|"):
+            rows.append((j, split_row(lines[j])))
+            j += 1
+        tables.append(Table(spec, first, header, rows, lines))
+    return tables, errors
+
+
+# ------------------------------------------------------------------------------------------------- checking
+@dataclass
+class Result:
+    errors: list[str] = field(default_factory=list)
+    checked: int = 0
+    tables: list[str] = field(default_factory=list)
+    rewritten: dict[int, str] = field(default_factory=dict)
+
+
+def _namespace(records: Records, base: Path, row_vars: dict) -> dict:
+    def run(name: str) -> Run:
+        return Run(records, records.path(base, name))
+
+    def runs_of(spec: str) -> list[Run]:
+        return resolve_runs(records, base, spec)
+
+    ns: dict = dict(row_vars)
+    runs: list[Run] = []
+    if "runs" in row_vars:
+        runs = runs_of(str(row_vars["runs"]))
+    elif "run" in row_vars:
+        runs = [run(str(row_vars["run"]))]
+    ns["runs"] = runs
+    if len(runs) == 1:
+        ns["r"] = runs[0]
+
+    def vals(spec, expr: str) -> list[float]:
+        group = runs_of(spec) if isinstance(spec, str) else spec
+        return [eval(expr, {**ns, "r": x, "__builtins__": _BUILTINS}) for x in group]
+
+    def seeds(expr: str, d: int = 2, spec=None) -> str:
+        """Over the runs that have a value (``None``: not recorded for that seed)."""
+        values = [v for v in vals(runs if spec is None else spec, expr) if v is not None]
+        return "-" if not values else seeds_text(values, d)
+
+    def consensus(r: Run):
+        """A serverless run's consensus accuracy: its ``consensus_acc`` (``Gossip(consensus_eval: true)``), else the
+        ``consensus.json`` beside its record (``benchmarks/consensus_eval.py`` on its checkpoint), else ``None``."""
+        if r.final.get("consensus_acc") is not None:
+            return r.final["consensus_acc"]
+        path = r.path.parent / "consensus.json"
+        if path.exists():
+            for item in records.json(path):
+                if str(item["run_dir"]).endswith("/" + r.name):
+                    return item["consensus_acc"]
+        return None
+
+    def known(values: list) -> list:
+        return [v for v in values if v is not None]
+
+    def J(name: str):
+        return records.json(records.path(base, name))
+
+    def T(name: str, regex: str, group: int = 1) -> str:
+        m = re.search(regex, records.text(records.path(base, name)), flags=re.MULTILINE)
+        if m is None:
+            raise LookupError(f"{name}: no match for {regex!r}")
+        return m.group(group)
+
+    def count(name: str, regex: str) -> int:
+        return len(re.findall(regex, records.text(records.path(base, name)), flags=re.MULTILINE))
+
+    def md(name: str, k: int = 0) -> dict:
+        tabs, cur = [], None
+        for line in records.text(records.path(base, name)).splitlines():
+            if line.lstrip().startswith("|"):
+                if cur is None:
+                    cur = [split_row(line)]
+                elif "---" not in line:
+                    cur.append(split_row(line))
+            elif cur is not None:
+                tabs.append(cur)
+                cur = None
+        if cur is not None:
+            tabs.append(cur)
+        head, *body = tabs[k]
+        return {r[0]: dict(zip(head, r)) for r in body}
+
+    def find(items: list, key: str, suffix: str):
+        for item in items:
+            if str(item[key]).endswith(suffix):
+                return item
+        raise LookupError(f"no item with {key} ending in {suffix!r}")
+
+    ns.update(run=run, vals=vals, seeds=seeds, st=seeds_text, claim=Claim, consensus=consensus, known=known,
+              J=J, T=T, count=count, md=md, find=find, bottom=bottom, mean=statistics.fmean, std=sample_std)
+    return ns
+
+
+def check_table(table: Table, page: str, records: Records, result: Result) -> None:
+    spec = table.spec
+    tid = spec.get("id", f"line {table.spec_line + 1}")
+    where = f"{page}, table {tid!r}"
+    base = records.root / spec.get("dir", ".")
+    key = spec.get("key", table.header[0])
+    keys = [strip_md(str(k)) for k in ([key] if isinstance(key, str) else key)]
+    # names in the spec are compared as the table shows them (without `code` and **bold** marks)
+    cols = {strip_md(str(k)): ({strip_md(str(a)): b for a, b in v.items()} if isinstance(v, dict) and set(v) != {"text"}
+                               else v) for k, v in (spec.get("cols") or {}).items()}
+    skip = [strip_md(str(s)) for s in spec.get("skip") or []]
+    for name in keys + list(cols) + skip:
+        if name not in table.header:
+            result.errors.append(f"{where}: the spec names column {name!r}, the table has {table.header}")
+    if any(e.startswith(where) for e in result.errors):
+        return
+    rows_spec = spec.get("rows")
+    if rows_spec is not None:
+        rows_spec = {strip_md(str(k)): v for k, v in rows_spec.items()}
+    vars_spec = {strip_md(str(k)): v for k, v in (spec.get("vars") or {}).items()}
+    seen = set()
+    result.tables.append(f"{page}: {tid}")
+    for line_no, cells in table.rows:
+        if len(cells) != len(table.header):
+            result.errors.append(f"{where}, line {line_no + 1}: {len(cells)} cells for {len(table.header)} columns")
+            continue
+        by_col = dict(zip(table.header, cells))
+        label = " | ".join(strip_md(by_col[k]) for k in keys)
+        if rows_spec is not None:
+            if label not in rows_spec:
+                result.errors.append(f"{where}: row {label!r} has no entry in the spec's rows")
+                continue
+            row_vars = rows_spec[label]
+            row_vars = {"run": row_vars} if isinstance(row_vars, str) else dict(row_vars or {})
+        else:
+            row_vars = {}
+        for col, var in vars_spec.items():
+            row_vars[var] = strip_md(by_col[col])
+        seen.add(label)
+        lets = {**(spec.get("let") or {}), **(row_vars.pop("let", None) or {})}
+        try:
+            ns = _namespace(records, base, row_vars)
+            for name, expr in lets.items():
+                ns[name] = eval(str(expr), {**ns, "__builtins__": _BUILTINS})
+        except Exception as exc:  # noqa: BLE001 — a row whose records are missing or whose spec is wrong
+            result.errors.append(f"{where}, row {label!r}: cannot read its records: {type(exc).__name__}: {exc}")
+            continue
+        new_cells = list(cells)
+        for ci, col in enumerate(table.header):
+            page_cell = cells[ci]
+            if col in keys or col in skip:
+                continue
+            if col not in cols:
+                if numbers(page_cell):
+                    result.errors.append(f"{where}, row {label!r}, column {col!r}: the number(s) "
+                                         f"{', '.join(numbers(page_cell))} come from no record (unmapped column)")
+                continue
+            cspec = cols[col]
+            text_mode = isinstance(cspec, dict) and set(cspec) == {"text"}
+            template = cspec["text"] if text_mode else cspec
+            if isinstance(template, dict):  # per-row templates: {row label: template, ...}
+                template = {strip_md(str(k)): v for k, v in template.items()}
+                template = template.get(label, template.get("*"))
+                if template is None:
+                    if numbers(page_cell):
+                        result.errors.append(f"{where}, row {label!r}, column {col!r}: unmapped number(s)")
+                    continue
+            try:
+                want = render(str(template), ns)
+            except Exception as exc:  # noqa: BLE001 — reported as a failure of this cell
+                result.errors.append(f"{where}, row {label!r}, column {col!r}: cannot compute from the records: "
+                                     f"{type(exc).__name__}: {exc}")
+                continue
+            bold = page_cell.startswith("**") and page_cell.endswith("**") and len(page_cell) > 4
+            new_cells[ci] = f"**{want}**" if bold else want
+            cell_where = f"{where}, row {label!r}, column {col!r}"
+            if text_mode:
+                result.checked += len(numbers(want)) or 1
+                if strip_md(page_cell) != strip_md(want):
+                    result.errors.append(f"{cell_where}: page says {strip_md(page_cell)!r}, "
+                                         f"the records give {strip_md(want)!r}")
+                continue
+            got, exp = numbers(page_cell), numbers(want)
+            if len(got) != len(exp):
+                result.errors.append(f"{cell_where}: page says {strip_md(page_cell)!r} ({len(got)} numbers), "
+                                     f"the records give {want!r} ({len(exp)} numbers)")
+                continue
+            for g, e in zip(got, exp):
+                result.checked += 1
+                if g.lstrip("+") != e.lstrip("+") or (g.startswith("-") != e.startswith("-")):
+                    result.errors.append(f"{cell_where}: page says {g}, the records give {e} "
+                                         f"(cell {strip_md(page_cell)!r}, records {want!r})")
+        if new_cells != cells:
+            result.rewritten[line_no] = "| " + " | ".join(new_cells) + " |"
+    if rows_spec is not None:
+        for label in rows_spec:
+            if label not in seen:
+                result.errors.append(f"{where}: the spec's row {label!r} is not in the table")
+
+
+def check_text(text: str, page: str, root: Path = REPO) -> Result:
+    """Check every table of ``text`` (the page ``page``) that has a numbers spec against the records under ``root``."""
+    records = Records(root)
+    result = Result()
+    tables, errors = find_tables(text, page)
+    result.errors += errors
+    for table in tables:
+        check_table(table, page, records, result)
+    return result
+
+
+def rewrite(text: str, page: str, root: Path = REPO) -> tuple[str, Result]:
+    """``text`` with every checked cell recomputed from the records (cells that cannot be computed are kept)."""
+    result = check_text(text, page, root)
+    lines = text.splitlines()
+    for line_no, line in result.rewritten.items():
+        lines[line_no] = line
+    return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), result
+
+
+# ------------------------------------------------------------------------------------------------- the tests
+def _page(name: str) -> str:
+    return (REPO / name).read_text()
+
+
+def test_every_checked_table_matches_its_records():
+    errors, total = [], 0
+    for page in PAGES:
+        result = check_text(_page(page), page)
+        errors += result.errors
+        total += result.checked
+    assert not errors, f"{len(errors)} number(s) differ from the committed records (regenerate with " \
+                       f"`python tests/test_docs_numbers.py --write PAGE`, or fix the spec):\n" + "\n".join(errors)
+    assert total > 500
+
+
+#: the tables that must stay checked (a page that drops its spec would otherwise pass silently)
+REQUIRED = {
+    "docs/reproduce/fedspa.md": {"fedspa-200", "fedspa-claims", "fedspa-trajectory", "fedspa-backbone"},
+    "docs/reproduce/dispfl.md": {"dispfl-200", "dispfl-claims", "dispfl-trajectory", "dispfl-why"},
+    "docs/reproduce/pfedgate.md": {"pfedgate-t1", "pfedgate-t8", "pfedgate-long", "pfedgate-plateau",
+                                   "pfedgate-cost"},
+    "docs/reproduce/fedpse.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
+                                 "fedpse-round1", "fedpse-first-look"},
+    "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded"},
+    "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
+    "README.md": {"readme-fedpse"},
+}
+
+
+def test_the_required_tables_are_checked():
+    for page, ids in REQUIRED.items():
+        tables, errors = find_tables(_page(page), page)
+        assert not errors, errors
+        have = {t.spec.get("id") for t in tables}
+        assert ids <= have, f"{page}: tables {sorted(ids - have)} are no longer checked"
+        for t in tables:
+            assert t.rows, f"{page}: table {t.spec.get('id')!r} has no rows"
+
+
+def _alter_first(text: str, table_id: str, col: str, old: str, new: str) -> tuple[str, str]:
+    """``text`` with ``old`` replaced by ``new`` in column ``col`` of the first row of table ``table_id``."""
+    tables, _ = find_tables(text, "x")
+    table = next(t for t in tables if t.spec.get("id") == table_id)
+    line_no, cells = table.rows[0]
+    ci = table.header.index(col)
+    assert old in cells[ci], cells[ci]
+    cells = list(cells)
+    cells[ci] = cells[ci].replace(old, new, 1)
+    lines = text.splitlines()
+    lines[line_no] = "| " + " | ".join(cells) + " |"
+    return "\n".join(lines) + "\n", strip_md(cells[0])
+
+
+def test_a_hand_edited_number_fails_naming_page_table_cell_and_both_values():
+    page = "docs/reproduce/dispfl.md"
+    text = _page(page)
+    assert not check_text(text, page).errors
+    tables, _ = find_tables(text, page)
+    table = next(t for t in tables if t.spec.get("id") == "dispfl-trajectory")
+    cell = table.rows[0][1][table.header.index("r200")]
+    true = numbers(cell)[0]
+    edited = f"{float(true) + 0.1:.1f}"
+    altered, row = _alter_first(text, "dispfl-trajectory", "r200", true, edited)
+    errors = check_text(altered, page).errors
+    assert len(errors) == 1, errors
+    msg = errors[0]
+    for part in (page, "'dispfl-trajectory'", f"row {row!r}", "column 'r200'", f"page says {edited}",
+                 f"the records give {true}"):
+        assert part in msg, (part, msg)
+
+
+def test_a_stale_seed_count_fails():
+    page = "docs/reproduce/fedspa.md"
+    text = _page(page)
+    tables, _ = find_tables(text, page)
+    table = next(t for t in tables if t.spec.get("id") == "fedspa-200")
+    cell = table.rows[0][1][table.header.index("personal acc % (r200)")]
+    n = re.search(r"\((\d+)\)", cell).group(1)
+    altered, _ = _alter_first(text, "fedspa-200", "personal acc % (r200)", f"({n})", f"({int(n) + 1})")
+    errors = check_text(altered, page).errors
+    assert errors and f"page says {int(n) + 1}, the records give {n}" in errors[0], errors
+
+
+def test_an_unmapped_number_fails():
+    text = """<!-- numbers
+id: t
+dir: benchmarks/long_horizon
+rows: {DisPFL: dispfl}
+cols: {acc: '{r.final.acc_mean*100:.1f}'}
+-->
+
+| run | acc | note |
+|---|---|---|
+| DisPFL | 66.7 | 12 |
+"""
+    errors = check_text(text, "page.md").errors
+    assert len(errors) == 1 and "column 'note'" in errors[0] and "unmapped" in errors[0], errors
+    assert not check_text(text.replace("| 12 |", "| n/a |"), "page.md").errors
+
+
+def test_rows_and_columns_must_match_the_spec():
+    base = """<!-- numbers
+id: t
+dir: benchmarks/long_horizon
+rows: {DisPFL: dispfl, Local: dispfl_local}
+cols: {acc: '{r.final.acc_mean*100:.1f}'}
+-->
+
+| run | acc |
+|---|---|
+| DisPFL | 66.7 |
+"""
+    errors = check_text(base, "page.md").errors
+    assert errors == ["page.md, table 't': the spec's row 'Local' is not in the table"], errors
+    errors = check_text(base + "| Other | 1.0 |\n", "page.md").errors
+    assert any("row 'Other' has no entry" in e for e in errors), errors
+    errors = check_text(base.replace("cols: {acc:", "cols: {accuracy:"), "page.md").errors
+    assert any("names column 'accuracy'" in e for e in errors), errors
+
+
+def test_seed_groups_match_pl_fed_report():
+    """The seed cells use ``pl-fed report``'s format and arithmetic (mean ± sample std (n)); its seeds.md gave
+    64.85 ± 1.85 (3) for DisPFL and 64.79 ± 2.08 (3) for Local at 200 rounds (README, "Compare runs")."""
+    records = Records(REPO)
+    base = REPO / "benchmarks/long_horizon"
+    for spec, want in (("dispfl dispfl_seed*", "64.85 ± 1.85 (3)"), ("dispfl_local dispfl_local_seed*",
+                                                                   "64.79 ± 2.08 (3)")):
+        values = [100 * r.final.acc_mean for r in resolve_runs(records, base, spec)]
+        assert seeds_text(values, 2) == want
+    assert seeds_text([58.08], 2) == "58.08 (1)"
+    assert Claim([64.85], [1.0]).verdict == "one seed: not settled"
+    assert Claim([3.0, 5.0], [1.0, 1.2]).verdict == "holds"
+    assert Claim([3.0, 5.0], [3.5, 3.7]).verdict == "no: inside the spread"
+    assert Claim([1.0, 1.2], [3.0, 5.0]).verdict == "no: reversed"
+
+
+def test_number_extraction():
+    assert numbers("**69.1** (best 67.5 %)") == ["69.1", "67.5"]
+    assert numbers("1.6-8.7, −1.0, +0.63, 2.960e+13, 32/26/48") == ["1.6", "8.7", "-1.0", "+0.63", "2.960e+13",
+                                                                      "32", "26", "48"]
+    assert numbers("45.01 (r34), VGG11-GN, round 34") == ["45.01", "34"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_pages_links_resolve():
+    """Links between the reproduction pages and the benchmarks index point at files and headings that exist."""
+    pages = sorted((REPO / "docs/reproduce").glob("*.md")) + [REPO / "benchmarks/README.md"]
+    assert len(pages) == 8
+    bad = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), flags=re.MULTILINE)}
+                if anchor not in slugs:
+                    bad.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--write"]:
+        for page in argv[1:]:
+            text = _page(page)
+            new, result = rewrite(text, page)
+            (REPO / page).write_text(new)
+            print(f"{page}: {len(result.rewritten)} row(s) rewritten from the records; "
+                  f"{len([e for e in result.errors if 'cannot compute' in e or 'spec' in e])} problem(s)")
+            for e in result.errors:
+                if "page says" not in e:
+                    print("  ", e)
+        return 0
+    total = 0
+    for page in PAGES:
+        result = check_text(_page(page), page)
+        total += result.checked
+        print(f"{page}: {len(result.tables)} checked table(s), {result.checked} numbers, "
+              f"{len(result.errors)} error(s)")
+        for e in result.errors:
+            print("  ", e)
+    print(f"{total} numbers checked")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
