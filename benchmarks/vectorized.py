@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pl_fedsparse.cli import FedCLI  # noqa: E402
+from pl_fedsparse.cli import FedCLI
 
 EXECUTORS = {"in_process": None, "vectorized": "pl_fedsparse.executors.VectorizedExecutor"}
 

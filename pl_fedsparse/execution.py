@@ -38,9 +38,22 @@ from pl_fedsparse.signals import interrupt_in
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["FitRequest", "ClientExecutor", "InProcessExecutor", "load_state", "local_gradients", "quiet_lightning",
-           "check_environment", "find_fault", "ClientFaultError", "FitMeter", "begin_fit", "end_fit",
-           "fit_update", "seed_fit"]
+__all__ = [
+    "ClientExecutor",
+    "ClientFaultError",
+    "FitMeter",
+    "FitRequest",
+    "InProcessExecutor",
+    "begin_fit",
+    "check_environment",
+    "end_fit",
+    "find_fault",
+    "fit_update",
+    "load_state",
+    "local_gradients",
+    "quiet_lightning",
+    "seed_fit",
+]
 
 
 @dataclass

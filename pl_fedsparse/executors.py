@@ -230,7 +230,7 @@ class FitWorker:
         threads: torch intra-op threads (``None``: leave torch's default).
     """
 
-    def __init__(self, spec: Mapping[str, Any], threads: int | None = None) -> None:
+    def __init__(self, spec: Mapping[str, Any], threads: int | None = None, vectorize: bool = False) -> None:
         from pl_fedsparse.loop import FederatedLoop
 
         tune_malloc()
@@ -250,7 +250,7 @@ class FitWorker:
         loop._owners = {}
         loop.run_dir = None  # a fit writes nothing (no logger, no checkpoints)
         self.loop = loop
-        self.executor = InProcessExecutor()
+        self.executor: InProcessExecutor | VectorizedExecutor = VectorizedExecutor() if vectorize else InProcessExecutor()
         self.executor.setup(loop)
         self._synced: Any = None
 
@@ -283,29 +283,42 @@ class FitWorker:
             ) -> tuple[ClientUpdate | CallbackContractError, float]:
         """Run one fit and return its update (boolean tensors bit-packed, only the client-state entries it
         changed) and the seconds it took here; or the callback-contract violation the fit raised."""
+        updates, seconds = self.run_many(key, state, [wire])
+        return (updates if isinstance(updates, CallbackContractError) else updates[0]), seconds
+
+    def run_many(self, key: Any, state: Mapping[str, Any], wires: Sequence[_WireRequest]
+                 ) -> tuple[list[ClientUpdate] | CallbackContractError, float]:
+        """Run fits (of different clients) through this worker's executor — together, when it is a
+        :class:`~pl_fedsparse.vectorized.VectorizedExecutor` — and return their updates as :meth:`run` does."""
         self.sync(key, state)
         loop = self.loop
-        request = wire.request
-        if wire.from_global:
-            assert loop.global_state is not None
-            start = {**{n: loop.global_state[n] for n in wire.from_global}, **request.start}
-            request = FitRequest(request.context, start, request.client_state)
+        requests = []
+        for wire in wires:
+            request = wire.request
+            if wire.from_global:
+                assert loop.global_state is not None
+                start = {**{n: loop.global_state[n] for n in wire.from_global}, **request.start}
+                request = FitRequest(request.context, start, request.client_state)
+            unknown = [name for name in request.client_state if name not in loop.client_store._inits]
+            if unknown:
+                raise KeyError(f"client state {unknown} was never declared")
+            requests.append(request)
         t0 = time.perf_counter()
-        k, sent = request.context.client_idx, request.client_state
-        unknown = [name for name in sent if name not in loop.client_store._inits]
-        if unknown:
-            raise KeyError(f"client state {unknown} was never declared")
-        # the request's entries as they are (the store would copy them): what the fit leaves untouched is not sent back
-        loop.client_store._data[k] = dict(sent)
+        # the requests' entries as they are (the store would copy them): what a fit leaves untouched is not sent back
+        for request in requests:
+            loop.client_store._data[request.context.client_idx] = dict(request.client_state)
         try:
-            update = self.executor.run_one(request)
+            updates = self.executor.run(requests)
         except CallbackContractError as e:  # raised again by the driver: one line, not a worker's traceback
             return e, time.perf_counter() - t0
         finally:
-            loop.client_store._data.pop(k, None)
-        if update.client_state is not None and update.client_state is not sent:
-            update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
-        return _pack_update(update), time.perf_counter() - t0
+            for request in requests:
+                loop.client_store._data.pop(request.context.client_idx, None)
+        for request, update in zip(requests, updates, strict=True):
+            sent = request.client_state
+            if update.client_state is not None and update.client_state is not sent:
+                update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
+        return [_pack_update(u) for u in updates], time.perf_counter() - t0
 
     def ping(self) -> int:
         """The worker's process id (a cheap call to measure the round trip)."""
@@ -315,10 +328,11 @@ class FitWorker:
 class _RayFitWorker(FitWorker):
     """The Ray actor: a :class:`FitWorker` that caps its share of a GPU."""
 
-    def __init__(self, spec: Mapping[str, Any], threads: int | None, gpu_fraction: float | None) -> None:
+    def __init__(self, spec: Mapping[str, Any], threads: int | None, gpu_fraction: float | None,
+                 vectorize: bool = False) -> None:
         if gpu_fraction is not None and torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(min(1.0, float(gpu_fraction)))
-        super().__init__(spec, threads)
+        super().__init__(spec, threads, vectorize)
 
 
 # ------------------------------------------------------------------------------------------------ Ray
@@ -431,6 +445,9 @@ class RayExecutor(ClientExecutor):
         max_retries: a fit whose worker process died is retried on another worker this many times; after that
             the client is reported as faulty (``trainer.on_client_fault``) and the run goes on.
         object_store_memory: bytes for the object store of a local instance (``None``: Ray's default).
+        vectorize: each worker trains its share of a stage's fits together
+            (:class:`~pl_fedsparse.vectorized.VectorizedExecutor`): the fits are dealt out as one contiguous chunk per
+            worker instead of one at a time; a worker that dies loses (and retries) its whole chunk.
 
     Example:
         .. code-block:: bash
@@ -440,7 +457,8 @@ class RayExecutor(ClientExecutor):
     """
 
     def __init__(self, num_workers: int = 2, num_cpus_per_worker: float = 1.0, num_gpus_per_worker: float = 0.0,
-                 address: str | None = None, max_retries: int = 2, object_store_memory: int | None = None) -> None:
+                 address: str | None = None, max_retries: int = 2, object_store_memory: int | None = None,
+                 vectorize: bool = False) -> None:
         check(isinstance(num_workers, int) and num_workers >= 1, "trainer.executor.num_workers", num_workers,
               "an int >= 1")
         check(num_cpus_per_worker > 0, "trainer.executor.num_cpus_per_worker", num_cpus_per_worker, "a number > 0")
@@ -451,6 +469,8 @@ class RayExecutor(ClientExecutor):
         self.num_workers, self.num_cpus_per_worker = num_workers, float(num_cpus_per_worker)
         self.num_gpus_per_worker, self.address, self.max_retries = float(num_gpus_per_worker), address, max_retries
         self.object_store_memory = object_store_memory
+        check(isinstance(vectorize, bool), "trainer.executor.vectorize", vectorize, "true or false")
+        self.vectorize = vectorize
         #: how long a restarting worker may take to answer again before the run stops
         self.restart_timeout_s = 600.0
         self.loop: FederatedLoop | None = None
@@ -477,6 +497,8 @@ class RayExecutor(ClientExecutor):
             self.teardown()
         t0 = time.perf_counter()
         self.loop = loop
+        if self.vectorize:  # what a worker could not vectorise is refused here, once, in one line
+            VectorizedExecutor().setup(loop)
         if self.num_gpus_per_worker > 0 and loop.device.type != "cuda":
             raise ConfigError(f"trainer.executor.num_gpus_per_worker={self.num_gpus_per_worker} is invalid: expected "
                               f"0 when trainer.accelerator={loop.accelerator!r} runs on {loop.device.type}")
@@ -506,7 +528,8 @@ class RayExecutor(ClientExecutor):
                                max_restarts=-1, max_task_retries=0)(_RayFitWorker)
         # kept referenced for the run: a restarted actor is rebuilt from it
         self._spec_ref = spec_ref = ray.put(worker_spec(loop))
-        self.actors = [actor_cls.remote(spec_ref, threads, gpu_fraction) for _ in range(self.num_workers)]
+        self.actors = [actor_cls.remote(spec_ref, threads, gpu_fraction, self.vectorize)
+                       for _ in range(self.num_workers)]
         ray.get([a.ping.remote() for a in self.actors])  # replicas built (errors surface here, once)
         self.startup_s = time.perf_counter() - t0
 
@@ -573,7 +596,10 @@ class RayExecutor(ClientExecutor):
             self.stats["fits"] += 1
 
         t0 = time.perf_counter()
-        self._dispatch(len(requests), lambda actor, i: actor.run.remote(key, state_ref, wires[i]), done, failed)
+        if self.vectorize:
+            self._run_chunks(key, state_ref, wires, results, done, failed)
+        else:
+            self._dispatch(len(requests), lambda actor, i: actor.run.remote(key, state_ref, wires[i]), done, failed)
         self.stats["run_wall_s"] += time.perf_counter() - t0
         for r, u in zip(requests, results):
             assert u is not None
@@ -582,6 +608,29 @@ class RayExecutor(ClientExecutor):
             elif u.fault:
                 u.client_state = r.client_state
         return results  # type: ignore[return-value]
+
+    def _run_chunks(self, key: Any, state_ref: Any, wires: list[_WireRequest], results: list[ClientUpdate | None],
+                    done: Any, failed: Any) -> None:
+        """``vectorize``: one contiguous chunk of the requests per worker, each trained together there; a chunk
+        whose worker died is retried whole (its requests' retry counts all go up), its fits lost together."""
+        n = len(wires)
+        size = -(-n // len(self.actors))
+        chunks = [list(range(i, min(n, i + size))) for i in range(0, n, size)]
+
+        def chunk_done(c: int, value: Any) -> None:
+            updates, seconds = value
+            if isinstance(updates, CallbackContractError):
+                raise updates
+            for i, update in zip(chunks[c], updates, strict=True):
+                done(i, (update, seconds / len(chunks[c])))
+
+        def chunk_failed(c: int, e: Exception) -> bool:
+            again = [failed(i, e) for i in chunks[c]]
+            return all(again)
+
+        self._dispatch(len(chunks),
+                       lambda actor, c: actor.run_many.remote(key, state_ref, [wires[i] for i in chunks[c]]),
+                       chunk_done, chunk_failed)
 
     def forward_clients(self, clients: Sequence[int], split: str, views: Mapping[str, Any], has_global: bool
                         ) -> list[Any] | None:

@@ -60,14 +60,21 @@ from torch import Tensor
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.execution import (ClientExecutor, FitMeter, FitRequest, InProcessExecutor, begin_fit, end_fit,
-                                    fit_update, load_state)
+from pl_fedsparse.execution import (
+    ClientExecutor,
+    FitRequest,
+    InProcessExecutor,
+    begin_fit,
+    end_fit,
+    fit_update,
+    load_state,
+)
 from pl_fedsparse.protocol import training_loss
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["VectorizedExecutor", "VectorizedFitHooks", "StackedFit", "IN_FIT_HOOKS", "in_fit_hooks"]
+__all__ = ["IN_FIT_HOOKS", "StackedFit", "VectorizedExecutor", "VectorizedFitHooks", "in_fit_hooks"]
 
 log = logging.getLogger(__name__)
 
@@ -321,14 +328,7 @@ class VectorizedExecutor(ClientExecutor):
             raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
         _check_module(loop.model)
-        refused = []
-        for cb in loop.callbacks:
-            form = cb.vectorized_fit() if callable(getattr(cb, "vectorized_fit", None)) else None
-            hooks = in_fit_hooks(cb)
-            if form is NotImplemented or (form is None and hooks and not callable(getattr(cb, "vectorized_fit", None))):
-                refused.append((cb, hooks))
-            elif form is not None:
-                self.hooks.append((cb, form))
+        refused = self._collect_hooks()
         if refused:
             cb, hooks = refused[0]
             if self.unsupported == "error":
@@ -340,6 +340,23 @@ class VectorizedExecutor(ClientExecutor):
                         type(cb).__name__)
             self._all_sequential = True
 
+    def _collect_hooks(self) -> list[tuple[Any, list[str]]]:
+        """The callbacks' vectorised forms, in callback order, into :attr:`hooks`; returns the callbacks that have
+        in-fit hooks and no such form (with those hooks). Done again at every :meth:`run`: an out-of-process worker
+        receives the driver's callbacks anew for every stage."""
+        assert self.loop is not None
+        self.hooks, refused = [], []
+        for cb in self.loop.callbacks:
+            declare = getattr(cb, "vectorized_fit", None)
+            declares = callable(declare)
+            form = declare() if declares else None  # type: ignore[misc]
+            hooks = in_fit_hooks(cb)
+            if form is NotImplemented or (form is None and hooks and not declares):
+                refused.append((cb, hooks))
+            elif form is not None:
+                self.hooks.append((cb, form))
+        return refused
+
     def _optimizer(self, module: pl.LightningModule, names: Mapping[int, str], ctx: FitContext) -> _Optim:
         """The fit's optimizer (``configure_optimizers`` under its context). The shipped module's depends on the
         fit's ``lr_round`` and on which parameters train only, so it is built once per both."""
@@ -347,7 +364,7 @@ class VectorizedExecutor(ClientExecutor):
 
         kind = type(module)
         if (kind.configure_optimizers is not FederatedModule.configure_optimizers
-                or kind.current_lr is not FederatedModule.current_lr):
+                or getattr(kind, "current_lr", None) is not FederatedModule.current_lr):
             return _optimizer_of(module, names)
         key = (ctx.lr_round, tuple(p.requires_grad for p in module.parameters()))
         if key not in self._optimizers:
@@ -365,6 +382,9 @@ class VectorizedExecutor(ClientExecutor):
         if self._all_sequential:
             self._stats["sequential_fits"] += len(requests)
             return self.sequential.run(requests)
+        if self._collect_hooks():  # (a worker's callbacks changed since setup: never silently drop an in-fit hook)
+            raise ConfigError("trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: a callback "
+                              "with in-fit hooks and no vectorized_fit appeared after the federation started")
         out: list[ClientUpdate | None] = [None] * len(requests)
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, r in enumerate(requests):  # one kind of fit per group: the callbacks' in-fit forms may rely on it
@@ -544,8 +564,8 @@ class VectorizedExecutor(ClientExecutor):
                 hooks.after_optimizer_step(fit)
             if not everyone:
                 live = act.to(device)
-                for n in P:
-                    P[n].copy_(torch.where(_rows(live, P[n]), P[n], keep_p[n]))
+                for n, p in P.items():
+                    p.copy_(torch.where(_rows(live, p), p, keep_p[n]))
                     for k, v in opt_state[n].items():
                         old = keep_s[n].get(k)
                         if old is not None:
@@ -653,11 +673,11 @@ def _exact_linear(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    torch.nn.functional.linear = _stacked_linear
+    setattr(torch.nn.functional, "linear", _stacked_linear)  # noqa: B010 (a module attribute, on purpose)
     try:
         yield
     finally:
-        torch.nn.functional.linear = _LINEAR
+        setattr(torch.nn.functional, "linear", _LINEAR)  # noqa: B010
 
 
 def _clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:

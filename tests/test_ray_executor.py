@@ -67,6 +67,25 @@ def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_sessi
         assert got == ref, (method, w)
 
 
+@pytest.mark.parametrize("method", ["fedavg_ft", "dispfl", "ditto_masked"])
+def test_vectorized_workers_give_the_in_process_metrics(tmp_path: Path, method: str, ray_session: None,
+                                                        one_thread: None) -> None:
+    from test_vectorized import assert_same_run
+
+    make, topo = METHODS[method]
+    ref = _history(tmp_path / "ref", make, topology=topo() if topo else None, num_rounds=3)
+    got = _history(tmp_path / "ray", make, RayExecutor(num_workers=2, vectorize=True), topo() if topo else None,
+                   num_rounds=3)
+    assert_same_run(ref, got)
+
+
+def test_vectorized_workers_refuse_what_they_cannot_vectorise_before_starting(tmp_path: Path,
+                                                                              ray_session: None) -> None:
+    loop = tiny_loop(tmp_path, callbacks=[PFedGate(density=0.5)], executor=RayExecutor(num_workers=1, vectorize=True))
+    with pytest.raises(ConfigError, match=r"PFedGate has in-fit hooks"):
+        loop.fit(tiny_module(), tiny_datamodule())
+
+
 def test_lossless_client_state_travels_encoded_and_gives_the_same_run(tmp_path: Path, ray_session: None,
                                                                      one_thread: None) -> None:
     # a hidden layer of 64 x 256 weights (~8,000 kept at density 0.5): above floatcodec.MIN_NUMEL, so the driver
