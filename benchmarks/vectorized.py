@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.cli import FedCLI
 
 EXECUTORS = {"in_process": None, "vectorized": "pl_fedsparse.executors.VectorizedExecutor"}
@@ -57,11 +58,12 @@ def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: s
 
 
 def one_run(task: str, executor: str | None, clients: int, rounds: int, data_root: str | None,
-            samples: int = 6000) -> dict[str, Any]:
+            samples: int = 6000, group_size: int | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         argv = args_for(task, clients, rounds, data_root, tmp, samples)
         if executor:
-            argv += ["--trainer.executor", executor]
+            init = {"max_group_size": group_size} if group_size else {}
+            argv += ["--trainer.executor", json.dumps({"class_path": executor, "init_args": init})]
         with contextlib.redirect_stdout(io.StringIO()):
             cli = FedCLI(args=argv, run=False)
             loop = cli.trainer
@@ -93,17 +95,20 @@ def main() -> None:
     p.add_argument("--data-root", default=None)
     p.add_argument("--samples", type=int, default=6000,
                    help="mlp: synthetic images in all, shared by the clients (6000: the quickstart's)")
+    p.add_argument("--group-size", type=int, default=None, help="VectorizedExecutor.max_group_size (default: its own)")
     p.add_argument("--out", default=None, help="write the raw results as JSON here")
     a = p.parse_args()
     if a.rounds < 3:
         p.error("--rounds must be >= 3 (the first and the last round are not timed)")
     logging.disable(logging.WARNING)
+    tune_malloc()  # as `pl-fed` does at start-up, for both executors
     torch.set_num_threads(max(1, torch.get_num_threads()))
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in EXECUTORS}
     for pair in range(a.pairs):
         order = list(EXECUTORS) if pair % 2 == 0 else list(reversed(EXECUTORS))
         for name in order:
-            runs[name].append(one_run(a.task, EXECUTORS[name], a.clients, a.rounds, a.data_root, a.samples))
+            runs[name].append(one_run(a.task, EXECUTORS[name], a.clients, a.rounds, a.data_root, a.samples,
+                                      a.group_size))
         print(f"pair {pair}: " + ", ".join(f"{n} {runs[n][-1]['train_s']:.3f} s" for n in EXECUTORS), flush=True)
     med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("train_s", "cpu_s")} for n in EXECUTORS}
     ref, vec = runs["in_process"][-1], runs["vectorized"][-1]

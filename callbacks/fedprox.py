@@ -75,4 +75,6 @@ class _StackedProx(VectorizedFitHooks):
     def before_optimizer_step(self, fit: StackedFit) -> None:
         with torch.no_grad():
             for n, start in self.anchor.items():
+                if fit.rows is not None:  # some clients have stopped: only the others' rows are here
+                    start = start.index_select(0, fit.rows)
                 fit.grads[n].add_(fit.params[n] - start, alpha=self.mu)

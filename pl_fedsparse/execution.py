@@ -292,9 +292,9 @@ def seed_fit(seed: int) -> None:
     each time (about 1 ms per call here, and the queue grows with every fit); a run on the CPU needs none of it.
     """
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (is_available() would query the driver through NVML at every fit)
         torch.cuda.manual_seed_all(seed)
-    if torch.backends.mps.is_available():
+    if torch.backends.mps.is_built() and torch.backends.mps.is_available():
         torch.mps.manual_seed(seed)
 
 

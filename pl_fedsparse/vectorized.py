@@ -57,6 +57,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError, check
@@ -109,12 +110,17 @@ class StackedFit:
         params: trainable parameters by name, stacked ``[K, *shape]`` on the device (updated in place).
         grads: their gradients, same shapes (valid in ``before_optimizer_step``).
         device: where the stacked tensors live.
+        rows: during a step, which clients ``params`` and ``grads`` hold — ``None``: all of them, in order; else
+            the indices (into ``contexts``) of the clients that still have a batch, ``params`` and ``grads`` holding
+            only their rows, in that order. A hook's own per-client tensors are indexed with it
+            (``mask.index_select(0, fit.rows)``).
     """
 
     contexts: list[FitContext]
     params: dict[str, Tensor]
     grads: dict[str, Tensor] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rows: Tensor | None = None
 
 
 class VectorizedFitHooks:
@@ -124,8 +130,8 @@ class VectorizedFitHooks:
     :meth:`capture` right after each client's ``on_client_fit_start`` (the callback's per-fit attributes are that
     client's then), :meth:`start` once the group is stacked, and per step :meth:`before_optimizer_step` (Lightning's
     ``on_before_optimizer_step``: gradients unscaled, before clipping) and :meth:`after_optimizer_step` (Lightning's
-    ``on_train_batch_end``). Every method edits the stacked tensors in place, row ``i`` for client ``i``; rows of
-    clients that already stopped are restored by the executor afterwards.
+    ``on_train_batch_end``). Every method edits the stacked tensors in place, row ``i`` for client ``i`` — or, once
+    some clients have stopped, only the rows of those still training (:attr:`StackedFit.rows`).
     """
 
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
@@ -296,7 +302,10 @@ class VectorizedExecutor(ClientExecutor):
 
     Args:
         max_group_size: most clients stacked in one group (memory: each client adds its weights, gradients,
-            optimizer state and one batch of activations); a larger stage runs as several groups.
+            optimizer state and one batch of activations); a larger stage runs as several groups of equal size.
+            ``None``: on the CPU, as many as keep every stacked tensor within 32 MiB — the C library maps a larger
+            block afresh at every step and the kernel faults it in page by page (measured: a quarter of a 100-client
+            MLP round) —; on a GPU, all of the stage's fits.
         unsupported: what to do with fits a callback cannot vectorise (it has in-fit hooks and no
             ``vectorized_fit``): ``"error"`` refuses the run when the federation starts, naming the callback;
             ``"sequential"`` runs those fits one by one in process (every fit, when such a callback is configured).
@@ -307,9 +316,11 @@ class VectorizedExecutor(ClientExecutor):
           executor: {class_path: pl_fedsparse.executors.VectorizedExecutor, init_args: {max_group_size: 100}}
     """
 
-    def __init__(self, *, max_group_size: int = 128, unsupported: Literal["error", "sequential"] = "error") -> None:
-        check(isinstance(max_group_size, int) and not isinstance(max_group_size, bool) and max_group_size >= 1,
-              "VectorizedExecutor.max_group_size", max_group_size, "an int >= 1")
+    def __init__(self, *, max_group_size: int | None = None,
+                 unsupported: Literal["error", "sequential"] = "error") -> None:
+        check(max_group_size is None or (isinstance(max_group_size, int) and not isinstance(max_group_size, bool)
+                                         and max_group_size >= 1),
+              "VectorizedExecutor.max_group_size", max_group_size, "an int >= 1 or null")
         check(unsupported in ("error", "sequential"), "VectorizedExecutor.unsupported", unsupported,
               "one of error, sequential")
         self.max_group_size, self.unsupported = max_group_size, unsupported
@@ -324,6 +335,7 @@ class VectorizedExecutor(ClientExecutor):
         self.loop = loop
         self.sequential.setup(loop)
         assert loop.model is not None
+        tune_malloc()  # (as pl-fed does): freed step buffers stay in the heap instead of going back to the kernel
         if loop.precision == "16-mixed":
             raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
@@ -339,6 +351,17 @@ class VectorizedExecutor(ClientExecutor):
             log.warning("VectorizedExecutor: %s has in-fit hooks and no vectorized_fit; every fit runs in process",
                         type(cb).__name__)
             self._all_sequential = True
+
+    def _group_cap(self) -> int:
+        """Most fits per group: ``max_group_size``, or its automatic value (see the class docstring)."""
+        if self.max_group_size is not None:
+            return self.max_group_size
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        if loop.device.type != "cpu":
+            return 1 << 30
+        largest = max((t.numel() * t.element_size() for t in loop.model.state_dict().values()), default=1)
+        return max(1, (32 << 20) // max(1, largest))
 
     def _collect_hooks(self) -> list[tuple[Any, list[str]]]:
         """The callbacks' vectorised forms, in callback order, into :attr:`hooks`; returns the callbacks that have
@@ -390,9 +413,14 @@ class VectorizedExecutor(ClientExecutor):
         for i, r in enumerate(requests):  # one kind of fit per group: the callbacks' in-fit forms may rely on it
             c = r.context
             groups.setdefault((c.kind, c.requester, c.epochs), []).append(i)
+        cap = self._group_cap()
         for members in groups.values():
-            for at in range(0, len(members), self.max_group_size):
-                chunk = members[at:at + self.max_group_size]
+            parts = -(-len(members) // cap)
+            base, extra = divmod(len(members), parts)  # equal groups: 100 fits, at most 54 per group -> 50 + 50
+            at = 0
+            for part in range(parts):
+                size = base + (part < extra)
+                chunk, at = members[at:at + size], at + size
                 for i, u in zip(chunk, self._run_group([requests[i] for i in chunk]), strict=True):
                     out[i] = u
         return [u for u in out if u is not None]
@@ -517,62 +545,59 @@ class VectorizedExecutor(ClientExecutor):
         clip = loop.gradient_clip_val
         while True:
             batches = [s.next() for s in streams]
-            active = [b is not None for b in batches]
-            if not any(active):
+            live = [i for i, b in enumerate(batches) if b is not None]
+            if not live:
                 break
+            # the step runs on the rows of the clients that still have a batch (all of them, until the smaller
+            # clients stop): compact copies of those rows, written back after the step — the others are untouched
+            everyone = len(live) == K
+            at = None if everyone else torch.tensor(live, device=device)
+            sP = P if at is None else {n: p.index_select(0, at) for n, p in P.items()}
+            sF = F if at is None else {n: f.index_select(0, at) for n, f in F.items()}
+            sS = opt_state if at is None else {n: {k: v.index_select(0, at) for k, v in st.items()}
+                                               for n, st in opt_state.items()}
             G: dict[str, Tensor] = {}
-            shapes: dict[tuple[Any, ...], list[int]] = {}
-            for i, b in enumerate(batches):
-                if b is not None:
-                    x, y = b
-                    shapes.setdefault((tuple(x.shape), tuple(y.shape)), []).append(i)
-            for rows in shapes.values():
-                xs = torch.stack([batches[i][0] for i in rows]).to(device)
-                ys = torch.stack([batches[i][1] for i in rows]).to(device)
-                every = len(rows) == K
-                idx = None if every else torch.tensor(rows, device=device)
-                sub_p = P if idx is None else {n: p.index_select(0, idx) for n, p in P.items()}
-                sub_f = F if idx is None else {n: f.index_select(0, idx) for n, f in F.items()}
+            shapes: dict[tuple[Any, ...], list[int]] = {}  # batch shape -> positions in ``live``
+            for pos, i in enumerate(live):
+                x, y = batches[i]
+                shapes.setdefault((tuple(x.shape), tuple(y.shape)), []).append(pos)
+            for positions in shapes.values():
+                xs = torch.stack([batches[live[q]][0] for q in positions]).to(device)
+                ys = torch.stack([batches[live[q]][1] for q in positions]).to(device)
+                whole = len(positions) == len(live)
+                idx = None if whole else torch.tensor(positions, device=device)
+                sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
+                sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
                 with _exact_linear(not autocast):
                     grads, losses = grad_fn(sub_p, sub_f, xs, ys)
-                n_b = ys.shape[1]
                 for n, g in grads.items():
                     if idx is None:
                         G[n] = g
-                    else:  # rows of clients without a batch at this step stay zero
-                        G.setdefault(n, torch.zeros_like(P[n])).index_copy_(0, idx, g)
-                contrib = losses.detach().float() * n_b
-                if idx is None:
-                    loss_sum += contrib
-                else:
-                    loss_sum.index_add_(0, idx, contrib)
+                    else:
+                        G.setdefault(n, torch.empty_like(sP[n])).index_copy_(0, idx, g)
+                n_b = ys.shape[1]
+                rows = [live[q] for q in positions]
+                loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * n_b)
                 for i in rows:
                     seen[i] += n_b
-            everyone = all(active)
-            if not everyone:  # rows of clients that stopped are put back after the step
-                keep_p = {n: p.clone() for n, p in P.items()}
-                keep_s = {n: {k: v.clone() for k, v in s.items()} for n, s in opt_state.items()}
-            fit.grads = G
+            fit.params, fit.grads, fit.rows = sP, G, at
             for _, hooks in self.hooks:
                 hooks.before_optimizer_step(fit)
             if clip is not None:
                 _clip_per_client(G, float(clip))
-            act = torch.tensor(active)
-            steps_done += act.long()
-            step_fn(P, G, opt_state, optims[0], lrs, steps_done, device)
+            steps_done[live] += 1
+            step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()},
+                    steps_done[live], device)
             for _, hooks in self.hooks:
                 hooks.after_optimizer_step(fit)
-            if not everyone:
-                live = act.to(device)
+            if at is not None:
                 for n, p in P.items():
-                    p.copy_(torch.where(_rows(live, p), p, keep_p[n]))
-                    for k, v in opt_state[n].items():
-                        old = keep_s[n].get(k)
-                        if old is not None:
-                            v.copy_(torch.where(_rows(live, v), v, old))
-                        else:  # created at this step (a first step): clients that stopped never had it
-                            v.mul_(_rows(live, v).to(v.dtype))
-            fit.grads = {}
+                    p.index_copy_(0, at, sP[n])
+                    for k, v in sS[n].items():
+                        if k not in opt_state[n]:  # created at this step: rows of clients that never stepped stay 0
+                            opt_state[n][k] = torch.zeros((K, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                        opt_state[n][k].index_copy_(0, at, v)
+            fit.params, fit.grads, fit.rows = P, {}, None
         out = []
         for i in range(K):
             state = {n: t[i] for n, t in stacked.items()}  # views: loaded into the module, then copied out
@@ -641,10 +666,12 @@ class _StackedLinear(torch.autograd.Function):
         ctx.has_bias = b is not None
 
     @staticmethod
-    def backward(ctx: Any, go: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:  # type: ignore[override]
+    def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, w = ctx.saved_tensors
         x2, go2 = x.reshape(-1, x.shape[-1]), go.reshape(-1, go.shape[-1])
-        return (go2 @ w).reshape(x.shape), go2.t() @ x2, go2.sum(0) if ctx.has_bias else None
+        need_x, need_w, need_b = ctx.needs_input_grad  # (the first layer's input needs none: a third less work)
+        return ((go2 @ w).reshape(x.shape) if need_x else None, go2.t() @ x2 if need_w else None,
+                go2.sum(0) if ctx.has_bias and need_b else None)
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, w: Tensor, b: Tensor | None

@@ -114,16 +114,33 @@ def test_unvectorisable_callbacks_can_run_in_process_instead(tmp_path: Path) -> 
     assert _rows(got) == _rows(ref)  # the same code path: bit for bit
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "pfedgate"])
+def _fedprox() -> list[Any]:
+    import sys
+
+    if str(ROOT) not in sys.path:  # the example is imported as `callbacks.fedprox`, as pl-fed does from the root
+        sys.path.insert(0, str(ROOT))
+    from callbacks.fedprox import FedProx
+
+    return [FedProx(mu=0.5)]
+
+
+RAGGED = {**{m: v for m, v in METHODS.items() if m != "pfedgate"}, "fedprox": (_fedprox, None)}
+
+
+@pytest.mark.parametrize("method", list(RAGGED))
 def test_ragged_clients_and_per_client_learning_rates(tmp_path: Path, method: str) -> None:
-    """Dirichlet clients of different sizes (different step counts and last batches), 2 epochs, clipping, a
-    learning rate that changes every round, SGD with momentum and Nesterov: the same run."""
-    make, topo = METHODS[method]
+    """Clients of different sizes (different step counts and last batches: once the smaller ones stop, a step holds
+    only the others' rows), 2 epochs, clipping, a learning rate that changes every round, SGD with momentum: the
+    same run."""
+    make, topo = RAGGED[method]
 
     def run(executor: Any, sub: str) -> list[dict]:
         loop = tiny_loop(tmp_path / sub, callbacks=make(), executor=executor, topology=topo() if topo else None,
                          num_rounds=3, local_epochs=2, gradient_clip_val=0.5)
-        loop.fit(tiny_module(momentum=0.9, lr_decay=0.7), tiny_datamodule(alpha=0.1, batch_size=7))
+        dm = tiny_datamodule(alpha=0.1, batch_size=7, quantity_skew=True)
+        loop.fit(tiny_module(momentum=0.9, lr_decay=0.7), dm)
+        sizes = {dm.num_samples(k) for k in range(dm.num_clients)}
+        assert len(sizes) == dm.num_clients  # every client a different number of steps and a different last batch
         return _rows(loop)
 
     assert_same_run(run(None, "ref"), run(VectorizedExecutor(max_group_size=3), "vec"))
@@ -301,3 +318,25 @@ def test_a_callback_with_in_fit_hooks_and_no_vectorised_form_is_named(tmp_path: 
 def test_bad_arguments(kw: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         VectorizedExecutor(**kw)
+
+
+def test_groups_are_equal_and_capped_by_the_largest_tensor_on_the_cpu(tmp_path: Path) -> None:
+    sizes: list[int] = []
+    ex = VectorizedExecutor()
+    real = ex._run_group
+
+    def spy(requests: list[Any]) -> list[Any]:
+        sizes.append(len(requests))
+        return real(requests)
+
+    ex._run_group = spy  # type: ignore[method-assign]
+    loop = tiny_loop(tmp_path, executor=ex, num_rounds=1)
+    module = tiny_module()
+    largest = max(t.numel() * t.element_size() for t in module.state_dict().values())
+    loop.fit(module, tiny_datamodule(num_clients=10))
+    assert ex._group_cap() == (32 << 20) // largest and sizes == [10]
+    sizes.clear()
+    ex.max_group_size = 4
+    loop2 = tiny_loop(tmp_path / "b", executor=ex, num_rounds=1)
+    loop2.fit(tiny_module(), tiny_datamodule(num_clients=10))
+    assert sizes == [4, 3, 3]  # three equal-as-can-be groups, not 4 + 4 + 2

@@ -259,7 +259,7 @@ class _VectorizedProximal:
 
     def before_optimizer_step(self, fit: Any) -> None:
         with torch.no_grad():
-            for n, ref in self.ref.items():  # ∇ λ/2 ‖v − w^t‖² = λ (v − w^t)
+            for n, ref in self.ref.items():  # ∇ λ/2 ‖v − w^t‖² = λ (v − w^t); one w^t for every row
                 fit.grads[n].add_(fit.params[n] - ref, alpha=self.ditto.lam)
 
     def after_optimizer_step(self, fit: Any) -> None:

@@ -164,17 +164,21 @@ class _VectorizedMaskedTraining:
                                           for _, f in self.captured]).to(p.device)
         self.captured = []
 
+    @staticmethod
+    def _at(t: Tensor, fit: Any) -> Tensor:
+        return t if fit.rows is None else t.index_select(0, fit.rows)  # the rows of the clients still training
+
     def before_optimizer_step(self, fit: Any) -> None:
         if self.training.mask_gradients:
             for n, m in self.masks.items():
-                fit.grads[n].mul_(m)
+                fit.grads[n].mul_(self._at(m, fit))
 
     def after_optimizer_step(self, fit: Any) -> None:
         with torch.no_grad():
             for n, m in self.masks.items():
-                fit.params[n].mul_(m)
+                fit.params[n].mul_(self._at(m, fit))
             for n, f in self.frozen.items():
-                fit.params[n].add_(f)
+                fit.params[n].add_(self._at(f, fit))
 
 
 class UsesMaskedTraining(FederatedCallback):
