@@ -694,17 +694,91 @@ def _stacked_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return _StackedLinear.apply(x, w, b)
 
 
+_CONV2D = torch.nn.functional.conv2d
+
+
+def _pair(v: Any) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(t) for t in v]
+
+
+def _per_client(n: int, in_dims: Sequence[int | None], args: Sequence[Any]) -> list[list[Any]]:
+    """The arguments of each of ``n`` clients: batched tensors sliced along their batch dimension."""
+    return [[a.select(d, k) if d is not None and isinstance(a, Tensor) else a for a, d in zip(args, in_dims)]
+            for k in range(n)]
+
+
+class _StackedConv2d(torch.autograd.Function):
+    """``F.conv2d`` whose batching rule runs each client's own convolution (forward and backward): the same bits
+    as one client's, where ``vmap``'s rule (one grouped convolution) rounds differently — and, measured on this
+    project's CPU for LeNet-CIFAR's convolutions at 10 clients, a third faster than the grouped convolution."""
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any, dilation: Any,  # type: ignore[override]
+                groups: int) -> Tensor:
+        return _CONV2D(x, w, b, stride, padding, dilation, groups)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, w, b, stride, padding, dilation, groups = inputs
+        ctx.save_for_backward(x, w)
+        ctx.conf = (b is not None, _pair(stride), _pair(padding), _pair(dilation), int(groups))
+
+    @staticmethod
+    def backward(ctx: Any, go: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        has_bias, stride, padding, dilation, groups = ctx.conf
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2])
+        gx, gw, gb = _ConvGrad.apply(go, x, w, has_bias, stride, padding, dilation, groups, need)
+        return gx, gw, gb, None, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Tensor, int]:
+        outs = [_CONV2D(*a) for a in _per_client(info.batch_size, in_dims, args)]
+        return torch.stack(outs), 0
+
+
+class _ConvGrad(torch.autograd.Function):
+    """One client's convolution gradients (``aten.convolution_backward``, what autograd runs for ``conv2d``), per
+    client under ``vmap``."""
+
+    @staticmethod
+    def forward(go: Tensor, x: Tensor, w: Tensor, has_bias: bool, stride: list[int], padding: list[int],  # type: ignore[override]
+                dilation: list[int], groups: int, need: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        return torch.ops.aten.convolution_backward(go, x, w, [w.shape[0]] if has_bias else None, stride, padding,
+                                                   dilation, False, [0, 0], groups, list(need))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        per = [_ConvGrad.forward(*a) for a in _per_client(info.batch_size, in_dims, args)]
+        outs = tuple(None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(3))
+        return outs, tuple(None if o is None else 0 for o in outs)
+
+
+def _stacked_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                    dilation: Any = 1, groups: int = 1) -> Tensor:
+    if isinstance(padding, str):  # "same"/"valid": vmap's own rule
+        return _CONV2D(x, w, b, stride, padding, dilation, groups)
+    return _StackedConv2d.apply(x, w, b, stride, padding, dilation, groups)
+
+
 @contextlib.contextmanager
 def _exact_linear(enabled: bool) -> Iterator[None]:
-    """``torch.nn.functional.linear`` is :func:`_stacked_linear` for the duration (what ``nn.Linear`` calls)."""
+    """``torch.nn.functional.linear`` and ``conv2d`` are :func:`_stacked_linear` and :func:`_stacked_conv2d` for the
+    duration (what ``nn.Linear`` and ``nn.Conv2d`` call)."""
     if not enabled:
         yield
         return
     setattr(torch.nn.functional, "linear", _stacked_linear)  # noqa: B010 (a module attribute, on purpose)
+    setattr(torch.nn.functional, "conv2d", _stacked_conv2d)  # noqa: B010
     try:
         yield
     finally:
         setattr(torch.nn.functional, "linear", _LINEAR)  # noqa: B010
+        setattr(torch.nn.functional, "conv2d", _CONV2D)  # noqa: B010
 
 
 def _clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:

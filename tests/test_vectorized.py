@@ -138,7 +138,7 @@ def test_ragged_clients_and_per_client_learning_rates(tmp_path: Path, method: st
         loop = tiny_loop(tmp_path / sub, callbacks=make(), executor=executor, topology=topo() if topo else None,
                          num_rounds=3, local_epochs=2, gradient_clip_val=0.5)
         dm = tiny_datamodule(alpha=0.1, batch_size=7, quantity_skew=True)
-        loop.fit(tiny_module(momentum=0.9, lr_decay=0.7), dm)
+        loop.fit(tiny_module(momentum=0.9, lr_decay=0.7, weight_decay=5e-4), dm)
         sizes = {dm.num_samples(k) for k in range(dm.num_clients)}
         assert len(sizes) == dm.num_clients  # every client a different number of steps and a different last batch
         return _rows(loop)
