@@ -13,6 +13,14 @@ Three steps, each resumable (a finished run is never redone; two workers share a
     python benchmarks/fedpse_tables.py report
     python benchmarks/fedpse_tables.py paper
 
+These tables use the literal reading of the paper's λ split, every client's share of the heterogeneous part sorted
+by label (``--data.noniid_order sorted``; at λ = 1 with 10 clients every client holds one label). The configs now
+default to the paper's protocol, the Flower split it follows (``noniid_order: halves``: about five labels per client
+at λ = 1); the runs of that protocol are a plan of their own, recorded under ``benchmarks/fedpse_protocol/``::
+
+    OMP_NUM_THREADS=1 python benchmarks/fedpse_tables.py run protocol   # FedPSE and FedAvg, 10 clients, 3 seeds
+    python benchmarks/fedpse_tables.py protocol                         # its table
+
 ``FEDPSE_TABLES_CODE=<checkout>`` runs the CLI from another checkout (a worktree pinned at one commit) so that the
 runs keep one version of the code while this tree changes; the run logs name the commit.
 
@@ -37,6 +45,8 @@ from runplan import commit_of as _commit
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "fedpse_tables"
 RUNS = ROOT / "benchmarks" / "_runs" / "fedpse_tables"
+#: the paper's protocol (``data.noniid_order: halves``): its own records
+PROTOCOL_RECORD = ROOT / "benchmarks" / "fedpse_protocol"
 #: the code the runs use: a checkout pinned at one commit (``git worktree add ../bench <commit>``) keeps hours of runs
 #: on one version while this tree changes; default: this tree
 CODE = Path(os.environ.get("FEDPSE_TABLES_CODE", ROOT)).resolve()
@@ -57,6 +67,8 @@ SWEEP = {"clients": 5, "lam": 0.5, "rounds": 3, "max_train_samples": 12000}
 ROUNDS = 5  # whole training split: ~50 s per round per core, ~50 runs on 2 cores in a session
 TABLE1 = [(n, lam) for n in (2, 5, 10) for lam in (1.0, 0.5, 0.0)]
 TABLE2_EXTRA = [(n, 1.0) for n in (25, 50, 100)]
+#: the paper's protocol: FedPSE against FedAvg at 10 clients, λ = 1 and 0.5, three seeds, the tables' rounds and lr
+PROTOCOL = {"methods": ("fedpse", "fedavg"), "clients": 10, "lams": (1.0, 0.5), "seeds": (0, 1, 2)}
 
 
 def _sweep_plan() -> list[dict]:
@@ -77,8 +89,19 @@ def _tables_plan() -> list[dict]:
     return runs
 
 
+def _protocol_plan() -> list[dict]:
+    n = PROTOCOL["clients"]
+    return [{"name": f"{m}_n{n}_lam{lam:g}_seed{seed}", "method": m, "clients": n, "lam": lam, "seed": seed,
+             "rounds": ROUNDS, "sweep": False, "order": "halves"}
+            for seed in PROTOCOL["seeds"] for lam in PROTOCOL["lams"] for m in PROTOCOL["methods"]]  # seed 0 first
+
+
 def plan(kind: str) -> list[dict]:
-    return _sweep_plan() if kind == "sweep" else _tables_plan()
+    return {"sweep": _sweep_plan, "tables": _tables_plan, "protocol": _protocol_plan}[kind]()
+
+
+def _record_dir(run: dict) -> Path:
+    return PROTOCOL_RECORD if run.get("order") == "halves" else RECORD
 
 
 def _chosen() -> dict:
@@ -101,6 +124,10 @@ def command(run: dict) -> list[str] | None:
             return None
         lr, batch = choice["lr"], choice["batch"]
         data = ["--data.max_train_samples", "null", "--trainer.eval_every", "1"]
+    # the sweep and the tables keep the split they were recorded with; the protocol runs take the paper's
+    data += ["--data.noniid_order", run.get("order", "sorted")]
+    if "seed" in run:
+        data += ["--seed_everything", str(run["seed"]), "--data.seed", str(run["seed"])]
     return [sys.executable, "-m", "pl_fedsparse.cli", "fit", "--config", config, *data,
             "--data.num_clients", str(run["clients"]), "--data.noniid_ratio", str(run["lam"]),
             "--trainer.num_rounds", str(run["rounds"]), "--model.lr", str(lr), "--data.batch_size", str(batch),
@@ -119,7 +146,7 @@ def _claim(run: dict) -> bool:
 
 def run_plan(kind: str) -> None:
     for run in plan(kind):
-        done = RECORD / run["name"] / "summary.json"
+        done = _record_dir(run) / run["name"] / "summary.json"
         cmd = command(run)
         if done.exists() or cmd is None or not _claim(run):
             continue
@@ -133,11 +160,11 @@ def run_plan(kind: str) -> None:
             print(f"FAILED {run['name']} (rc {rc}, log {log})", flush=True)
             (RUNS / (run["name"] + ".claim")).unlink()  # a later worker may retry it
             continue
-        _record(run["name"])
+        _record(run["name"], _record_dir(run))
 
 
-def _record(name: str) -> None:
-    out = RECORD / name
+def _record(name: str, record: Path = RECORD) -> None:
+    out = record / name
     out.mkdir(parents=True, exist_ok=True)
     for f in ("config.yaml", "metrics.jsonl", "summary.json"):
         shutil.copy2(RUNS / name / f, out / f)
@@ -145,10 +172,11 @@ def _record(name: str) -> None:
 
 def collect() -> None:
     """Record finished runs whose worker was stopped before it could copy them."""
-    for kind in ("sweep", "tables"):
+    for kind in ("sweep", "tables", "protocol"):
         for run in plan(kind):
-            if (RUNS / run["name"] / "summary.json").exists() and not (RECORD / run["name"] / "summary.json").exists():
-                _record(run["name"])
+            record = _record_dir(run)
+            if (RUNS / run["name"] / "summary.json").exists() and not (record / run["name"] / "summary.json").exists():
+                _record(run["name"], record)
                 print("recorded", run["name"])
 
 
@@ -262,16 +290,38 @@ def paper_tables() -> None:
         print(f"| {n} | {both('fedpse')} | {both('fedpse_no_ewa')} | {gain} | {both('fedpse_no_dps')} |")
 
 
+def _protocol_acc(method: str, lam: float, seed: int) -> float | None:
+    path = PROTOCOL_RECORD / f"{method}_n{PROTOCOL['clients']}_lam{lam:g}_seed{seed}" / "summary.json"
+    return json.loads(path.read_text())["final"]["acc_mean"] if path.exists() else None
+
+
+def protocol_table() -> None:
+    """The paper's protocol: personal accuracy after the last round, mean over clients, per seed and mean ± std."""
+    import statistics
+
+    print("| λ | method | " + " | ".join(f"seed {s}" for s in PROTOCOL["seeds"]) + " | mean ± std | paper |")
+    print("|---|---|" + "---|" * (len(PROTOCOL["seeds"]) + 2))
+    for lam in PROTOCOL["lams"]:
+        for m in PROTOCOL["methods"]:
+            accs = [_protocol_acc(m, lam, s) for s in PROTOCOL["seeds"]]
+            done = [100 * a for a in accs if a is not None]
+            spread = (f"{statistics.mean(done):.2f} ± {statistics.stdev(done):.2f}" if len(done) > 1
+                      else "-" if not done else f"{done[0]:.2f}")
+            paper = PAPER_T1[(PROTOCOL["clients"], lam)][MAIN.index(m)]
+            print(f"| {lam:g} | {m} | " + " | ".join(_pct(a) for a in accs) + f" | {spread} | {100 * paper:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     for verb in ("run", "plan"):
         p = sub.add_parser(verb)
-        p.add_argument("kind", choices=("sweep", "tables"))
+        p.add_argument("kind", choices=("sweep", "tables", "protocol"))
     sub.add_parser("choose")
     sub.add_parser("collect")
     sub.add_parser("report")
     sub.add_parser("paper")
+    sub.add_parser("protocol")
     args = parser.parse_args()
     if args.verb == "run":
         run_plan(args.kind)
@@ -285,6 +335,8 @@ def main() -> None:
         collect()
     elif args.verb == "paper":
         paper_tables()
+    elif args.verb == "protocol":
+        protocol_table()
     else:
         report()
 

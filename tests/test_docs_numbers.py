@@ -68,7 +68,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = ["docs/reproduce/pfedgate.md", "docs/reproduce/fedspa.md", "docs/reproduce/fedpse.md",
-         "docs/reproduce/dmpfl.md", "docs/reproduce/dispfl.md", "docs/reproduce/engine.md", "README.md"]
+         "docs/reproduce/dmpfl.md", "docs/reproduce/dispfl.md", "docs/reproduce/engine.md", "README.md",
+         "docs/fedpse-baselines.md"]
 
 SPEC_RE = re.compile(r"<!--\s*numbers\b(.*?)-->", re.DOTALL)
 # a number: an optional sign, digits, decimals, an exponent — not part of a word ("conv2", "r34", "VGG11" are not

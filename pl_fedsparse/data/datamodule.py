@@ -64,6 +64,7 @@ from pl_fedsparse.data.datasets import (
 )
 from pl_fedsparse.data.loaders import TensorBatchLoader, dataset_loader, item_input, normalize
 from pl_fedsparse.data.partition import (
+    NONIID_ORDERS,
     SCHEMES,
     client_test_from_global,
     fedem_client_split,
@@ -114,6 +115,11 @@ class FederatedDataModule(lightning.LightningDataModule):
         classes_per_client: classes per client for ``partition="pathological"``.
         shards_per_client: shards per client for ``partition="shards"``.
         noniid_ratio: FedPSE's λ for ``partition="noniid_ratio"``.
+        noniid_order: how ``partition="noniid_ratio"`` orders its heterogeneous share
+            (:func:`~pl_fedsparse.data.partition.noniid_ratio`): ``"sorted"`` (by label: at λ = 1 with ``K >= C``
+            every client holds one label) or ``"halves"`` (the Flower code FedPSE follows, App. C.1 and §5.1 of
+            ``shared/papers/002_4df165fcd9405f7c.txt``, lines 528 and 219: two shuffled label halves, about five
+            of ten labels per client at λ = 1). Ignored by the other schemes.
         min_samples: least number of samples per client (Dirichlet).
         sample_fraction: FedEM's ``s_frac`` for ``partition="fedem_dirichlet"``: the fraction of the data (the pool
             in ``"pooled"`` mode) that the partition deals out (pFedGate's EMNIST: 0.1).
@@ -165,7 +171,8 @@ class FederatedDataModule(lightning.LightningDataModule):
                  partition: Literal["iid", "dirichlet", "pathological", "shards", "noniid_ratio",
                                     "fedem_dirichlet", "natural"] = "dirichlet",
                  alpha: float = 0.3, quantity_skew: bool = False, classes_per_client: int = 2,
-                 shards_per_client: int = 2, noniid_ratio: float = 1.0, min_samples: int = 1,
+                 shards_per_client: int = 2, noniid_ratio: float = 1.0,
+                 noniid_order: Literal["sorted", "halves"] = "sorted", min_samples: int = 1,
                  sample_fraction: float = 1.0,
                  test_mode: Literal["split", "global", "partition", "pooled"] = "split",
                  split_ratios: tuple[float, float, float] = (0.75, 0.0, 0.25),
@@ -190,6 +197,7 @@ class FederatedDataModule(lightning.LightningDataModule):
               "an int >= 1")
         check(_is_num(noniid_ratio) and 0 <= noniid_ratio <= 1, "data.noniid_ratio", noniid_ratio,
               "a number in [0, 1]")
+        check(noniid_order in NONIID_ORDERS, "data.noniid_order", noniid_order, f"one of {', '.join(NONIID_ORDERS)}")
         check(_is_int(min_samples) and min_samples >= 0, "data.min_samples", min_samples, "an int >= 0")
         check(_is_num(sample_fraction) and 0 < sample_fraction <= 1, "data.sample_fraction", sample_fraction,
               "a number in (0, 1]")
@@ -236,7 +244,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         self.alpha, self.quantity_skew, self.classes_per_client = float(alpha), quantity_skew, classes_per_client
         self.shards_per_client, self.noniid_ratio, self.min_samples = shards_per_client, float(noniid_ratio), \
             min_samples
-        self.sample_fraction = float(sample_fraction)
+        self.sample_fraction, self.noniid_order = float(sample_fraction), noniid_order
         self.test_mode, self.split_ratios, self.test_per_client = test_mode, tuple(float(r) for r in ratios), \
             test_per_client
         self.max_train_samples, self.batch_size, self.eval_batch_size = max_train_samples, batch_size, eval_batch_size
@@ -373,6 +381,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         kw: dict[str, Any] = {p: getattr(self, p) for p in _SCHEME_PARAMS[self.partition]}
         if self.partition == "noniid_ratio":
             kw = {"ratio": self.noniid_ratio}
+            if self.noniid_order != "sorted":  # the default is not passed: existing partitions keep their memo keys
+                kw["order"] = self.noniid_order
         if natural:  # the data's own clients: only the client ids are read (as the schemes read only labels)
             assert client_of is not None
             raw = self._groups(client_of[pool], num_clients)
@@ -598,6 +608,8 @@ class FederatedDataModule(lightning.LightningDataModule):
                               "split_ratios": list(self.split_ratios), "max_train_samples": self.max_train_samples,
                               "seed": self.seed}
         fp.update({p: getattr(self, p) for p in _SCHEME_PARAMS[self.partition]})
+        if self.partition == "noniid_ratio" and self.noniid_order != "sorted":  # the default keeps old fingerprints
+            fp["noniid_order"] = self.noniid_order
         if self.test_mode == "global":
             fp["test_per_client"] = self.test_per_client
         if self.name == "synthetic":
