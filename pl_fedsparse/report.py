@@ -36,7 +36,7 @@ import yaml
 
 from pl_fedsparse.errors import ConfigError
 
-__all__ = ["Run", "SeedGroup", "load_run", "seed_groups", "seed_table", "table_rows", "markdown_table",
+__all__ = ["Run", "SeedGroup", "load_run", "seed_curve", "seed_groups", "seed_table", "table_rows", "markdown_table",
            "write_report", "main"]
 
 #: configuration keys that tell runs of one experiment apart without changing it: the seeds and where it was written
@@ -192,6 +192,22 @@ def seed_groups(runs: Sequence[Run]) -> list[SeedGroup]:
     return [g for _, g in out]
 
 
+def seed_curve(group: SeedGroup, key: str = "acc_mean") -> tuple[list[int], list[float], list[float]]:
+    """``key`` over the rounds for a seed group: the rounds every seed evaluated (1-based), the mean over the seeds
+    and the sample standard deviation (0 with one seed) — the line and the band of ``acc_vs_round_seeds.png``.
+
+    Example: seeds reaching 0.60 and 0.70 at round 10 give ``([10], [0.65], [0.0707…])``.
+    """
+    per_run = [{row["round"]: float(row[key]) for row in r.rows if row.get(key) is not None} for r in group.runs]
+    common = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    means, stds = [], []
+    for rnd in common:
+        mean, std = _mean_std([d[rnd] for d in per_run])
+        means.append(mean)
+        stds.append(std or 0.0)
+    return [rnd + 1 for rnd in common], means, stds
+
+
 def _mean_std(xs: list[float]) -> tuple[float, float | None]:
     mean = sum(xs) / len(xs)
     if len(xs) < 2:
@@ -340,6 +356,24 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
     fig.tight_layout()
     written.append(out / "acc_vs_traffic.png")
     fig.savefig(written[-1], dpi=110)
+
+    repeated = [g for g in seed_groups(runs) if len(g.runs) > 1]
+    if repeated:  # one line per group of seeds: their mean, and a band of ± one sample standard deviation
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        for g in repeated:
+            rounds, mean, std = seed_curve(g)
+            label = f"{g.runs[0].name} ({len(g.runs)} seeds)"
+            line = ax.plot(rounds, [100 * m for m in mean], marker="o", ms=3, label=label)[0]
+            ax.fill_between(rounds, [100 * (m - s) for m, s in zip(mean, std)],
+                            [100 * (m + s) for m, s in zip(mean, std)], color=line.get_color(), alpha=0.2)
+        ax.set(xlabel="round", ylabel="personal accuracy, mean over clients (%)",
+               title="accuracy vs round: mean ± std over seeds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "acc_vs_round_seeds.png")
+        fig.savefig(written[-1], dpi=110)
 
     with_clients = [r for r in runs if r.summary.get("client_acc")]
     if with_clients:

@@ -148,3 +148,17 @@ def test_write_report_adds_the_seed_table_only_when_seeds_repeat(tmp_path: Path)
     two = [*one, load_run(_seeded(tmp_path / "x1", 0.7, 1))]
     out = write_report(two, tmp_path / "r2", figures=False)["table"].parent
     assert "x0, x1" in (out / "seeds.md").read_text() and (out / "seeds.csv").is_file()
+
+
+def test_seed_groups_get_a_mean_line_and_a_std_band(tmp_path: Path) -> None:
+    from pl_fedsparse.report import seed_curve, seed_groups
+
+    runs = [load_run(_seeded(tmp_path / f"s{i}", acc, i)) for i, acc in enumerate([0.60, 0.70, 0.65])]
+    rounds, mean, std = seed_curve(seed_groups(runs)[0])
+    assert rounds == [1, 2]  # 1-based, the rounds every seed evaluated
+    assert mean == pytest.approx([0.55, 0.65]) and std == pytest.approx([0.05, 0.05])  # sample std of .6, .7, .65
+    pytest.importorskip("matplotlib")
+    out = write_report(runs, tmp_path / "r")
+    assert tmp_path / "r" / "acc_vs_round_seeds.png" in out["figures"]
+    single = write_report(runs[:1], tmp_path / "r1")
+    assert not any(p.name == "acc_vs_round_seeds.png" for p in single["figures"])
