@@ -183,6 +183,16 @@ class TensorBatchLoader:
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        gen, batches = self.epoch_batches()
+        for rows in batches:
+            x = self.inputs(rows)
+            if self.augment:
+                x = self._augment(x, gen)
+            yield x, self.labels[rows]
+
+    def epoch_batches(self) -> tuple[torch.Generator, list[torch.Tensor]]:
+        """Start the next epoch: its generator (as it stands after the permutation, for the augmentation) and the
+        rows of ``images`` of each of its batches, in order — what ``__iter__`` iterates over."""
         gen = torch.Generator().manual_seed(epoch_seed(self.generator_seed, self.epoch))
         self.epoch += 1
         n = self.num_samples
@@ -190,19 +200,24 @@ class TensorBatchLoader:
         order = order.to(self.device)
         if self.indices is not None:
             order = self.indices[order]
-        for b in range(len(self)):
-            rows = order[b * self.batch_size:(b + 1) * self.batch_size]
-            if self.kind == "image":
-                x = self.images[rows].float().mul_(self._scale).add_(self._shift)
-                if self.augment:
-                    x = self._augment(x, gen)
-            elif self.kind == "features":
-                x = self.images[rows].float()
-                if self._normalize_features:
-                    x = x.sub_(self._shift).div_(self._scale)
-            else:
-                x = self.images[rows].long()
-            yield x, self.labels[rows]
+        return gen, [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))]
+
+    def inputs(self, rows: torch.Tensor) -> torch.Tensor:
+        """The model inputs of ``rows`` of ``images``, normalised (element-wise: the same values whether the rows
+        are one batch or several batches' rows together), not augmented."""
+        if self.kind == "image":
+            return self.images[rows].float().mul_(self._scale).add_(self._shift)
+        if self.kind == "features":
+            x = self.images[rows].float()
+            return x.sub_(self._shift).div_(self._scale) if self._normalize_features else x
+        return self.images[rows].long()
+
+    def same_inputs(self, other: Any) -> bool:
+        """Whether ``other`` draws its inputs from the same tensors with the same normalisation (so that
+        :meth:`inputs` of several loaders' rows can be gathered at once)."""
+        return (isinstance(other, TensorBatchLoader) and other.images is self.images and other.labels is self.labels
+                and other.kind == self.kind and other._normalize_features == self._normalize_features
+                and torch.equal(other._scale, self._scale) and torch.equal(other._shift, self._shift))
 
     def _augment(self, x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:
         """Random crop (zero padding ``pad``) + horizontal flip of a float batch with one gather."""
