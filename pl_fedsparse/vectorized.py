@@ -198,30 +198,36 @@ class _Stream:
         """The next batch, or ``None`` when the fit has no more steps."""
         if self.done:
             return None
+        if self.bulk:  # a TensorBatchLoader draws from its own generator, never from torch's global one
+            return self._next()
         saved = torch.get_rng_state()
         torch.set_rng_state(self.rng)
         try:
-            while True:
-                if self.steps is not None and self.taken >= self.steps:
-                    break
-                if self.it is None:
-                    if self.epochs is not None and self.epoch >= self.epochs:
-                        break
-                    self.it = iter(self.loader.epoch_batches()[1] if self.bulk else self.loader)
-                try:
-                    batch = next(self.it)
-                except StopIteration:
-                    self.it, self.epoch = None, self.epoch + 1
-                    if self.steps is not None and self.epoch > 0 and self.taken == 0:
-                        break  # an empty loader: max_steps would never be reached
-                    continue
-                self.taken += 1
-                return batch
-            self.done = True
-            return None
+            return self._next()
         finally:
             self.rng = torch.get_rng_state()
             torch.set_rng_state(saved)
+
+    def _next(self) -> Any:
+        """The next batch of the current epoch, starting the next epoch when one ends (as Lightning's loop)."""
+        while True:
+            if self.steps is not None and self.taken >= self.steps:
+                break
+            if self.it is None:
+                if self.epochs is not None and self.epoch >= self.epochs:
+                    break
+                self.it = iter(self.loader.epoch_batches()[1] if self.bulk else self.loader)
+            try:
+                batch = next(self.it)
+            except StopIteration:
+                self.it, self.epoch = None, self.epoch + 1
+                if self.steps is not None and self.epoch > 0 and self.taken == 0:
+                    break  # an empty loader: max_steps would never be reached
+                continue
+            self.taken += 1
+            return batch
+        self.done = True
+        return None
 
 
 @dataclass
@@ -336,6 +342,7 @@ class VectorizedExecutor(ClientExecutor):
         self._all_sequential = False
         self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
         self._optimizers: dict[tuple[Any, ...], _Optim] = {}
+        self._params: list[Tensor] = []  # the working module's parameters (the optimizer cache's key reads them)
 
     def setup(self, loop: FederatedLoop) -> None:
         self.loop = loop
@@ -395,7 +402,7 @@ class VectorizedExecutor(ClientExecutor):
         if (kind.configure_optimizers is not FederatedModule.configure_optimizers
                 or getattr(kind, "current_lr", None) is not FederatedModule.current_lr):
             return _optimizer_of(module, names)
-        key = (ctx.lr_round, tuple(p.requires_grad for p in module.parameters()))
+        key = (ctx.lr_round, tuple(p.requires_grad for p in self._params))
         if key not in self._optimizers:
             self._optimizers = {key: _optimizer_of(module, names)}  # one round's: no growth over a run
         return self._optimizers[key]
@@ -439,6 +446,7 @@ class VectorizedExecutor(ClientExecutor):
         callbacks = list(loop.callbacks)
         before = _Snapshot(callbacks)
         names = {id(p): n for n, p in module.named_parameters()}
+        self._params = list(module.parameters())
         full = list(module.state_dict())
         # the working module matters to a fit's start and end only where a callback reads or edits it there
         fed = loop.fed_callbacks
