@@ -16,6 +16,8 @@
 #             utilisation, the estimate for the paper's full run                          -> rounds.jsonl, rounds/
 #   ray       benchmarks/ray_speedup.py on the GPU: in-process vs 4 Ray workers sharing it (0.25 GPU each)
 #                                                                                       -> ray_<mode>.txt
+#   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round and the MLP quickstart
+#             task, in process vs VectorizedExecutor: seconds per round and GPU utilisation -> vectorized_<task>.txt
 # Data: CIFAR10_ROOT (default data/cifar10, the extracted ImageFolder copy) and FMNIST_ROOT (default
 # /usr/share/datasets/fashion-mnist); a step whose data or package is missing is recorded as skipped, not failed.
 set -uo pipefail
@@ -36,7 +38,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests overhead rounds ray)
+STEPS=(env tests overhead rounds ray vectorized)
 for s in "${ONLY[@]}"; do
   case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
 done
@@ -98,6 +100,14 @@ if wanted ray; then
     done
     [ "$DRY" = 1 ] && "$PY" benchmarks/ray_speedup.py --help > /dev/null && echo "ray_speedup.py parses"
   fi
+fi
+if wanted vectorized; then
+  if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+    step vectorized_lenet.txt "$PY" benchmarks/vectorized.py --task lenet --clients 100 --accelerator gpu --pairs 2 \
+      --rounds 3 --data-root "$CIFAR10_ROOT"
+  else say "vectorized lenet skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  step vectorized_mlp.txt "$PY" benchmarks/vectorized.py --task mlp --clients 100 --accelerator gpu --pairs 3 --rounds 5
+  [ "$DRY" = 1 ] && "$PY" benchmarks/vectorized.py --help > /dev/null && echo "vectorized.py parses"
 fi
 [ "$DRY" = 1 ] && echo "dry run: every step's command resolves"
 exit $FAILED

@@ -36,6 +36,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_rounds import GpuSampler
 
 from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.cli import FedCLI
@@ -43,10 +46,11 @@ from pl_fedsparse.cli import FedCLI
 EXECUTORS = {"in_process": None, "vectorized": "pl_fedsparse.executors.VectorizedExecutor"}
 
 
-def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: str, samples: int) -> list[str]:
+def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: str, samples: int,
+             accelerator: str = "cpu") -> list[str]:
     common = ["--trainer.num_rounds", str(rounds), "--trainer.join_ratio", "1.0", "--trainer.eval_every", "1000",
               "--trainer.checkpoint_every", "0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-              "--trainer.accelerator", "cpu", "--trainer.default_root_dir", tmp, "--trainer.callbacks", "[]",
+              "--trainer.accelerator", accelerator, "--trainer.default_root_dir", tmp, "--trainer.callbacks", "[]",
               "--data.num_clients", str(clients)]
     if task == "mlp":
         return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *common,
@@ -58,9 +62,10 @@ def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: s
 
 
 def one_run(task: str, executor: str | None, clients: int, rounds: int, data_root: str | None,
-            samples: int = 6000, group_size: int | None = None) -> dict[str, Any]:
+            samples: int = 6000, group_size: int | None = None, accelerator: str = "cpu") -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        argv = args_for(task, clients, rounds, data_root, tmp, samples)
+        argv = args_for(task, clients, rounds, data_root, tmp, samples, accelerator)
+        sampler = GpuSampler(Path(tmp) / "gpu.csv") if accelerator == "gpu" else None
         if executor:
             init = {"max_group_size": group_size} if group_size else {}
             argv += ["--trainer.executor", json.dumps({"class_path": executor, "init_args": init})]
@@ -80,10 +85,11 @@ def one_run(task: str, executor: str | None, clients: int, rounds: int, data_roo
 
             loop.run_round = timed_round  # type: ignore[method-assign]
             loop.fit(cli.model, cli.datamodule)
+        gpu = sampler.stop() if sampler is not None else {}
     rows = loop.history
     train = [r["time_train_s"] for r in rows[1:-1]]
     return {"train_s": statistics.median(train), "cpu_s": timed[0] / max(1, rounds - 2),
-            "acc": rows[-1].get("acc_mean"), "loss": rows[-1].get("loss_mean")}
+            "acc": rows[-1].get("acc_mean"), "loss": rows[-1].get("loss_mean"), **gpu}
 
 
 def main() -> None:
@@ -96,6 +102,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=6000,
                    help="mlp: synthetic images in all, shared by the clients (6000: the quickstart's)")
     p.add_argument("--group-size", type=int, default=None, help="VectorizedExecutor.max_group_size (default: its own)")
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
+                   help="gpu: also the GPU's utilisation (nvidia-smi samples every 250 ms, mean over the run)")
     p.add_argument("--out", default=None, help="write the raw results as JSON here")
     a = p.parse_args()
     if a.rounds < 3:
@@ -108,7 +116,7 @@ def main() -> None:
         order = list(EXECUTORS) if pair % 2 == 0 else list(reversed(EXECUTORS))
         for name in order:
             runs[name].append(one_run(a.task, EXECUTORS[name], a.clients, a.rounds, a.data_root, a.samples,
-                                      a.group_size))
+                                      a.group_size, a.accelerator))
         print(f"pair {pair}: " + ", ".join(f"{n} {runs[n][-1]['train_s']:.3f} s" for n in EXECUTORS), flush=True)
     med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("train_s", "cpu_s")} for n in EXECUTORS}
     ref, vec = runs["in_process"][-1], runs["vectorized"][-1]
@@ -116,14 +124,18 @@ def main() -> None:
     print(f"task {a.task}, {a.clients} clients per round, {a.rounds} rounds x {a.pairs} pairs, "
           f"{torch.get_num_threads()} thread(s)")
     for n in EXECUTORS:
-        print(f"  {n:<11} train {med[n]['train_s']:.3f} s/round   cpu {med[n]['cpu_s']:.3f} s/round")
+        util = [r["gpu_util_mean"] for r in runs[n] if r.get("gpu_util_mean") is not None]
+        extra = f"   GPU util {statistics.median(util):.0f} %" if util else ""
+        print(f"  {n:<11} train {med[n]['train_s']:.3f} s/round   cpu {med[n]['cpu_s']:.3f} s/round{extra}")
     print(f"  speed-up (in-process / vectorised): wall {med['in_process']['train_s'] / med['vectorized']['train_s']:.2f}x"
           f"   cpu {med['in_process']['cpu_s'] / med['vectorized']['cpu_s']:.2f}x")
     print(f"  final accuracy: in-process {ref['acc']:.6f}, vectorised {vec['acc']:.6f} (|diff| {dacc:.1e})")
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "runs": runs, "median": med}, indent=1))
-    if dacc > 1e-5:
+    if dacc > 1e-5 and a.accelerator == "cpu":  # bit-exact on the CPU (tests/test_vectorized.py)
         raise SystemExit(f"the executors disagree: |acc diff| = {dacc:.2e} > 1e-5")
+    if dacc > 1e-5:  # cuBLAS/cuDNN may round batched and single products differently: reported, not an error
+        print(f"  note: on the GPU the final accuracies differ by {dacc:.2e}")
 
 
 if __name__ == "__main__":
