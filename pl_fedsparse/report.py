@@ -321,6 +321,15 @@ def _csv(runs: Sequence[Run], metrics: Sequence[str] = (), baseline: str | None 
     return buf.getvalue()
 
 
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    """Grid, legend, tight layout; write ``fig`` to ``path`` and return it."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
     # matplotlib's object-oriented API: no pyplot, so no backend or global figure state is touched (safe inside a
     # notebook or a GUI session); savefig renders with Agg
@@ -333,11 +342,7 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
         ax.plot([row["round"] + 1 for row in r.rows], [100 * row["acc_mean"] for row in r.rows], marker="o", ms=3,
                 label=r.name)
     ax.set(xlabel="round", ylabel="personal accuracy, mean over clients (%)", title="accuracy vs round")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out / "acc_vs_round.png")
-    fig.savefig(written[-1], dpi=110)
+    written.append(_save(fig, ax, out / "acc_vs_round.png"))
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
@@ -351,11 +356,7 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
         ax.set_xscale("log")
     ax.set(xlabel="cumulative traffic (MB)", ylabel="personal accuracy, mean over clients (%)",
            title="accuracy vs communication")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out / "acc_vs_traffic.png")
-    fig.savefig(written[-1], dpi=110)
+    written.append(_save(fig, ax, out / "acc_vs_traffic.png"))
 
     repeated = [g for g in seed_groups(runs) if len(g.runs) > 1]
     if repeated:  # one line per group of seeds: their mean, and a band of ± one sample standard deviation
@@ -369,11 +370,7 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
                             [100 * (m + s) for m, s in zip(mean, std)], color=line.get_color(), alpha=0.2)
         ax.set(xlabel="round", ylabel="personal accuracy, mean over clients (%)",
                title="accuracy vs round: mean ± std over seeds")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out / "acc_vs_round_seeds.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(_save(fig, ax, out / "acc_vs_round_seeds.png"))
 
     with_clients = [r for r in runs if r.summary.get("client_acc")]
     if with_clients:

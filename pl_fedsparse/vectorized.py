@@ -613,7 +613,7 @@ class VectorizedExecutor(ClientExecutor):
                 _clip_per_client(G, float(clip))
             steps_done[live] += 1
             step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()},
-                    steps_done[live], device)
+                    steps_done[live])
             for _, hooks in self.hooks:
                 hooks.after_optimizer_step(fit)
             if at is not None:
@@ -825,7 +825,7 @@ def _lr_rows(values: list[float], like: Tensor) -> float | Tensor:
 
 
 def _sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: _Optim,
-              lrs: dict[str, list[float]], steps: Tensor, device: torch.device) -> None:
+              lrs: dict[str, list[float]], steps: Tensor) -> None:
     """``torch.optim.SGD``'s update (single-tensor form) on stacked tensors: weight decay, momentum (the first step
     takes the gradient as the buffer), dampening, Nesterov."""
     with torch.no_grad():
@@ -849,7 +849,7 @@ def _sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[
 
 
 def _adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: _Optim,
-               lrs: dict[str, list[float]], steps: Tensor, device: torch.device) -> None:
+               lrs: dict[str, list[float]], steps: Tensor) -> None:
     """``torch.optim.Adam``'s update (single-tensor form, no AMSGrad) on stacked tensors, with each client's own
     step count for the bias corrections."""
     with torch.no_grad():
