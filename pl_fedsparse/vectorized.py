@@ -57,7 +57,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from pl_fedsparse.allocator import tune_malloc
+from pl_fedsparse.allocator import heap_only, tune_malloc
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.data.loaders import TensorBatchLoader
@@ -309,15 +309,21 @@ def _check_module(module: pl.LightningModule) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the executor
+#: on the CPU, the default group holds at most this many bytes of stacked weights (its gradients, optimizer state and
+#: step temporaries come on top: about 4x in all with momentum)
+_CPU_GROUP_BYTES = 256 << 20
+
+
 class VectorizedExecutor(ClientExecutor):
     """Train a stage's fits together, stacked along a client dimension (module docstring).
 
     Args:
         max_group_size: most clients stacked in one group (memory: each client adds its weights, gradients,
             optimizer state and one batch of activations); a larger stage runs as several groups of equal size.
-            ``None``: on the CPU, as many as keep every stacked tensor within 32 MiB — the C library maps a larger
-            block afresh at every step and the kernel faults it in page by page (measured: a quarter of a 100-client
-            MLP round) —; on a GPU, all of the stage's fits.
+            ``None``: on the CPU, as many as keep the group's stacked weights within 256 MiB (1 GiB or so with
+            gradients, optimizer state and step temporaries; the stacked tensors are kept in the heap,
+            :func:`~pl_fedsparse.allocator.heap_only`, instead of being mapped afresh at every step — measured, a
+            quarter of a 100-client MLP round went to page faults); on a GPU, all of the stage's fits.
         unsupported: what to do with fits a callback cannot vectorise (it has in-fit hooks and no
             ``vectorized_fit``): ``"error"`` refuses the run when the federation starts, naming the callback;
             ``"sequential"`` runs those fits one by one in process (every fit, when such a callback is configured).
@@ -373,8 +379,8 @@ class VectorizedExecutor(ClientExecutor):
         assert loop is not None and loop.model is not None
         if loop.device.type != "cpu":
             return 1 << 30
-        largest = max((t.numel() * t.element_size() for t in loop.model.state_dict().values()), default=1)
-        return max(1, (32 << 20) // max(1, largest))
+        client = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values())
+        return max(1, _CPU_GROUP_BYTES // max(1, client))
 
     def _collect_hooks(self) -> list[tuple[Any, list[str]]]:
         """The callbacks' vectorised forms, in callback order, into :attr:`hooks`; returns the callbacks that have
@@ -427,15 +433,16 @@ class VectorizedExecutor(ClientExecutor):
             c = r.context
             groups.setdefault((c.kind, c.requester, c.epochs), []).append(i)
         cap = self._group_cap()
-        for members in groups.values():
-            parts = -(-len(members) // cap)
-            base, extra = divmod(len(members), parts)  # equal groups: 100 fits, at most 54 per group -> 50 + 50
-            at = 0
-            for part in range(parts):
-                size = base + (part < extra)
-                chunk, at = members[at:at + size], at + size
-                for i, u in zip(chunk, self._run_group([requests[i] for i in chunk]), strict=True):
-                    out[i] = u
+        with heap_only():  # a group's stacked tensors exceed the mmap threshold: keep them in the heap (see there)
+            for members in groups.values():
+                parts = -(-len(members) // cap)
+                base, extra = divmod(len(members), parts)  # equal groups: 100 fits, at most 64 per group -> 50 + 50
+                at = 0
+                for part in range(parts):
+                    size = base + (part < extra)
+                    chunk, at = members[at:at + size], at + size
+                    for i, u in zip(chunk, self._run_group([requests[i] for i in chunk]), strict=True):
+                        out[i] = u
         return [u for u in out if u is not None]
 
     # ---------------------------------------------------------------------------------------- one group
@@ -454,6 +461,7 @@ class VectorizedExecutor(ClientExecutor):
         at_end = any(_overrides(cb, "on_client_fit_end") for cb in fed)
         started: list[dict[str, Any]] = []
         stacked: dict[str, Tensor] = {}
+        pending: dict[str, list[tuple[int, Tensor]]] = {}  # name -> (row, start tensor) still to copy
         results: list[ClientUpdate | None] = [None] * len(requests)
         for i, request in enumerate(requests):
             ctx = request.context
@@ -483,8 +491,14 @@ class VectorizedExecutor(ClientExecutor):
                 for name, t in (request.start if direct else module.state_dict()).items():
                     if name not in stacked:
                         stacked[name] = torch.empty((len(requests), *t.shape), dtype=t.dtype, device=loop.device)
-                    stacked[name][len(started)].copy_(t)
+                    if direct:  # the request's own tensors: copied below, one copy per run of rows sharing them
+                        pending.setdefault(name, []).append((len(started), t))
+                    else:  # the working module's: the next client's start overwrites them
+                        stacked[name][len(started)].copy_(t)
             started.append(item)
+        with torch.no_grad():
+            for name, rows in pending.items():
+                _copy_runs(stacked[name], rows)
         stacked = {n: t[:len(started)] for n, t in stacked.items()}
         # one optimizer configuration per stacked group (the same module and kind: in practice always one)
         by_signature: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
@@ -586,7 +600,7 @@ class VectorizedExecutor(ClientExecutor):
                     per = len(batches[live[positions[0]]])
                     xs = first.inputs(rows_cat)
                     xs = xs.view(len(positions), per, *xs.shape[1:]).to(device)
-                    ys = first.labels[rows_cat].view(len(positions), per).to(device)
+                    ys = first.labels.index_select(0, rows_cat).view(len(positions), per).to(device)
                 else:
                     xs = torch.stack([batches[live[q]][0] for q in positions]).to(device)
                     ys = torch.stack([batches[live[q]][1] for q in positions]).to(device)
@@ -631,6 +645,19 @@ class VectorizedExecutor(ClientExecutor):
             loss = float(loss_sum[i]) / n if n else float("nan")
             out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
         return out
+
+
+def _copy_runs(out: Tensor, rows: list[tuple[int, Tensor]]) -> None:
+    """``out[row] = tensor`` for every ``(row, tensor)``, consecutive rows holding the same tensor (FedAvg: every
+    client starts from the global weights) in one broadcast copy."""
+    at = 0
+    while at < len(rows):
+        first, t = rows[at]
+        end = at + 1
+        while end < len(rows) and rows[end][1] is t and rows[end][0] == first + (end - at):
+            end += 1
+        out[first:first + end - at].copy_(t.unsqueeze(0).expand(end - at, *t.shape))
+        at = end
 
 
 def _finite_rows(stacked: dict[str, Tensor]) -> list[bool]:

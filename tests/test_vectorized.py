@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import logging
 import math
@@ -15,7 +16,7 @@ import pytest
 import torch
 from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
 
-from pl_fedsparse import FederatedCallback, FederatedModule
+from pl_fedsparse import FederatedCallback, FederatedModule, allocator
 from pl_fedsparse.callbacks import PFedGate
 from pl_fedsparse.cli import FedCLI
 from pl_fedsparse.errors import ConfigError
@@ -332,11 +333,45 @@ def test_groups_are_equal_and_capped_by_the_largest_tensor_on_the_cpu(tmp_path: 
     ex._run_group = spy  # type: ignore[method-assign]
     loop = tiny_loop(tmp_path, executor=ex, num_rounds=1)
     module = tiny_module()
-    largest = max(t.numel() * t.element_size() for t in module.state_dict().values())
+    client = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     loop.fit(module, tiny_datamodule(num_clients=10))
-    assert ex._group_cap() == (32 << 20) // largest and sizes == [10]
+    assert ex._group_cap() == (256 << 20) // client and sizes == [10]
     sizes.clear()
     ex.max_group_size = 4
     loop2 = tiny_loop(tmp_path / "b", executor=ex, num_rounds=1)
     loop2.fit(tiny_module(), tiny_datamodule(num_clients=10))
     assert sizes == [4, 3, 3]  # three equal-as-can-be groups, not 4 + 4 + 2
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mapped_bytes() -> int | None:
+    """glibc's bytes in blocks it mapped on their own (``mallinfo2().hblkhd``); ``None`` where unavailable."""
+    libc = allocator._glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    return int(libc.mallinfo2().hblkhd)
+
+
+def test_heap_only_keeps_large_blocks_in_the_heap_and_puts_the_mapping_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    if _mapped_bytes() is None:
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    big = 96 << 20  # above every mmap threshold
+    base = _mapped_bytes()
+    with allocator.heap_only() as done:
+        assert done is True
+        t = torch.empty(big, dtype=torch.uint8)
+        assert _mapped_bytes() == base  # from the heap, not a mapping of its own
+        del t
+    libc = allocator._glibc()
+    larger = int(libc.mallinfo2().fordblks) + big  # more than the heap has free: served by a mapping, if allowed
+    t = torch.empty(larger, dtype=torch.uint8)
+    assert _mapped_bytes() >= base + larger  # mapped again once the scope ends
+    del t
+    monkeypatch.setenv("PL_FEDSPARSE_MALLOC_TUNING", "0")
+    with allocator.heap_only() as done:
+        assert done is False

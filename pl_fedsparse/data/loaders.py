@@ -15,6 +15,7 @@ slower — for data that does not fit in memory.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -42,7 +43,7 @@ def normalize(images: torch.Tensor, mean: Sequence[float] | None = None,
     kind = input_kind(images)
     if kind == "image":
         assert mean is not None and std is not None
-        scale, shift = _affine(mean, std, images.device)
+        scale, shift = _affine(tuple(mean), tuple(std), images.device)
         return images.float() * scale + shift
     if kind == "features":
         x = images.float()
@@ -62,7 +63,11 @@ def _feature_stats(mean: Sequence[float], std: Sequence[float], ndim: int,
     return m, s
 
 
-def _affine(mean: Sequence[float], std: Sequence[float], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.lru_cache(maxsize=64)
+def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel ``(scale, shift)`` that normalise uint8 images: ``x * scale + shift = (x / 255 - mean) / std``.
+    Cached (a loader is built per client and fit; the tensors are only ever read)."""
     m = torch.as_tensor(tuple(mean), dtype=torch.float32, device=device).view(1, -1, 1, 1)
     s = torch.as_tensor(tuple(std), dtype=torch.float32, device=device).view(1, -1, 1, 1)
     return 1.0 / (255.0 * s), -m / s
@@ -188,7 +193,7 @@ class TensorBatchLoader:
             x = self.inputs(rows)
             if self.augment:
                 x = self._augment(x, gen)
-            yield x, self.labels[rows]
+            yield x, self.labels.index_select(0, rows)
 
     def epoch_batches(self) -> tuple[torch.Generator, list[torch.Tensor]]:
         """Start the next epoch: its generator (as it stands after the permutation, for the augmentation) and the
@@ -205,12 +210,13 @@ class TensorBatchLoader:
     def inputs(self, rows: torch.Tensor) -> torch.Tensor:
         """The model inputs of ``rows`` of ``images``, normalised (element-wise: the same values whether the rows
         are one batch or several batches' rows together), not augmented."""
+        picked = self.images.index_select(0, rows)  # (3x faster than images[rows] for uint8 images, same values)
         if self.kind == "image":
-            return self.images[rows].float().mul_(self._scale).add_(self._shift)
+            return picked.float().mul_(self._scale).add_(self._shift)
         if self.kind == "features":
-            x = self.images[rows].float()
+            x = picked.float()
             return x.sub_(self._shift).div_(self._scale) if self._normalize_features else x
-        return self.images[rows].long()
+        return picked.long()
 
     def same_inputs(self, other: Any) -> bool:
         """Whether ``other`` draws its inputs from the same tensors with the same normalisation (so that
