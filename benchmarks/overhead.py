@@ -13,18 +13,32 @@ and the median of ``--repeats`` rounds is reported (which path runs first altern
 
 Prints the two medians and their ratio (target: <= 1.05), by wall time and by this process's CPU time.
 
-``--eval`` also times one evaluation of every client (the engine's ``loop.evaluate()``: every client's personal
-model, FedAvg's global one, on its test set, with accuracy, loss and the per-client summaries) against a plain loop
-doing the same forward passes and metric maths, alternating the same way, and prints that ratio too.
+``--eval`` makes every round a whole round and prints three ratios from the same alternating rounds:
+
+* **training round**: the fits and the aggregation (pl_fedsparse: ``run_round`` without its evaluation);
+* **evaluation**: every client evaluated (pl_fedsparse: the round's ``loop.evaluate()`` — every client's personal
+  model, FedAvg's global one, on its test set, with accuracy, loss and the per-client summaries; plain: a loop doing
+  the same forward passes and metric maths);
+* **whole round**: training + evaluation + reporting + checkpoint (pl_fedsparse: ``run_round`` with its evaluation,
+  the row appended to ``metrics.jsonl``, the federation checkpoint written atomically; plain: its training, its
+  evaluation, a JSON line appended and its model saved with ``torch.save`` through a temporary file).
+
+Both paths evaluate the model their own round trained; the line of each round says whether the two accuracies agree.
+
+    python benchmarks/overhead.py --data-root data/cifar10 --repeats 7 --threads 1 --eval
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import statistics
 import time
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +123,15 @@ def _report(name: str, plain: list[tuple[float, float]], fed: list[tuple[float, 
     print(f"{name}: ratio pl_fedsparse / plain = {fw / pw:.3f} wall, {fc / pc:.3f} CPU  (target <= 1.05)")
 
 
+def plain_save(state: dict, round_idx: int, acc: float, out: Path) -> None:
+    """What a plain script does at the end of a round: its metrics line appended, its model saved (atomically)."""
+    with open(out / "plain_metrics.jsonl", "a") as f:
+        f.write(json.dumps({"round": round_idx, "acc_mean": acc}) + "\n")
+    tmp = out / "plain_last.pt.tmp"
+    torch.save({"round": round_idx, "model": state}, tmp)
+    os.replace(tmp, out / "plain_last.pt")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data-root", default=None, help="CIFAR-10 folder; synthetic data of the same shape if omitted")
@@ -116,7 +139,8 @@ def main() -> None:
     ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    ap.add_argument("--eval", action="store_true", help="also time one evaluation of every client (see above)")
+    ap.add_argument("--eval", action="store_true",
+                    help="also time the evaluation and the whole round (see above): three ratios")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -132,63 +156,82 @@ def main() -> None:
     dm.setup()
     torch.manual_seed(0)
     module = FederatedModule(LeNetCIFAR(num_classes=10), lr=0.05, weight_decay=5e-4)
+    root = Path("benchmarks/_runs/overhead")
     loop = FederatedLoop(num_rounds=1000, clients_per_round=10, local_epochs=5, eval_every=1000,
                          accelerator=args.accelerator, precision=args.precision, logger=False,
-                         enable_progress_bar=False, checkpoint_every=0, default_root_dir="benchmarks/_runs/overhead",
-                         overwrite=True)
+                         enable_progress_bar=False, checkpoint_every=0, default_root_dir=str(root), overwrite=True)
     loop.setup(module, dm)
     device = loop.device
     print(f"device={device} precision={args.precision} threads={torch.get_num_threads()} "
           f"data={'cifar10' if args.data_root else 'synthetic'} samples/client={dm.num_samples(0)}")
 
-    fed_times, plain_times = [], []
-    fed_eval, plain_eval = [], []
+    evaluations: list[tuple[float, float]] = []  # (wall, CPU) of each loop.evaluate() call in a round
+    real_evaluate = loop.evaluate
+
+    def timed_evaluate(split: str | None = None) -> dict:
+        out: dict = {}
+        evaluations.append(_timed(lambda: out.update(real_evaluate(split)), device))
+        return out
+
+    loop.evaluate = timed_evaluate  # type: ignore[method-assign]
+    times: dict[str, dict[str, list[tuple[float, float]]]] = {
+        part: {"plain": [], "fed": []} for part in ("training round", "evaluation", "whole round")}
     for rep in range(args.repeats + 1):  # the first pair is a warm-up
         r = rep
         clients = loop.select_clients(r)
         start = dict(loop.global_state)
+        parts: dict[str, dict[str, tuple[float, float]]] = {"plain": {}, "fed": {}}
+        results: dict[str, Any] = {}
 
         def run_plain() -> None:
-            plain_round(module, dm, clients, start, r, loop.seed, 5, device, args.precision)
+            parts["plain"]["training round"] = _timed(
+                lambda: results.update(plain_state=plain_round(module, dm, clients, start, r, loop.seed, 5, device,
+                                                               args.precision)), device)
+            if args.eval:
+                parts["plain"]["evaluation"] = _timed(
+                    lambda: results.update(plain=plain_evaluate(module, dm, results["plain_state"], device,
+                                                                args.precision)), device)
+                plain_save(results["plain_state"], r, results["plain"]["acc_mean"], root)
 
         def run_fed() -> None:
             loop.global_state = start
-            loop.run_round(r)
+            loop.eval_every = 1 if args.eval else 1000  # the round evaluates, as every round of a run evaluating
+            evaluations.clear()
+            w, c = _timed(lambda: results.update(row=loop.run_round(r)), device)
+            ew, ec = evaluations[0] if evaluations else (0.0, 0.0)
+            parts["fed"]["training round"] = (w - ew, c - ec)  # the round without its evaluation
+            if args.eval:
+                parts["fed"]["evaluation"] = (ew, ec)
+                results["fed"] = {"acc_mean": results["row"]["acc_mean"]}
+                loop.reporter.log_row(results["row"])  # metrics.jsonl (TensorBoard off, as in the plain loop)
+                loop.save_checkpoint()
             loop.global_state = start
 
         # alternate which path runs first, so neither gains from running second (caches, clocks)
-        if rep % 2 == 0:
-            tp, tf = _timed(run_plain, device), _timed(run_fed, device)
-        else:
-            tf, tp = _timed(run_fed, device), _timed(run_plain, device)
-        line = f"round {rep}{' (warm-up)' if rep == 0 else ''}: plain {tp[0]:.3f} s  pl_fedsparse {tf[0]:.3f} s"
+        order = [("plain", run_plain), ("fed", run_fed)] if rep % 2 == 0 else [("fed", run_fed), ("plain", run_plain)]
+        for name, fn in order:
+            parts[name]["whole round"] = _timed(fn, device)
+        fed, plain = parts["fed"], parts["plain"]
+        line = (f"round {rep}{' (warm-up)' if rep == 0 else ''}: plain {plain['training round'][0]:.3f} s  "
+                f"pl_fedsparse {fed['training round'][0]:.3f} s")
         if args.eval:
-            state = dict(loop.global_state)
-            results: dict = {}
-
-            def eval_plain() -> None:
-                results["plain"] = plain_evaluate(module, dm, state, device, args.precision)
-
-            def eval_fed() -> None:
-                results["fed"] = loop.evaluate()
-
-            if rep % 2 == 0:
-                ep, ef = _timed(eval_plain, device), _timed(eval_fed, device)
-            else:
-                ef, ep = _timed(eval_fed, device), _timed(eval_plain, device)
             same = abs(results["plain"]["acc_mean"] - results["fed"]["acc_mean"]) < 1e-6
-            line += f"  | evaluation: plain {ep[0]:.3f} s  pl_fedsparse {ef[0]:.3f} s  (same accuracy: {same})"
-            if rep > 0:
-                plain_eval.append(ep)
-                fed_eval.append(ef)
+            line += (f"  | evaluation: plain {plain['evaluation'][0]:.3f} s  pl_fedsparse "
+                     f"{fed['evaluation'][0]:.3f} s  (same accuracy: {same})  | whole round: plain "
+                     f"{plain['whole round'][0]:.3f} s  pl_fedsparse {fed['whole round'][0]:.3f} s")
         if rep > 0:
-            plain_times.append(tp)
-            fed_times.append(tf)
+            for part in times:
+                if part == "training round" or args.eval:
+                    times[part]["plain"].append(parts["plain"][part])
+                    times[part]["fed"].append(fed[part])
         print(line, flush=True)
     loop.reporter.release()
-    _report("training round", plain_times, fed_times)
-    if args.eval:
-        _report("evaluation", plain_eval, fed_eval)
+    tp, tf = times["training round"]["plain"], times["training round"]["fed"]
+    print(f"median plain loop   : {statistics.median(x[0] for x in tp):.3f} s/round")
+    print(f"median pl_fedsparse : {statistics.median(x[0] for x in tf):.3f} s/round")
+    for part in times:
+        if part == "training round" or args.eval:
+            _report(part, times[part]["plain"], times[part]["fed"])
 
 
 if __name__ == "__main__":
