@@ -29,6 +29,14 @@ def _glibc() -> Any:
     return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "malloc_trim") else None
 
 
+def _left_to_the_user(*tunables: str) -> bool:
+    """Whether malloc is not ours to tune: ``PL_FEDSPARSE_MALLOC_TUNING=0``, or ``GLIBC_TUNABLES`` sets one of
+    ``glibc.malloc.<tunable>``."""
+    given = os.environ.get("GLIBC_TUNABLES", "")
+    return (os.environ.get("PL_FEDSPARSE_MALLOC_TUNING", "1") == "0"
+            or any(f"malloc.{t}" in given for t in tunables))
+
+
 def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -> bool:
     """Keep glibc malloc from handing large buffers back to the kernel after every client fit.
 
@@ -41,10 +49,7 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -
     Skipped (returns ``False``) when the C library is not glibc, when ``GLIBC_TUNABLES`` already sets either value,
     or when ``PL_FEDSPARSE_MALLOC_TUNING=0``.
     """
-    if os.environ.get("PL_FEDSPARSE_MALLOC_TUNING", "1") == "0":
-        return False
-    if "malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", "") or "malloc.trim_threshold" in os.environ.get(
-            "GLIBC_TUNABLES", ""):
+    if _left_to_the_user("mmap_threshold", "trim_threshold"):
         return False
     libc = _glibc()
     if libc is None:
@@ -73,8 +78,7 @@ def heap_only() -> Iterator[bool]:
     gradients, 100 MLP clients: 61 MB per layer): measured, a quarter of a round went to page faults. In the heap
     the freed block is reused by the next step (the trim threshold keeps it there).
     """
-    if (os.environ.get("PL_FEDSPARSE_MALLOC_TUNING", "1") == "0"
-            or "malloc.mmap_max" in os.environ.get("GLIBC_TUNABLES", "")):
+    if _left_to_the_user("mmap_max"):
         yield False
         return
     libc = _glibc()
