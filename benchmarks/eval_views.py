@@ -128,7 +128,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         loop = build(a.config, a.data_root, a.clients, tmp, a.max_train_samples)
         views, clients = prepared(loop)
-        batch = int(loop.datamodule.eval_batch_size)
+        batch = loop.datamodule.eval_batch()
         n_images = sum(len(x) for c in clients for x, _ in c["data"].values() if x is not None)
         print(f"config {Path(a.config).name}: {loop.num_clients} clients, {len(views)} views "
               f"({len({v.key for v in views.values()})} distinct), {len(clients[0]['kinds'])} model kinds, "

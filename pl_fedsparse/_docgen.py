@@ -32,7 +32,7 @@ KINDS = {
     "broadcast": "Broadcast hooks (called on every callback; return `None`)",
     "collected": "Collected hooks (called on every callback; the loop gathers the returned lists)",
     "policy": "Policies (one owner: the callback whose class overrides it; the base versions are never called)",
-    "declaration": "Declarations (asked once when the federation starts)",
+    "declaration": "Declarations (questions the loop asks about the callback; they change nothing)",
     "state": "Per-client state helpers (call them; don't override them)",
 }
 

@@ -36,7 +36,7 @@ calibration error is torchmetrics' top-label ECE with 15 equal-width bins (L1).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.data.corruptions import CORRUPTIONS
+from pl_fedsparse.data.loaders import TensorBatchLoader
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.execution import load_state
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
@@ -179,6 +180,30 @@ def merge_views(views: dict[str, EvalView], new: list[EvalView]) -> None:
         views[v.name] = v
 
 
+def merge_loaders(loaders: Sequence[Any]) -> TensorBatchLoader | None:
+    """One unshuffled loader over the rows of every loader in ``loaders``, in order, or ``None`` where they cannot be
+    one stream: each must be an unshuffled, unaugmented :class:`~pl_fedsparse.data.loaders.TensorBatchLoader`
+    selecting ``indices`` of the same inputs and labels, normalised alike.
+
+    Example:
+        >>> x, y = torch.arange(6, dtype=torch.uint8).view(6, 1, 1, 1), torch.arange(6)
+        >>> a, b = (TensorBatchLoader(x, y, 4, shuffle=False, generator_seed=0, mean=[0], std=[1], indices=i)
+        ...         for i in (torch.tensor([4, 0]), torch.tensor([2, 3, 5])))
+        >>> [yb.tolist() for _, yb in merge_loaders([a, b])]
+        [[4, 0, 2, 3], [5]]
+    """
+    if not loaders or not all(type(p) is TensorBatchLoader for p in loaders):
+        return None
+    first = loaders[0]
+    alike = all(p.images is first.images and p.labels is first.labels and p.indices is not None
+                and not p.shuffle and not p.augment and not p.drop_last and p.mean == first.mean and p.std == first.std
+                and p.batch_size == first.batch_size for p in loaders)
+    if not alike:
+        return None
+    return TensorBatchLoader(first.images, first.labels, first.batch_size, shuffle=False, generator_seed=0,
+                             mean=first.mean, std=first.std, indices=torch.cat([p.indices for p in loaders]))
+
+
 def _same_state(a: dict[str, Tensor], b: dict[str, Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].device)) for k in a)
 
@@ -194,7 +219,24 @@ class Evaluator:
     hooks, the module holds exactly the weights it held for the personal kind, the logits are reused instead of
     recomputed (the weights are compared only in that case). Then ``on_client_predictions`` may add
     kinds built from the logits (e.g. an adaptive choice), and every kind is reported on every reported view.
+
+    **One stream for a shared model.** A model that is the same for every client — the global model, the personal
+    model when no callback owns ``personal_state`` (FedAvg), a :func:`shared_models` kind (D-PSGD's consensus) — is
+    evaluated on every client's data of a view as one stream of ``data.eval_batch_size`` batches instead of one short
+    run per client, when every callback's
+    :meth:`~pl_fedsparse.callbacks.FederatedCallback.evaluation_start_is_shared` says its
+    ``on_client_evaluate_start`` treats that kind alike for every client and the view's per-client loaders select
+    rows of one in-memory tensor (the clean view, shift views; a corrupted view is built per client and evaluated per
+    client, as before). Then ``on_client_evaluate_start`` is called once for the stream (with the first client) and
+    again before a client's other views, ``on_client_evaluate_end`` once per client with its own clean metrics. Each
+    client's logits are its slice of the stream: with a per-sample forward pass (no batch statistics in ``eval``
+    mode) they are the per-client ones — bitwise on the CPU (tested); on a GPU a different batch composition may
+    pick another kernel and change the last bits. ``stream_shared = False`` (an attribute of the evaluator) turns it
+    off; an out-of-process executor's evaluation is unchanged (per client, in its workers).
     """
+
+    #: evaluate models shared by every client as one stream per view (see the class doc)
+    stream_shared: bool = True
 
     def __init__(self, loop: FederatedLoop) -> None:
         self.loop = loop
@@ -243,21 +285,31 @@ class Evaluator:
                                   f"{dm.source_label()} has {dm.input_kind} inputs; expected no corruption views")
         return views
 
-    def forward(self, k: int, split: str, views: dict[str, EvalView], has_global: bool
+    def _view_loader(self, k: int, split: str, v: EvalView) -> Any:
+        return self.loader(k, "train" if v.split == "train" else split, v.shift, v.corruption, v.severity)
+
+    def forward(self, k: int, split: str, views: dict[str, EvalView], has_global: bool,
+                streamed: Mapping[str, Mapping[tuple, tuple[Tensor, Tensor]]] | None = None
                 ) -> tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]:
         """Client ``k``'s logits of every model kind on every view, and the labels of every view: the forward part
         of an evaluation, with the ``on_client_evaluate_start``/``_end`` hooks (an out-of-process executor runs it
-        in its workers, :meth:`~pl_fedsparse.execution.ClientExecutor.forward_clients`)."""
+        in its workers, :meth:`~pl_fedsparse.execution.ClientExecutor.forward_clients`).
+
+        ``streamed[kind][view key]``: this client's results already computed in one stream (:meth:`forward_shared`);
+        such a kind computes only its other views here, and its ``on_client_evaluate_end`` was called already.
+        """
         loop = self.loop
         assert loop.model is not None
-        loaders: dict[tuple, Any] = {}
-        for v in views.values():
-            if v.key not in loaders:
-                loaders[v.key] = self.loader(k, "train" if v.split == "train" else split, v.shift, v.corruption,
-                                             v.severity)
+        streamed = streamed or {}
         personal = loop.personal_state(k)
         kinds = [("personal", personal)] + ([("global", loop.global_state)] if has_global else [])
         kinds += list(shared_models(loop).items())  # e.g. the consensus: evaluated like the global model
+        keys = list(dict.fromkeys(v.key for v in views.values()))
+        todo = {kind: [key for key in keys if key not in streamed.get(kind, {})] for kind, _ in kinds}
+        loaders: dict[tuple, Any] = {}
+        for v in views.values():
+            if v.key not in loaders and any(v.key in t for t in todo.values()):
+                loaders[v.key] = self._view_loader(k, split, v)
         # the global logits can only be the personal ones when both kinds start from the same state
         may_reuse = has_global and personal is loop.global_state
         outputs: dict[str, dict[str, Tensor]] = {name: {} for name in views}
@@ -265,20 +317,77 @@ class Evaluator:
         evaluated: dict[str, Tensor] | None = None  # the weights the personal logits were computed with
         personal_results: dict[tuple, tuple[Tensor, Tensor]] = {}
         for kind, st in kinds:
-            load_state(loop.model, st)  # type: ignore[arg-type]
-            loop.call("on_client_evaluate_start", loop.model, k, kind)
-            current = ({n: t.detach().clone() for n, t in loop.model.state_dict().items()} if may_reuse
-                       else None)
-            if kind == "global" and evaluated is not None and current is not None and _same_state(evaluated, current):
-                results = personal_results  # the same weights give the same logits
-            else:
-                results = {key: self.logits(loader) for key, loader in loaders.items()}
-            if kind == "personal":
-                evaluated, personal_results = current, results
-            loop.call("on_client_evaluate_end", loop.model, k, kind, logits_metrics(*results[CLEAN.key]))
+            results = dict(streamed.get(kind, {}))
+            if todo[kind]:
+                load_state(loop.model, st)  # type: ignore[arg-type]
+                loop.call("on_client_evaluate_start", loop.model, k, kind)
+                current = ({n: t.detach().clone() for n, t in loop.model.state_dict().items()} if may_reuse
+                           else None)
+                if (kind == "global" and evaluated is not None and current is not None
+                        and _same_state(evaluated, current) and all(key in personal_results for key in todo[kind])):
+                    results.update({key: personal_results[key] for key in todo[kind]})  # same weights, same logits
+                else:
+                    results.update({key: self.logits(loaders[key]) for key in todo[kind]})
+                if kind == "personal":
+                    evaluated, personal_results = current, results
+                if kind not in streamed:
+                    loop.call("on_client_evaluate_end", loop.model, k, kind, logits_metrics(*results[CLEAN.key]))
             for name, v in views.items():
                 outputs[name][kind], labels[name] = results[v.key]
         return outputs, labels
+
+    def _shared_kinds(self, has_global: bool) -> list[tuple[str, dict[str, Tensor]]]:
+        """The kinds whose model is the same for every client and whose start hooks treat every client alike."""
+        loop = self.loop
+        kinds: list[tuple[str, dict[str, Tensor]]] = []
+        if has_global:
+            if loop.policy_owner("personal_state") is None:  # the default policy: the global model itself
+                kinds.append(("personal", loop.global_state))  # type: ignore[arg-type]
+            kinds.append(("global", loop.global_state))  # type: ignore[arg-type]
+        kinds += list(shared_models(loop).items())
+        return [(kind, st) for kind, st in kinds
+                if all(cb.evaluation_start_is_shared(loop, kind) for cb in loop.fed_callbacks)]
+
+    def forward_shared(self, clients: Sequence[int], split: str, views: dict[str, EvalView], has_global: bool
+                      ) -> list[dict[str, dict[tuple, tuple[Tensor, Tensor]]]]:
+        """Every client's results of the shared kinds (:meth:`_shared_kinds`) on the views that can be streamed,
+        each kind's model evaluated once per view over the concatenation of every client's rows (see the class
+        doc); ``[{}] * len(clients)`` when nothing can be streamed. Calls ``on_client_evaluate_start`` once per
+        kind and ``on_client_evaluate_end`` once per client and kind."""
+        loop = self.loop
+        assert loop.model is not None
+        none: list[dict[str, dict[tuple, tuple[Tensor, Tensor]]]] = [{} for _ in clients]
+        if not self.stream_shared or len(clients) < 2:
+            return none
+        kinds = self._shared_kinds(has_global)
+        if not kinds:
+            return none
+        streams: dict[tuple, tuple[Any, list[int]]] = {}
+        for v in views.values():
+            if v.corruption is None and v.key not in streams:  # a corrupted view is built per client: not here
+                parts = [self._view_loader(k, split, v) for k in clients]
+                merged = merge_loaders(parts)
+                if merged is not None:
+                    streams[v.key] = (merged, [p.num_samples for p in parts])
+        if CLEAN.key not in streams:  # every client's clean metrics go to its on_client_evaluate_end
+            return none
+        out = none
+        done: list[tuple[dict[str, Tensor], dict[tuple, list[tuple[Tensor, Tensor]]]]] = []
+        for kind, st in kinds:
+            load_state(loop.model, st)
+            loop.call("on_client_evaluate_start", loop.model, clients[0], kind)
+            weights = {n: t.detach().clone() for n, t in loop.model.state_dict().items()}
+            per_client = next((res for w, res in done if _same_state(w, weights)), None)  # FedAvg: personal = global
+            if per_client is None:
+                per_client = {}
+                for key, (loader, counts) in streams.items():
+                    logits, labels = self.logits(loader)
+                    per_client[key] = list(zip(logits.split(counts), labels.split(counts)))
+                done.append((weights, per_client))
+            for i, k in enumerate(clients):
+                out[i][kind] = {key: res[i] for key, res in per_client.items()}
+                loop.call("on_client_evaluate_end", loop.model, k, kind, logits_metrics(*per_client[CLEAN.key][i]))
+        return out
 
     def _summarize(self, k: int, views: dict[str, EvalView], outputs: dict[str, dict[str, Tensor]],
                    labels: dict[str, Tensor]) -> dict[str, dict[str, dict[str, float]]]:
@@ -302,14 +411,16 @@ class Evaluator:
         # shared models from every client's state now (the workers hold only their clients' state)
         models = 1 + has_global + len(shared_models(loop))
         clients = list(range(loop.num_clients))
-        spread = loop.executor.forward_clients(clients, split, views, has_global)  # None: here, one by one
+        spread = loop.executor.forward_clients(clients, split, views, has_global)  # None: here
         # clients done / total, on a terminal only (as the rounds' bar; an out-of-process executor has already
         # computed every forward here): the order and the numbers are unchanged
         todo = list(enumerate(clients))
+        # the shared models, all clients at once
+        streamed = self.forward_shared(clients, split, views, has_global) if spread is None else []
         if spread is None:
             todo = loop.reporter.progress(todo, self._progress_label(views, models), leave=False)
         per_client = [self._summarize(k, views, *(spread[i] if spread is not None else
-                                                  self.forward(k, split, views, has_global)))
+                                                  self.forward(k, split, views, has_global, streamed[i])))
                       for i, k in todo]
         out: dict[str, Any] = {}
         for name, v in views.items():

@@ -239,6 +239,10 @@ class FederatedLoop:
         owner = self._owners.get(name)
         return getattr(owner, name)(self, *args) if owner is not None else getattr(policies, name)(self, *args)
 
+    def policy_owner(self, name: str) -> FederatedCallback | None:
+        """The callback that owns policy ``name``, or ``None`` where the loop's default applies."""
+        return self._owners.get(name)
+
     def select_clients(self, round_idx: int) -> list[int]:
         """Participants of ``round_idx`` (sorted)."""
         return sorted(self.policy("select_clients", round_idx, list(range(self.num_clients))))
@@ -451,6 +455,7 @@ class FederatedLoop:
         check_datamodule(datamodule)
         self.model, self.datamodule = model, datamodule
         datamodule.setup("fit")
+        datamodule.eval_device = self.device.type  # data.eval_batch_size: null is chosen for this device
         check_environment(self)
         self._resolve_policies()
         self.streams = Streams(self.seed)

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FederatedCallback", "POLICIES"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
-DECLARATIONS = ("vectorized_fit",)
+DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared")
 
 POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state", "client_masks")
 
@@ -223,6 +223,18 @@ class FederatedCallback(pl.Callback):
         if cls.evaluate_in_workers is not None:
             return bool(cls.evaluate_in_workers)
         return cls.on_client_evaluate_end is FederatedCallback.on_client_evaluate_end
+
+    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+        """Whether this callback's ``on_client_evaluate_start`` does the same to the ``kind`` model whatever the
+        client: then a model that is the same for every client (the global model, the default personal model,
+        an :func:`~pl_fedsparse.evaluation.shared_models` kind) may be evaluated on every client's data in one stream
+        of large batches, with the hook called once for the stream (see :class:`~pl_fedsparse.evaluation.Evaluator`).
+
+        Default: ``True`` when the class does not override ``on_client_evaluate_start`` (a hook that does nothing
+        cannot depend on the client), ``False`` otherwise. A subclass whose hook depends on the client only for some
+        kinds (e.g. it loads the client's fine-tuned weights for ``"personal"``) says which.
+        """
+        return type(self).on_client_evaluate_start is FederatedCallback.on_client_evaluate_start
 
     @classmethod
     def owned_policies(cls) -> list[str]:

@@ -140,6 +140,10 @@ class FineTune(FederatedCallback):
             self.set_client_state(loop, u.client_idx, "weights", u.state)
 
     @override
+    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+        return kind != "personal"  # the client's fine-tuned weights replace its personal model
+
+    @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         tuned = self.get_client_state(loop, client_idx, "weights")

@@ -342,6 +342,10 @@ class DualMask(UsesMaskedTraining):
 
     # ---- evaluation and reporting --------------------------------------------------------------------------------
     @override
+    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+        return True  # the global kind gets the global mask m_g, the same for every client; nothing else changes
+
+    @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "global":  # θ_g = w_g ⊙ m_g

@@ -346,6 +346,10 @@ class SparseMask(UsesMaskedTraining):
             update.message = Message(apply_masks(update.message.tensors, masks), sent)
 
     @override
+    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+        return kind != "personal" or not self.mask_personal_eval  # the client's own mask on its personal model
+
+    @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "personal" and self.mask_personal_eval:  # the personal model is the client's masked model

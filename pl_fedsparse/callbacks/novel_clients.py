@@ -109,6 +109,10 @@ class NovelClients(FederatedCallback):
             self.set_client_state(loop, u.client_idx, "weights", u.state)
 
     @override
+    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+        return kind != "personal"  # a novel client's fine-tuned weights replace its personal model
+
+    @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "personal" and self.is_novel(client_idx):

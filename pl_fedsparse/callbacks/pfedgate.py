@@ -574,6 +574,10 @@ class PFedGate(FederatedCallback):
 
     # ---- evaluation of the personal model ---------------------------------------------------------------------
     @override
+    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+        return kind != "personal"  # the client's gate is installed on its personal model
+
+    @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind != "personal":

@@ -75,7 +75,7 @@ from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
 from pl_fedsparse.data.sources import image_size_pair, resolve_torchvision_class, validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check
 
-__all__ = ["FederatedDataModule"]
+__all__ = ["AUTO_EVAL_BATCH_SIZE", "FederatedDataModule"]
 
 _FINGERPRINT_VERSION = 1
 _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_samples"),
@@ -83,6 +83,10 @@ _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_sample
                   "noniid_ratio": ("noniid_ratio",), "fedem_dirichlet": ("alpha", "sample_fraction"), "natural": ()}
 #: ``partition="natural"``: the dataset's own client ids instead of a scheme of :data:`SCHEMES`
 NATURAL = "natural"
+#: ``data.eval_batch_size: null``: the evaluation batch size by the type of device the model runs on. On the CPU
+#: (one or two threads, LeNet-CIFAR and the McMahan CNN) batches of up to 128 images cost 30-40 % less per image than
+#: 512 (``benchmarks/eval_batch.py``; the activations of a larger batch leave the cache); a GPU keeps 512.
+AUTO_EVAL_BATCH_SIZE: dict[str, int] = {"cpu": 128, "cuda": 512, "mps": 512}
 _TEST_MODES = ("split", "global", "partition", "pooled")
 
 
@@ -130,7 +134,9 @@ class FederatedDataModule(lightning.LightningDataModule):
         max_train_samples: random subset of the base train split (of the pool in ``"pooled"`` mode) to use
             (seeded), for CPU-sized runs.
         batch_size: training batch size.
-        eval_batch_size: evaluation batch size.
+        eval_batch_size: evaluation batch size; ``None`` (default) lets the loop choose it for throughput on its
+            device (:data:`AUTO_EVAL_BATCH_SIZE`: 128 on the CPU, where larger batches cost up to 40 % more per
+            image — ``benchmarks/eval_batch.py``; 512 on a GPU). Logits do not depend on it on the CPU.
         augment: CIFAR augmentation (random crop + flip) on training batches.
         download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
             or ``$PL_FEDSPARSE_CACHE/<name>`` (default ``~/.cache/pl_fedsparse/<name>``) when ``root`` is unset; a
@@ -177,7 +183,7 @@ class FederatedDataModule(lightning.LightningDataModule):
                  test_mode: Literal["split", "global", "partition", "pooled"] = "split",
                  split_ratios: tuple[float, float, float] = (0.75, 0.0, 0.25),
                  test_per_client: int | None = None, max_train_samples: int | None = None,
-                 batch_size: int = 64, eval_batch_size: int = 512, augment: bool = False,
+                 batch_size: int = 64, eval_batch_size: int | None = None, augment: bool = False,
                  download: bool = True, device: str | None = None,
                  synthetic: dict | None = None, emnist_split: str = "balanced", seed: int = 0,
                  test_fraction: float = 0.2, image_size: int | tuple[int, int] | None = None,
@@ -211,8 +217,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         check(max_train_samples is None or (_is_int(max_train_samples) and max_train_samples >= 1),
               "data.max_train_samples", max_train_samples, "None or an int >= 1")
         check(_is_int(batch_size) and batch_size >= 1, "data.batch_size", batch_size, "an int >= 1")
-        check(_is_int(eval_batch_size) and eval_batch_size >= 1, "data.eval_batch_size", eval_batch_size,
-              "an int >= 1")
+        check(eval_batch_size is None or (_is_int(eval_batch_size) and eval_batch_size >= 1), "data.eval_batch_size",
+              eval_batch_size, "null (chosen for the device) or an int >= 1")
         for pname, flag in (("quantity_skew", quantity_skew), ("augment", augment), ("download", download)):
             check(isinstance(flag, bool), f"data.{pname}", flag, "true or false")
         check(emnist_split in EMNIST_SPLITS, "data.emnist_split", emnist_split, f"one of {', '.join(EMNIST_SPLITS)}")
@@ -249,6 +255,8 @@ class FederatedDataModule(lightning.LightningDataModule):
             test_per_client
         self.max_train_samples, self.batch_size, self.eval_batch_size = max_train_samples, batch_size, eval_batch_size
         self.augment, self.download, self.device = augment, download, device
+        #: the device the evaluated model runs on (set by the loop): what ``eval_batch_size: null`` is chosen for
+        self.eval_device: str | None = None
         self.emnist_split, self.seed = emnist_split, seed
         self.test_fraction = float(test_fraction)
         self.torchvision_class = torchvision_class
@@ -569,8 +577,25 @@ class FederatedDataModule(lightning.LightningDataModule):
             gen = torch.Generator().manual_seed(int(np.random.SeedSequence(
                 [seed, client_idx, 101, CORRUPTIONS.index(corruption) + 1, int(severity)]).generate_state(1)[0]))
             images = corrupt(images.cpu(), corruption, severity, gen).to(labels.device)
-        return TensorBatchLoader(images, labels, self.eval_batch_size, shuffle=False, generator_seed=seed, mean=mean,
+        return TensorBatchLoader(images, labels, self.eval_batch(), shuffle=False, generator_seed=seed, mean=mean,
                                  std=std, augment=False, indices=idx)
+
+    def eval_batch(self, device: str | torch.device | None = None) -> int:
+        """The evaluation batch size: ``data.eval_batch_size``, or when it is ``None`` the throughput choice for
+        ``device`` (default: :attr:`eval_device`, which the loop sets to the device its model runs on, else where
+        the data lives) from :data:`AUTO_EVAL_BATCH_SIZE`.
+
+        Example:
+            >>> FederatedDataModule(eval_batch_size=None).eval_batch("cpu"), FederatedDataModule().eval_batch("cuda")
+            (128, 512)
+            >>> FederatedDataModule(eval_batch_size=64).eval_batch("cuda")
+            64
+        """
+        if self.eval_batch_size is not None:
+            return int(self.eval_batch_size)
+        where = device if device is not None else (self.eval_device or self.device or "cpu")
+        kind = torch.device(where).type
+        return AUTO_EVAL_BATCH_SIZE.get(kind, AUTO_EVAL_BATCH_SIZE["cpu"])
 
     def _dataset_eval_loader(self, client_idx: int, idx: np.ndarray, data: Any, labels: torch.Tensor, shift: float,
                              seed: int) -> torch.utils.data.DataLoader:
@@ -583,7 +608,7 @@ class FederatedDataModule(lightning.LightningDataModule):
             else:
                 kept, drawn = shifted_test_split(idx, len(self._test_y), shift, shift_seed)
                 parts = [(data, labels, kept), (self._test_x, self._test_y, drawn)]
-        return dataset_loader(parts, self.eval_batch_size, shuffle=False, seed=seed)
+        return dataset_loader(parts, self.eval_batch(), shuffle=False, seed=seed)
 
     def example_input(self, batch_size: int = 2) -> torch.Tensor:
         """The first ``batch_size`` base train inputs as the loaders yield them (normalised float images, float32

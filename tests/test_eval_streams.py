@@ -1,0 +1,145 @@
+"""A model shared by every client (the global model, FedAvg's personal model, D-PSGD's consensus) is evaluated on all
+clients' rows of a view as one stream of large batches: the same metrics as one short run per client, fewer forward
+calls, the evaluation hooks as documented, and never where a callback's ``on_client_evaluate_start`` depends on the
+client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_datamodule, tiny_loop, tiny_module
+
+from pl_fedsparse import RandomPeers
+from pl_fedsparse.callbacks import (AdaptiveInference, DualMask, FederatedCallback, FineTune, Gossip,
+                                    ShiftEvaluation)
+from pl_fedsparse.data.loaders import TensorBatchLoader
+from pl_fedsparse.evaluation import Evaluator, merge_loaders
+
+TIMES = ("time_s", "time_cum_s", "time_train_s")
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMES} for r in rows]
+
+
+def _fedavg() -> list[Any]:
+    return [ShiftEvaluation(shifts=[0.0, 0.5, 1.0], corruptions=["contrast"], severities=[3], when="every")]
+
+
+def _dmpfl_plus() -> list[Any]:
+    return [DualMask(density=0.5, iterations=1), AdaptiveInference(),
+            ShiftEvaluation(shifts=[0.0, 0.5, 1.0], corruptions=["contrast"], severities=[3], when="every")]
+
+
+def _dpsgd_consensus() -> list[Any]:
+    return [Gossip(consensus_eval=True)]
+
+
+def _fedavg_ft() -> list[Any]:  # the personal kind depends on the client, the global one does not
+    return [FineTune(epochs=1), ShiftEvaluation(shifts=[0.0, 1.0], corruptions=[], when="every")]
+
+
+METHODS = {"fedavg": (_fedavg, {}), "dmpfl_plus": (_dmpfl_plus, {}),
+           "dpsgd_consensus": (_dpsgd_consensus, {"topology": RandomPeers(k=2)}), "fedavg_ft": (_fedavg_ft, {})}
+
+
+def _unequal_clients() -> Any:
+    """5 clients with test sets of different sizes (32, 12, 14, 8, 35 rows): a slice in the wrong place shows."""
+    return tiny_datamodule(num_clients=5, test_mode="split", split_ratios=[0.75, 0.0, 0.25], quantity_skew=True)
+
+
+def _run(tmp_path: Path, name: str, stream: bool, monkeypatch: pytest.MonkeyPatch, method: str,
+         callbacks: list[Any] | None = None) -> tuple[list[dict[str, Any]], int]:
+    make, kw = METHODS[method]
+    monkeypatch.setattr(Evaluator, "stream_shared", stream)
+    calls = {"n": 0}
+    real = Evaluator.logits
+
+    def counting(self: Evaluator, loader: Any) -> Any:
+        calls["n"] += 1
+        return real(self, loader)
+
+    monkeypatch.setattr(Evaluator, "logits", counting)
+    loop = tiny_loop(tmp_path / name, num_rounds=2, eval_every=1, callbacks=(callbacks or []) + make(),
+                     eval_metrics=["f1_macro", "ece"], **kw)
+    loop.fit(tiny_module(), _unequal_clients())
+    return _rows(tmp_path / name), calls["n"]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_one_stream_gives_the_per_client_metrics_with_fewer_forward_calls(tmp_path: Path, method: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    per_client, calls_per_client = _run(tmp_path, "off", False, monkeypatch, method)
+    streamed, calls_streamed = _run(tmp_path, "on", True, monkeypatch, method)
+    assert streamed == per_client  # every metric of every round, bitwise (CPU)
+    assert calls_streamed < calls_per_client
+
+
+class _ClientNoise(FederatedCallback):
+    """Moves the global model by an amount that depends on the client: its start hook is not shared."""
+
+    def on_client_evaluate_start(self, loop: Any, module: Any, client_idx: int, kind: str) -> None:
+        if kind == "global":
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(0.05 * (client_idx + 1))
+
+
+def test_a_start_hook_that_depends_on_the_client_keeps_the_per_client_evaluation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    per_client, calls_off = _run(tmp_path, "off", False, monkeypatch, "fedavg", [_ClientNoise()])
+    streamed, calls_on = _run(tmp_path, "on", True, monkeypatch, "fedavg", [_ClientNoise()])
+    assert streamed == per_client and calls_on == calls_off  # not streamed at all
+    assert per_client[-1]["global_acc"] != per_client[-1]["acc_mean"]  # the hook did change the global model
+
+
+class _Counter(FederatedCallback):
+    scratch_attributes = ("starts", "ends")  # what the test reads, nothing a resume needs
+
+    def __init__(self) -> None:
+        self.starts: list[tuple[int, str]] = []
+        self.ends: list[tuple[int, str, float]] = []
+
+    def evaluation_start_is_shared(self, loop: Any, kind: str) -> bool:
+        return True  # it only counts
+
+    def on_client_evaluate_start(self, loop: Any, module: Any, client_idx: int, kind: str) -> None:
+        self.starts.append((client_idx, kind))
+
+    def on_client_evaluate_end(self, loop: Any, module: Any, client_idx: int, kind: str,
+                               metrics: dict[str, float]) -> None:
+        self.ends.append((client_idx, kind, metrics["n"]))
+
+
+def test_hooks_fire_once_per_stream_and_end_once_per_client_with_its_own_metrics(tmp_path: Path) -> None:
+    counter = _Counter()
+    loop = tiny_loop(tmp_path, num_rounds=1, callbacks=[counter])
+    dm = _unequal_clients()
+    loop.fit(tiny_module(), dm)
+    # FedAvg, clean view only: one stream per kind, both with the first client
+    assert counter.starts == [(0, "personal"), (0, "global")]
+    assert sorted(counter.ends) == sorted((k, kind, float(len(dm.client_indices(k, "test"))))
+                                          for k in range(5) for kind in ("personal", "global"))
+
+
+def test_merge_loaders_refuses_what_is_not_one_stream() -> None:
+    x, y = torch.arange(8, dtype=torch.uint8).view(8, 1, 1, 1), torch.arange(8)
+
+    def loader(idx: list[int] | None, images: torch.Tensor = x, **kw: Any) -> TensorBatchLoader:
+        args: dict[str, Any] = dict(shuffle=False, generator_seed=0, mean=[0], std=[1])
+        args.update(kw)
+        return TensorBatchLoader(images, y, 3, indices=None if idx is None else torch.tensor(idx), **args)
+
+    merged = merge_loaders([loader([7, 1]), loader([2]), loader([])])
+    assert merged is not None and [yb.tolist() for _, yb in merged] == [[7, 1, 2]]
+    assert merge_loaders([loader([0]), loader([1], images=x.clone())]) is None  # other inputs
+    assert merge_loaders([loader([0]), loader([1], mean=[0.5])]) is None  # normalised otherwise
+    assert merge_loaders([loader([0]), loader([1], shuffle=True)]) is None
+    assert merge_loaders([loader([0]), loader(None)]) is None  # its own tensor, no rows to select
+    assert merge_loaders([loader([0]), [(x, y)]]) is None  # not a TensorBatchLoader
+    assert merge_loaders([]) is None
