@@ -2,7 +2,7 @@
 forward passes over the same data.
 
 The workload is a config's final evaluation (by default the DM-PFL design card, ``configs/cifar10_dmpfl.yaml``: 100
-clients, the personal and the global model of each, the clean view plus 5 shift levels and 10 corruptions x 5
+clients, the personal and the global model of each, the clean view plus 5 shift levels and 9 corruptions x 5
 severities: 51 views). The federation is set up from the config (its round counter put at the last round, so that
 views meant for the end are due) without training: the timing does not depend on the weights. The clients'
 personal models (DM-PFL: masked) are taken as the evaluator sees them (its ``on_client_evaluate_start`` hooks applied).

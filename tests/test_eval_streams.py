@@ -143,3 +143,16 @@ def test_merge_loaders_refuses_what_is_not_one_stream() -> None:
     assert merge_loaders([loader([0]), loader(None)]) is None  # its own tensor, no rows to select
     assert merge_loaders([loader([0]), [(x, y)]]) is None  # not a TensorBatchLoader
     assert merge_loaders([]) is None
+
+
+def test_the_default_eval_batch_is_chosen_for_the_device_and_changes_no_metric(tmp_path: Path) -> None:
+    rows = {}
+    for size in (None, 512, 7):
+        loop = tiny_loop(tmp_path / str(size), num_rounds=2, eval_every=1, callbacks=_fedavg(),
+                         eval_metrics=["f1_macro", "ece"])
+        dm = _unequal_clients()
+        dm.eval_batch_size = size
+        loop.fit(tiny_module(), dm)
+        assert dm.eval_device == "cpu" and dm.eval_batch() == (128 if size is None else size)
+        rows[size] = _rows(tmp_path / str(size))
+    assert rows[None] == rows[512] == rows[7]
