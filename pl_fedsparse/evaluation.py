@@ -36,6 +36,7 @@ calibration error is torchmetrics' top-label ECE with 15 equal-width bins (L1).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,6 +53,8 @@ from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CLEAN", "EvalView", "Evaluator", "kind_metric", "shared_models", "view_metric_prefix"]
 
@@ -231,8 +234,9 @@ class Evaluator:
     again before a client's other views, ``on_client_evaluate_end`` once per client with its own clean metrics. Each
     client's logits are its slice of the stream: with a per-sample forward pass (no batch statistics in ``eval``
     mode) they are the per-client ones — bitwise on the CPU (tested); on a GPU a different batch composition may
-    pick another kernel and change the last bits. ``stream_shared = False`` (an attribute of the evaluator) turns it
-    off; an out-of-process executor's evaluation is unchanged (per client, in its workers).
+    pick another kernel and change the last bits. A module whose ``eval``-mode forward pass mixes the samples of a
+    batch (checked once on two inputs) is never streamed. ``stream_shared = False`` (an attribute of the evaluator)
+    turns it off; an out-of-process executor's evaluation is unchanged (per client, in its workers).
     """
 
     #: evaluate models shared by every client as one stream per view (see the class doc)
@@ -240,6 +244,7 @@ class Evaluator:
 
     def __init__(self, loop: FederatedLoop) -> None:
         self.loop = loop
+        self._independent: tuple[Any, bool] | None = None  # (module, answer): see _samples_independent
 
     def loader(self, client_idx: int, split: str, shift: float = 0.0, corruption: str | None = None,
                severity: int = 0) -> Any:
@@ -336,6 +341,28 @@ class Evaluator:
                 outputs[name][kind], labels[name] = results[v.key]
         return outputs, labels
 
+    def _samples_independent(self) -> bool:
+        """Whether the module's ``eval``-mode forward pass treats the samples of a batch independently (checked once,
+        on the data module's first two inputs: together and one by one). A module that does not (batch statistics
+        at evaluation, say) is evaluated client by client, never in a stream mixing clients' samples."""
+        loop = self.loop
+        assert loop.model is not None
+        if self._independent is None or self._independent[0] is not loop.model:
+            module, was_training = loop.model, loop.model.training
+            x = loop.datamodule.example_input(2).to(loop.device)
+            module.to(loop.device).eval()
+            try:
+                with torch.no_grad():
+                    together = module(x).float()
+                    alone = torch.cat([module(x[i:i + 1]).float() for i in range(len(x))])
+                self._independent = (module, bool(torch.allclose(together, alone, rtol=1e-4, atol=1e-5)))
+            finally:
+                module.train(was_training)
+            if not self._independent[1]:
+                log.warning("%s's forward pass in eval mode mixes the samples of a batch: every client is evaluated "
+                            "on its own batches (its metrics then depend on data.eval_batch_size)", type(module).__name__)
+        return self._independent[1]
+
     def _shared_kinds(self, has_global: bool) -> list[tuple[str, dict[str, Tensor]]]:
         """The kinds whose model is the same for every client and whose start hooks treat every client alike."""
         loop = self.loop
@@ -357,7 +384,7 @@ class Evaluator:
         loop = self.loop
         assert loop.model is not None
         none: list[dict[str, dict[tuple, tuple[Tensor, Tensor]]]] = [{} for _ in clients]
-        if not self.stream_shared or len(clients) < 2:
+        if not self.stream_shared or len(clients) < 2 or not self._samples_independent():
             return none
         kinds = self._shared_kinds(has_global)
         if not kinds:

@@ -156,3 +156,41 @@ def test_the_default_eval_batch_is_chosen_for_the_device_and_changes_no_metric(t
         assert dm.eval_device == "cpu" and dm.eval_batch() == (128 if size is None else size)
         rows[size] = _rows(tmp_path / str(size))
     assert rows[None] == rows[512] == rows[7]
+
+
+class _BatchCentred(torch.nn.Module):
+    """Logits minus their batch mean in eval mode too: a sample's output depends on the rest of its batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        return out - out.mean(0, keepdim=True)
+
+
+def test_a_module_mixing_the_samples_of_a_batch_is_never_streamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    from pl_fedsparse import FederatedModule
+
+    def run(name: str, stream: bool) -> tuple[list[dict[str, Any]], int]:
+        monkeypatch.setattr(Evaluator, "stream_shared", stream)
+        calls = {"n": 0}
+        real = Evaluator.logits
+
+        def counting(self: Evaluator, loader: Any) -> Any:
+            calls["n"] += 1
+            return real(self, loader)
+
+        monkeypatch.setattr(Evaluator, "logits", counting)
+        torch.manual_seed(0)
+        loop = tiny_loop(tmp_path / name, num_rounds=1, callbacks=_fedavg())
+        loop.fit(FederatedModule(_BatchCentred(), lr=0.1), _unequal_clients())
+        return _rows(tmp_path / name), calls["n"]
+
+    with caplog.at_level("WARNING"):
+        on, calls_on = run("on", True)
+    off, calls_off = run("off", False)
+    assert on == off and calls_on == calls_off
+    assert any("mixes the samples of a batch" in r.getMessage() for r in caplog.records)
