@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from eval_views import build  # noqa: E402
 
+from pl_fedsparse.allocator import tune_malloc  # noqa: E402
 from pl_fedsparse.data.datamodule import AUTO_EVAL_BATCH_SIZE  # noqa: E402
 from pl_fedsparse.models import LeNetCIFAR, McMahanCNN  # noqa: E402
 
@@ -94,6 +95,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
     a = p.parse_args()
+    tune_malloc()  # as pl-fed does at start-up (glibc's moving mmap threshold otherwise favours whichever side ran last)
     if a.repeats < 1 or min(a.sizes) < 1:
         raise SystemExit(f"error: --repeats={a.repeats} / --sizes={a.sizes} is invalid: expected ints >= 1")
     logging.disable(logging.WARNING)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from eval_views import build  # noqa: E402
 
+from pl_fedsparse.allocator import tune_malloc  # noqa: E402
 from pl_fedsparse.evaluation import Evaluator  # noqa: E402
 
 
@@ -45,6 +46,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default=None, help="write the raw times as JSON here")
     a = p.parse_args()
+    tune_malloc()  # as pl-fed does at start-up (glibc's moving mmap threshold otherwise favours whichever side ran last)
     if a.repeats < 1:
         raise SystemExit(f"error: --repeats={a.repeats} is invalid: expected an int >= 1")
     logging.disable(logging.WARNING)

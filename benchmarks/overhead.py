@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from pl_fedsparse import FederatedLoop, FederatedModule
+from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.functional import weighted_average
 from pl_fedsparse.streams import stream_seed
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--eval", action="store_true",
                     help="also time the evaluation and the whole round (see above): three ratios")
     args = ap.parse_args()
+    tune_malloc()  # as pl-fed does at start-up: both paths get the same allocator (a fixed mmap threshold)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     if args.threads:

@@ -84,8 +84,9 @@ _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_sample
 #: ``partition="natural"``: the dataset's own client ids instead of a scheme of :data:`SCHEMES`
 NATURAL = "natural"
 #: ``data.eval_batch_size: null``: the evaluation batch size by the type of device the model runs on. On the CPU
-#: (one or two threads, LeNet-CIFAR and the McMahan CNN) batches of up to 128 images cost 30-40 % less per image than
-#: 512 (``benchmarks/eval_batch.py``; the activations of a larger batch leave the cache); a GPU keeps 512.
+#: (one thread) a whole LeNet-CIFAR evaluation runs 1.16x faster at 128 than at 512 and the McMahan CNN's forward
+#: pass costs 1.39x less per image (``benchmarks/eval_batch.py``; the activations of a larger batch leave the
+#: cache); a GPU keeps 512.
 AUTO_EVAL_BATCH_SIZE: dict[str, int] = {"cpu": 128, "cuda": 512, "mps": 512}
 _TEST_MODES = ("split", "global", "partition", "pooled")
 
@@ -136,7 +137,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         batch_size: training batch size.
         eval_batch_size: evaluation batch size; ``None`` (default) lets the loop choose it for throughput on its
             device (:data:`AUTO_EVAL_BATCH_SIZE`: 128 on the CPU, where larger batches cost up to 40 % more per
-            image — ``benchmarks/eval_batch.py``; 512 on a GPU). Logits do not depend on it on the CPU.
+            image for the McMahan CNN — ``benchmarks/eval_batch.py``; 512 on a GPU). Logits do not depend on it on
+            the CPU.
         augment: CIFAR augmentation (random crop + flip) on training batches.
         download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
             or ``$PL_FEDSPARSE_CACHE/<name>`` (default ``~/.cache/pl_fedsparse/<name>``) when ``root`` is unset; a
