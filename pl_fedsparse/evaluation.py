@@ -233,10 +233,12 @@ class Evaluator:
     client, as before). Then ``on_client_evaluate_start`` is called once for the stream (with the first client) and
     again before a client's other views, ``on_client_evaluate_end`` once per client with its own clean metrics. Each
     client's logits are its slice of the stream: with a per-sample forward pass (no batch statistics in ``eval``
-    mode) they are the per-client ones — bitwise on the CPU (tested); on a GPU a different batch composition may
-    pick another kernel and change the last bits. A module whose ``eval``-mode forward pass mixes the samples of a
-    batch (checked once on two inputs) is never streamed. ``stream_shared = False`` (an attribute of the evaluator)
-    turns it off; an out-of-process executor's evaluation is unchanged (per client, in its workers).
+    mode) they are the per-client ones up to the last bits: on one CPU thread they were bitwise equal in every
+    measurement; with several threads, or on a GPU, another batch size may make a kernel split the work otherwise
+    and move a logit's last bits (the tests compare metrics to 1e-6). A module whose ``eval``-mode forward pass
+    mixes the samples of a batch (checked once on two inputs) is never streamed. ``stream_shared = False`` (an
+    attribute of the evaluator) turns it off; an out-of-process executor's evaluation is unchanged (per client, in
+    its workers).
     """
 
     #: evaluate models shared by every client as one stream per view (see the class doc)

@@ -81,7 +81,7 @@ RESUME_MAY_CHANGE = (
     "trainer.eval_every", "trainer.eval_metrics", "trainer.checkpoint_every", "trainer.keep_checkpoints", "trainer.overwrite", "ckpt_path",
     "trainer.client_state_codec",  # (lossless: the same numbers; turning it on mid-run is how a run is made to fit)
     "trainer.callback_contract",  # (error or warn: checks, no number changes)
-    "data.eval_batch_size",  # (evaluation batches only: a sample's logits do not depend on its batch on the CPU)
+    "data.eval_batch_size",  # (evaluation batches only: a sample's logits move at most in their last bits)
 )
 #: the attribute by which a callback class lists the ``init_args`` a resume may change (``when`` of an evaluation-only
 #: callback, say): ``trainer.callbacks.<i>.init_args.<arg>`` of a callback of the same class in both configurations

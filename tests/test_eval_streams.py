@@ -27,6 +27,15 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k not in TIMES} for r in rows]
 
 
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """The same rows, every float to 1e-6 (relative): with several threads a matrix kernel may split another batch
+    size differently, which moves the last bits of a logit; a sample in the wrong client's slice moves far more."""
+    if len(a) != len(b) or any(x.keys() != y.keys() for x, y in zip(a, b)):
+        return False
+    return all(x[k] == pytest.approx(y[k], rel=1e-6, abs=1e-9) if isinstance(x[k], float) else x[k] == y[k]
+               for x, y in zip(a, b) for k in x)
+
+
 def _fedavg() -> list[Any]:
     return [ShiftEvaluation(shifts=[0.0, 0.5, 1.0], corruptions=["contrast"], severities=[3], when="every")]
 
@@ -76,7 +85,7 @@ def test_one_stream_gives_the_per_client_metrics_with_fewer_forward_calls(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     per_client, calls_per_client = _run(tmp_path, "off", False, monkeypatch, method)
     streamed, calls_streamed = _run(tmp_path, "on", True, monkeypatch, method)
-    assert streamed == per_client  # every metric of every round, bitwise (CPU)
+    assert _same(streamed, per_client)  # every metric of every round
     assert calls_streamed < calls_per_client
 
 
@@ -94,7 +103,7 @@ def test_a_start_hook_that_depends_on_the_client_keeps_the_per_client_evaluation
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     per_client, calls_off = _run(tmp_path, "off", False, monkeypatch, "fedavg", [_ClientNoise()])
     streamed, calls_on = _run(tmp_path, "on", True, monkeypatch, "fedavg", [_ClientNoise()])
-    assert streamed == per_client and calls_on == calls_off  # not streamed at all
+    assert _same(streamed, per_client) and calls_on == calls_off  # not streamed at all
     assert per_client[-1]["global_acc"] != per_client[-1]["acc_mean"]  # the hook did change the global model
 
 
@@ -155,7 +164,7 @@ def test_the_default_eval_batch_is_chosen_for_the_device_and_changes_no_metric(t
         loop.fit(tiny_module(), dm)
         assert dm.eval_device == "cpu" and dm.eval_batch() == (128 if size is None else size)
         rows[size] = _rows(tmp_path / str(size))
-    assert rows[None] == rows[512] == rows[7]
+    assert _same(rows[None], rows[512]) and _same(rows[None], rows[7])
 
 
 class _BatchCentred(torch.nn.Module):
@@ -192,5 +201,5 @@ def test_a_module_mixing_the_samples_of_a_batch_is_never_streamed(tmp_path: Path
     with caplog.at_level("WARNING"):
         on, calls_on = run("on", True)
     off, calls_off = run("off", False)
-    assert on == off and calls_on == calls_off
+    assert _same(on, off) and calls_on == calls_off
     assert any("mixes the samples of a batch" in r.getMessage() for r in caplog.records)

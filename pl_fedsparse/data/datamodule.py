@@ -137,8 +137,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         batch_size: training batch size.
         eval_batch_size: evaluation batch size; ``None`` (default) lets the loop choose it for throughput on its
             device (:data:`AUTO_EVAL_BATCH_SIZE`: 128 on the CPU, where larger batches cost up to 40 % more per
-            image for the McMahan CNN — ``benchmarks/eval_batch.py``; 512 on a GPU). Logits do not depend on it on
-            the CPU.
+            image for the McMahan CNN — ``benchmarks/eval_batch.py``; 512 on a GPU). Logits depend on it only in their
+            last bits (not at all on one CPU thread, as measured).
         augment: CIFAR augmentation (random crop + flip) on training batches.
         download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
             or ``$PL_FEDSPARSE_CACHE/<name>`` (default ``~/.cache/pl_fedsparse/<name>``) when ``root`` is unset; a
