@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import statistics
 import sys
 import tempfile
@@ -30,11 +29,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from eval_views import build  # noqa: E402
+from eval_streams import same_metrics
+from eval_views import build
 
-from pl_fedsparse.allocator import tune_malloc  # noqa: E402
-from pl_fedsparse.data.datamodule import AUTO_EVAL_BATCH_SIZE  # noqa: E402
-from pl_fedsparse.models import LeNetCIFAR, McMahanCNN  # noqa: E402
+from pl_fedsparse.allocator import tune_malloc
+from pl_fedsparse.data.datamodule import AUTO_EVAL_BATCH_SIZE
+from pl_fedsparse.models import LeNetCIFAR, McMahanCNN
 
 
 def per_image(sizes: list[int], repeats: int, n: int = 2048) -> dict[str, dict[int, float]]:
@@ -85,18 +85,6 @@ def whole_evaluation(config: str, data_root: str | None, clients: int | None, re
         a, b = (statistics.median(times[n][clock]) for n in ("512", "default"))
         print(f"{clock}: median batch 512 {a:.3f} s, default {b:.3f} s, 512 / default = {a / b:.2f}x")
     return times
-
-
-def same_metrics(a: Any, b: Any) -> bool:
-    """Equal, floats to 1e-6 (relative): on one thread the two sides are bitwise equal; with several, a kernel may
-    split another batch differently and move a logit's last bits."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_metrics(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same_metrics(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-    return a == b
 
 
 def main() -> None:

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from eval_views import build  # noqa: E402
+from eval_views import build
 
-from pl_fedsparse.allocator import tune_malloc  # noqa: E402
-from pl_fedsparse.evaluation import Evaluator  # noqa: E402
+from pl_fedsparse.allocator import tune_malloc
+from pl_fedsparse.evaluation import Evaluator
 
 
 def same_metrics(a: Any, b: Any) -> bool:

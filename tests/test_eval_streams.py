@@ -14,8 +14,7 @@ import torch
 from conftest import tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import RandomPeers
-from pl_fedsparse.callbacks import (AdaptiveInference, DualMask, FederatedCallback, FineTune, Gossip,
-                                    ShiftEvaluation)
+from pl_fedsparse.callbacks import AdaptiveInference, DualMask, FederatedCallback, FineTune, Gossip, ShiftEvaluation
 from pl_fedsparse.data.loaders import TensorBatchLoader
 from pl_fedsparse.evaluation import Evaluator, merge_loaders
 
@@ -62,9 +61,8 @@ def _unequal_clients() -> Any:
     return tiny_datamodule(num_clients=5, test_mode="split", split_ratios=[0.75, 0.0, 0.25], quantity_skew=True)
 
 
-def _run(tmp_path: Path, name: str, stream: bool, monkeypatch: pytest.MonkeyPatch, method: str,
-         callbacks: list[Any] | None = None) -> tuple[list[dict[str, Any]], int]:
-    make, kw = METHODS[method]
+def _count_forward_calls(monkeypatch: pytest.MonkeyPatch, stream: bool) -> dict[str, int]:
+    """Set ``Evaluator.stream_shared`` and count ``Evaluator.logits`` calls (one per forward run over a loader)."""
     monkeypatch.setattr(Evaluator, "stream_shared", stream)
     calls = {"n": 0}
     real = Evaluator.logits
@@ -74,6 +72,13 @@ def _run(tmp_path: Path, name: str, stream: bool, monkeypatch: pytest.MonkeyPatc
         return real(self, loader)
 
     monkeypatch.setattr(Evaluator, "logits", counting)
+    return calls
+
+
+def _run(tmp_path: Path, name: str, stream: bool, monkeypatch: pytest.MonkeyPatch, method: str,
+         callbacks: list[Any] | None = None) -> tuple[list[dict[str, Any]], int]:
+    make, kw = METHODS[method]
+    calls = _count_forward_calls(monkeypatch, stream)
     loop = tiny_loop(tmp_path / name, num_rounds=2, eval_every=1, callbacks=(callbacks or []) + make(),
                      eval_metrics=["f1_macro", "ece"], **kw)
     loop.fit(tiny_module(), _unequal_clients())
@@ -140,7 +145,7 @@ def test_merge_loaders_refuses_what_is_not_one_stream() -> None:
     x, y = torch.arange(8, dtype=torch.uint8).view(8, 1, 1, 1), torch.arange(8)
 
     def loader(idx: list[int] | None, images: torch.Tensor = x, **kw: Any) -> TensorBatchLoader:
-        args: dict[str, Any] = dict(shuffle=False, generator_seed=0, mean=[0], std=[1])
+        args: dict[str, Any] = {"shuffle": False, "generator_seed": 0, "mean": [0], "std": [1]}
         args.update(kw)
         return TensorBatchLoader(images, y, 3, indices=None if idx is None else torch.tensor(idx), **args)
 
@@ -184,15 +189,7 @@ def test_a_module_mixing_the_samples_of_a_batch_is_never_streamed(tmp_path: Path
     from pl_fedsparse import FederatedModule
 
     def run(name: str, stream: bool) -> tuple[list[dict[str, Any]], int]:
-        monkeypatch.setattr(Evaluator, "stream_shared", stream)
-        calls = {"n": 0}
-        real = Evaluator.logits
-
-        def counting(self: Evaluator, loader: Any) -> Any:
-            calls["n"] += 1
-            return real(self, loader)
-
-        monkeypatch.setattr(Evaluator, "logits", counting)
+        calls = _count_forward_calls(monkeypatch, stream)
         torch.manual_seed(0)
         loop = tiny_loop(tmp_path / name, num_rounds=1, callbacks=_fedavg())
         loop.fit(FederatedModule(_BatchCentred(), lr=0.1), _unequal_clients())
