@@ -42,7 +42,14 @@ DATA = ROOT / "data" / "cifar10"  # the extracted ImageFolder copy (absolute: th
 CLIENTS = 25          # 20 clients train, 5 (20 %) are novel
 SAMPLE_FRACTION = 0.3  # FedEM's s_frac: 30 % of the 60,000 pooled images (18,000), then 6:2:2 per client
 ROUNDS = 40
+LONG_ROUNDS = 200      # the continuation of ``LONG`` past the plateau (records in benchmarks/pfedgate_long/)
 EVAL_EVERY = 5
+#: training seeds (``--seed_everything``: initial weights, batch order, the novel clients); the FedEM split keeps its
+#: data seed 12345 in every run. Seed 0's runs keep their first names (``fedavg``), the others get ``_seed<s>``.
+SEEDS = (0, 1, 2)
+LONG = ("pfedgate_s05", "fedavg_ft")  # FedRep (~2.7 h per 160 rounds on one core) is not continued
+RECORD_LONG = ROOT / "benchmarks" / "pfedgate_long"
+RUNS_LONG = ROOT / "benchmarks" / "_runs" / "pfedgate_long"
 NOVEL = {"class_path": "pl_fedsparse.callbacks.NovelClients", "init_args": {"fraction": 0.2, "epochs": 1}}
 KEEP_OPT = {"class_path": "pl_fedsparse.callbacks.KeepOptimizerState"}
 LENET = {"class_path": "pl_fedsparse.models.LeNetCIFAR", "init_args": {"num_classes": 10}}
@@ -51,7 +58,7 @@ COMMON = [
     "--data.root", str(DATA), "--data.num_clients", str(CLIENTS), "--data.partition", "fedem_dirichlet",
     "--data.alpha", "0.4", "--data.test_mode", "pooled", "--data.split_ratios", "[0.6, 0.2, 0.2]",
     "--data.seed", "12345", "--data.sample_fraction", str(SAMPLE_FRACTION), "--data.batch_size", "128",
-    "--data.augment", "false", "--seed_everything", "0",
+    "--data.augment", "false",
     "--trainer.num_rounds", str(ROUNDS), "--trainer.join_ratio", "1.0", "--trainer.eval_every", str(EVAL_EVERY),
     "--trainer.enable_progress_bar", "false",
     "--model.lr", "0.03", "--model.momentum", "0.9", "--model.weight_decay", "5e-4",
@@ -115,15 +122,45 @@ PAPER_T8 = {"fedavg": (67.78, 66.15, 1.63), "fedem": (71.92, 70.75, 1.17), "pfed
             "pfedgate_s05": (74.12, 73.19, 0.93), "pfedgate_s03": (73.64, 72.78, 0.86)}
 
 
-def command(name: str, run_dir: Path, extra: list[str] | None = None) -> list[str]:
-    _, config, overrides = METHODS[name]
-    return [sys.executable, "-m", "pl_fedsparse.cli", "fit", "--config", config, *COMMON, *overrides, *(extra or []),
+def run_name(method: str, seed: int) -> str:
+    return method if seed == 0 else f"{method}_seed{seed}"
+
+
+def fit_args(method: str, seed: int = 0) -> list[str]:
+    """``pl-fed fit``'s arguments of ``method`` at training seed ``seed`` (without the run directory)."""
+    _, config, overrides = METHODS[method]
+    return ["--config", config, *COMMON, "--seed_everything", str(seed), *overrides]
+
+
+def command(name: str, run_dir: Path, extra: list[str] | None = None, seed: int = 0) -> list[str]:
+    return [sys.executable, "-m", "pl_fedsparse.cli", "fit", *fit_args(name, seed), *(extra or []),
             "--trainer.default_root_dir", str(run_dir)]
 
 
-def runs() -> list[Run]:
-    """The plan for :func:`runplan.run_plan` (claims, resume from ``last.ckpt``, records), in ``ORDER``."""
-    return [Run(name, ["--config", METHODS[name][1], *COMMON, *METHODS[name][2]]) for name in ORDER]
+def runs(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
+    """The 40-round plan for :func:`runplan.run_plan` (claims, resume from ``last.ckpt``, records): seed by seed in
+    ``ORDER``, except that the runs ``long_runs`` continues come first at every seed."""
+    order = [*LONG, *(m for m in ORDER if m not in LONG)]
+    return [Run(run_name(m, s), fit_args(m, s), {"seed": s, "method": m}) for s in seeds for m in order]
+
+
+def long_runs(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
+    """``LONG``'s 40-round runs continued to ``LONG_ROUNDS`` from their last checkpoint (no learning-rate schedule
+    here, so the continuation equals a 200-round run); each waits until its 40-round run has finished."""
+    return [Run(run_name(m, s), [*fit_args(m, s), "--trainer.num_rounds", str(LONG_ROUNDS)], {"seed": s, "method": m},
+                start_from=RUNS / run_name(m, s)) for s in seeds for m in LONG]
+
+
+def work() -> None:
+    """One worker: the 40-round runs of pFedGate s = 0.5 and FedAvg-FT, their 200-round continuations, then the
+    rest; again while a pass finished something (a continuation waits for its 40-round run, which another worker
+    may hold)."""
+    first = [r for r in runs() if r.meta["method"] in LONG]
+    slow = ("fedrep", "fedem")  # 30-35 min a run: after every seed's other methods
+    rest = sorted((r for r in runs() if r.meta["method"] not in LONG), key=lambda r: r.meta["method"] in slow)
+    while (run_plan(first, RUNS, RECORD, CODE) + run_plan(long_runs(), RUNS_LONG, RECORD_LONG, CODE)
+           + run_plan(rest, RUNS, RECORD, CODE)):
+        pass
 
 
 def smoke() -> None:
@@ -231,12 +268,15 @@ def main() -> None:
     parser.add_argument("verb", choices=("plan", "run", "smoke", "report"))
     args = parser.parse_args()
     if args.verb == "plan":
-        for name in ORDER:
-            cmd = command(name, RUNS / name)
-            print(f"# {name}\n(cd {CODE} && OMP_NUM_THREADS=1 python " + " ".join(
-                f"'{c}'" if any(ch in c for ch in " {[\"") else c for c in cmd[1:]) + ")\n")
+        for plan, runs_dir in ((runs(), RUNS), (long_runs(), RUNS_LONG)):
+            for run in plan:
+                cmd = [sys.executable, "-m", "pl_fedsparse.cli", "fit", *run.args, "--trainer.default_root_dir",
+                       str(runs_dir / run.name)]
+                cont = f" (continues {run.start_from.relative_to(ROOT)})" if run.start_from else ""
+                print(f"# {run.name}{cont}\n(cd {CODE} && OMP_NUM_THREADS=1 python " + " ".join(
+                    f"'{c}'" if any(ch in c for ch in " {[\"") else c for c in cmd[1:]) + ")\n")
     elif args.verb == "run":  # also records finished runs a stopped worker could not copy
-        run_plan(runs(), RUNS, RECORD, CODE)
+        work()
     elif args.verb == "smoke":
         smoke()
     else:

@@ -10,6 +10,9 @@ one at a time:
   cut by the end of a session loses at most ``checkpoint_every`` rounds;
 * **records** — a finished run's ``config.yaml``, ``metrics.jsonl`` and ``summary.json`` are copied to
   ``<record>/<name>/`` (small, kept in git); run directories stay under ``benchmarks/_runs`` (ignored);
+* **continues** — a run with ``start_from`` (the run directory of another plan's finished run) starts as a copy of
+  that directory, less its ``summary.json``, and resumes from its last checkpoint with its own arguments (more
+  rounds, say); until that run has finished it is skipped;
 * **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
   one version of the code while this tree changes; every run log starts with that commit.
 
@@ -36,6 +39,8 @@ class Run:
     name: str
     args: list[str]
     meta: dict = field(default_factory=dict)
+    #: a finished run's directory this run continues (copied, then resumed from its ``checkpoints/last.ckpt``)
+    start_from: Path | None = None
 
 
 def commit_of(path: Path) -> str:
@@ -87,8 +92,28 @@ def record(runs_dir: Path, record_dir: Path, name: str) -> None:
         shutil.copy2(runs_dir / name / f, out / f)
 
 
-def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) -> None:
-    """Run every run of ``runs`` that has no record yet and that no live worker holds (see the module doc)."""
+def _start_from(run: Run, run_dir: Path) -> bool:
+    """Prepare ``run_dir`` as a copy of ``run.start_from``; False while that run has not finished."""
+    base = run.start_from
+    if base is None or run_dir.exists():
+        return True
+    if not (base / "summary.json").exists() or not (base / "checkpoints" / "last.ckpt").exists():
+        return False
+    tmp = run_dir.with_name(run_dir.name + ".copying")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("summary.json"))
+    tmp.rename(run_dir)  # whole or not at all: a cut copy is redone
+    return True
+
+
+def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) -> int:
+    """Run every run of ``runs`` that has no record yet and that no live worker holds (see the module doc).
+
+    Returns:
+        How many runs this call finished (0: nothing left that it could run now; a failed run counts only once it
+        succeeds, so a caller that repeats while runs finish stops on a run that always fails).
+    """
+    finished = 0
     for run in runs:
         if (record_dir / run.name / "summary.json").exists():
             continue
@@ -97,6 +122,9 @@ def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) 
             record(runs_dir, record_dir, run.name)
             continue
         if not claim(runs_dir, run.name):
+            continue
+        if not _start_from(run, run_dir):
+            (runs_dir / f"{run.name}.claim").unlink(missing_ok=True)
             continue
         cmd = [sys.executable, "-m", "pl_fedsparse.cli", "fit", *run.args, "--trainer.default_root_dir", str(run_dir),
                "--trainer.enable_progress_bar", "false"]
@@ -115,6 +143,8 @@ def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) 
             continue
         if (run_dir / "summary.json").exists():
             record(runs_dir, record_dir, run.name)
+            finished += 1
+    return finished
 
 
 def main(doc: str, plan: Callable[[], list[Run]], table: Callable[[], None], runs_dir: Path, record_dir: Path,

@@ -363,7 +363,22 @@ def test_novel_clients_never_train_and_adapt_at_the_end(tmp_path: Path, with_gat
         assert any(not torch.equal(tuned[n], loop.global_state[n]) for n in tuned)
     row = loop.history[-1]
     assert row["novel/gap"] == pytest.approx(row["seen/acc_weighted"] - row["novel/acc_weighted"])
+    seen = [a for c, a in enumerate(loop.last_client_acc) if c != k]
+    assert row["seen/acc_bottom10"] == pytest.approx(min(seen))  # 3 trained clients: ⌊3/10⌋ = 0, the worst
     assert row["comm_bytes_down"] == 4 * 4 * TINY_D  # 3 participants + the novel client's adaptation download
+
+
+def test_novel_clients_bottom_decile_counts_only_the_clients_that_trained() -> None:
+    novel = NovelClients(fraction=0.2)
+    novel.novel = [3, 7]  # the two worst clients are novel: they must not be the seen clients' bottom decile
+    accs = {k: 0.05 * k + 0.5 for k in range(12)}
+    accs.update({3: 0.01, 7: 0.02})
+    for k, a in accs.items():
+        novel.on_client_evaluate_end(None, None, k, "personal", {"acc": a, "n": 10.0})  # type: ignore[arg-type]
+    metrics: dict[str, Any] = {}
+    novel.on_evaluation_end(None, metrics)  # type: ignore[arg-type]
+    seen = sorted(a for k, a in accs.items() if k not in (3, 7))
+    assert metrics["seen/acc_bottom10"] == pytest.approx(seen[1])  # 10 trained clients: ⌊10/10⌋ = 1, the 2nd worst
 
 
 # ------------------------------------------------------------------------------------------- schedules

@@ -13,6 +13,8 @@ metric                   meaning
 =======================  =================================================================================
 ``seen/acc_weighted``    sample-weighted personal accuracy of the clients that took part in training (Acc̄)
 ``seen/acc_mean``        their unweighted mean
+``seen/acc_bottom10``    their bottom decile: the ``⌊N/10⌋``-th worst accuracy (Table 1's Acc̆ over the clients
+                         that trained; :func:`~pl_fedsparse.metrics.bottom_decile`)
 ``novel/acc_weighted``   the same over the novel clients (Acc̃; after the last round: adapted)
 ``novel/acc_mean``       their unweighted mean
 ``novel/gap``            Δ = Acc̄ − Acc̃ (weighted), Table 8's generalisation gap
@@ -34,6 +36,7 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitSpec, FitStage
 from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.metrics import bottom_decile
 from pl_fedsparse.streams import register_stream
 
 if TYPE_CHECKING:
@@ -134,10 +137,13 @@ class NovelClients(FederatedCallback):
             total = sum(n for _, n in rows)
             metrics[f"{group}/acc_weighted"] = sum(a * n for a, n in rows) / total if total else None
             metrics[f"{group}/acc_mean"] = sum(a for a, _ in rows) / len(rows) if rows else None
+        seen_acc = [a for k, (a, n) in acc.items() if not self.is_novel(k) and n > 0]
+        metrics["seen/acc_bottom10"] = bottom_decile(seen_acc) if seen_acc else None
         seen, novel = metrics["seen/acc_weighted"], metrics["novel/acc_weighted"]
         metrics["novel/gap"] = seen - novel if seen is not None and novel is not None else None
 
     @override
     def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
         return [("seen clients acc (weighted)", "seen/acc_weighted"),
+                ("seen clients bottom decile", "seen/acc_bottom10"),
                 ("novel clients acc (weighted)", "novel/acc_weighted"), ("novel gap Δ", "novel/gap")]
