@@ -59,6 +59,9 @@ COMMON = [
     "--data.alpha", "0.4", "--data.test_mode", "pooled", "--data.split_ratios", "[0.6, 0.2, 0.2]",
     "--data.seed", "12345", "--data.sample_fraction", str(SAMPLE_FRACTION), "--data.batch_size", "128",
     "--data.augment", "false",
+    # pFedGate's personal evaluation draws one mask per test batch, so the evaluation batch matters; seed 0 was
+    # recorded at 512 (the default then), every seed keeps it (the authors' code evaluates in batches of bz = 128)
+    "--data.eval_batch_size", "512",
     "--trainer.num_rounds", str(ROUNDS), "--trainer.join_ratio", "1.0", "--trainer.eval_every", str(EVAL_EVERY),
     "--trainer.enable_progress_bar", "false",
     "--model.lr", "0.03", "--model.momentum", "0.9", "--model.weight_decay", "5e-4",
