@@ -246,7 +246,7 @@ class Evaluator:
 
     def __init__(self, loop: FederatedLoop) -> None:
         self.loop = loop
-        self._independent: tuple[Any, bool] | None = None  # (module, answer): see _samples_independent
+        self._independent: tuple[Any, bool] | None = None  # (module, answer): see samples_independent
 
     def loader(self, client_idx: int, split: str, shift: float = 0.0, corruption: str | None = None,
                severity: int = 0) -> Any:
@@ -343,7 +343,7 @@ class Evaluator:
                 outputs[name][kind], labels[name] = results[v.key]
         return outputs, labels
 
-    def _samples_independent(self) -> bool:
+    def samples_independent(self) -> bool:
         """Whether the module's ``eval``-mode forward pass treats the samples of a batch independently (checked once,
         on the data module's first two inputs: together and one by one). A module that does not (batch statistics
         at evaluation, say) is evaluated client by client, never in a stream mixing clients' samples."""
@@ -362,7 +362,8 @@ class Evaluator:
                 module.train(was_training)
             if not self._independent[1]:
                 log.warning("%s's forward pass in eval mode mixes the samples of a batch: every client is evaluated "
-                            "on its own batches (its metrics then depend on data.eval_batch_size)", type(module).__name__)
+                            "on its own batches (its metrics then depend on data.eval_batch_size; null is "
+                            "data.batch_size on every device)", type(module).__name__)
         return self._independent[1]
 
     def _shared_kinds(self, has_global: bool) -> list[tuple[str, dict[str, Tensor]]]:
@@ -386,7 +387,7 @@ class Evaluator:
         loop = self.loop
         assert loop.model is not None
         none: list[dict[str, dict[tuple, tuple[Tensor, Tensor]]]] = [{} for _ in clients]
-        if not self.stream_shared or len(clients) < 2 or not self._samples_independent():
+        if not self.stream_shared or len(clients) < 2 or not self.samples_independent():
             return none
         kinds = self._shared_kinds(has_global)
         if not kinds:

@@ -449,6 +449,23 @@ class FederatedLoop:
         return self.reporter.save_checkpoint(state, path)
 
     # ------------------------------------------------------------------------------------------------ setup
+    def _fix_eval_batch(self, model: pl.LightningModule, datamodule: Any) -> None:
+        """``data.eval_batch_size: null`` is the device's throughput choice only where predictions do not depend on
+        the batch; where they do (a callback's ``evaluation_batch_matters``, a module whose eval forward mixes the
+        samples of a batch) it is ``data.batch_size`` on every device, so the metrics do not change with the
+        hardware."""
+        datamodule.eval_batch_fixed = None
+        batch_size = getattr(datamodule, "batch_size", None)
+        if getattr(datamodule, "eval_batch_size", None) is not None or not isinstance(batch_size, int):
+            return
+        why = [type(cb).__name__ for cb in self.fed_callbacks if cb.evaluation_batch_matters(self)]
+        if not why and not self.evaluator.samples_independent():
+            why = [type(model).__name__]
+        if why:
+            datamodule.eval_batch_fixed = batch_size
+            log.info("data.eval_batch_size: null is %d (data.batch_size) on every device: %s's evaluation depends on "
+                     "the batch", batch_size, ", ".join(why))
+
     def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
         """Set the federation up (data, policies, accounting, client state, checkpoint restore, run directory)
         without running a round; `fit`, `validate` and `test` call it."""
@@ -477,6 +494,7 @@ class FederatedLoop:
         # every client's declared state exists from here on, created from the initial weights (never lazily)
         self.load_state(self.initial_state)
         self.client_store.materialize(range(self.num_clients))
+        self._fix_eval_batch(model, datamodule)
         # after every callback declared its state: an out-of-process executor replicates the loop from here
         self.executor.setup(self)
         if stage == "fit":

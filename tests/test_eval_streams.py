@@ -200,3 +200,24 @@ def test_a_module_mixing_the_samples_of_a_batch_is_never_streamed(tmp_path: Path
     off, calls_off = run("off", False)
     assert _same(on, off) and calls_on == calls_off
     assert any("mixes the samples of a batch" in r.getMessage() for r in caplog.records)
+
+
+def test_an_evaluation_that_depends_on_the_batch_keeps_one_batch_size_on_every_device(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``eval_batch_size: null`` is the device's throughput choice (128 CPU, 512 GPU) only where predictions do not
+    depend on the batch; pFedGate's per-batch mask and a module mixing samples get ``data.batch_size`` everywhere."""
+    from pl_fedsparse import FederatedModule
+    from pl_fedsparse.callbacks import PFedGate
+
+    def sizes(name: str, callbacks: list[Any], module: Any, eval_batch_size: int | None = None) -> tuple[int, int]:
+        dm = tiny_datamodule()
+        dm.eval_batch_size = eval_batch_size
+        tiny_loop(tmp_path / name, callbacks=callbacks).setup(module, dm)
+        return dm.eval_batch("cpu"), dm.eval_batch("cuda")
+
+    assert sizes("fedavg", [], tiny_module()) == (128, 512)
+    with caplog.at_level("INFO"):
+        assert sizes("pfedgate", [PFedGate(density=0.5)], tiny_module()) == (16, 16)  # tiny_datamodule: batch 16
+    assert any("PFedGate's evaluation depends on the batch" in r.getMessage() for r in caplog.records)
+    assert sizes("mixing", [], FederatedModule(_BatchCentred(), lr=0.1)) == (16, 16)
+    assert sizes("explicit", [PFedGate(density=0.5)], tiny_module(), eval_batch_size=64) == (64, 64)

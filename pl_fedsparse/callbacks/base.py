@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FederatedCallback", "POLICIES"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
-DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared")
+DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared", "evaluation_batch_matters")
 
 POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state", "client_masks")
 
@@ -235,6 +235,14 @@ class FederatedCallback(pl.Callback):
         kinds (e.g. it loads the client's fine-tuned weights for ``"personal"``) says which.
         """
         return type(self).on_client_evaluate_start is FederatedCallback.on_client_evaluate_start
+
+    def evaluation_batch_matters(self, loop: FederatedLoop) -> bool:
+        """Whether the predictions this callback makes at evaluation depend on how the test samples are batched
+        (pFedGate draws one mask per test batch). Then ``data.eval_batch_size: null`` is ``data.batch_size`` on every
+        device instead of the device's throughput choice, so the metrics do not change with the hardware (an
+        explicit ``data.eval_batch_size`` still wins). Default: ``False``.
+        """
+        return False
 
     @classmethod
     def owned_policies(cls) -> list[str]:

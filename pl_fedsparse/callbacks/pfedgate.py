@@ -578,6 +578,10 @@ class PFedGate(FederatedCallback):
         return kind != "personal"  # the client's gate is installed on its personal model
 
     @override
+    def evaluation_batch_matters(self, loop: FederatedLoop) -> bool:
+        return True  # one mask per test batch: the personal model's predictions depend on the batch
+
+    @override
     def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind != "personal":

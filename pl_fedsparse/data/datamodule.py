@@ -138,7 +138,9 @@ class FederatedDataModule(lightning.LightningDataModule):
         eval_batch_size: evaluation batch size; ``None`` (default) lets the loop choose it for throughput on its
             device (:data:`AUTO_EVAL_BATCH_SIZE`: 128 on the CPU, where larger batches cost up to 40 % more per
             image for the McMahan CNN — ``benchmarks/eval_batch.py``; 512 on a GPU). Logits depend on it only in their
-            last bits (not at all on one CPU thread, as measured).
+            last bits (not at all on one CPU thread, as measured) — except where the evaluation depends on the batch
+            (pFedGate's per-batch mask, a module whose eval forward mixes samples): then ``None`` is ``batch_size``
+            on every device.
         augment: CIFAR augmentation (random crop + flip) on training batches.
         download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
             or ``$PL_FEDSPARSE_CACHE/<name>`` (default ``~/.cache/pl_fedsparse/<name>``) when ``root`` is unset; a
@@ -259,6 +261,9 @@ class FederatedDataModule(lightning.LightningDataModule):
         self.augment, self.download, self.device = augment, download, device
         #: the device the evaluated model runs on (set by the loop): what ``eval_batch_size: null`` is chosen for
         self.eval_device: str | None = None
+        #: set by the loop when the evaluation depends on the batch (a callback's ``evaluation_batch_matters``, a
+        #: module whose eval forward mixes samples): what ``eval_batch_size: null`` is on every device
+        self.eval_batch_fixed: int | None = None
         self.emnist_split, self.seed = emnist_split, seed
         self.test_fraction = float(test_fraction)
         self.torchvision_class = torchvision_class
@@ -585,7 +590,8 @@ class FederatedDataModule(lightning.LightningDataModule):
     def eval_batch(self, device: str | torch.device | None = None) -> int:
         """The evaluation batch size: ``data.eval_batch_size``, or when it is ``None`` the throughput choice for
         ``device`` (default: :attr:`eval_device`, which the loop sets to the device its model runs on, else where
-        the data lives) from :data:`AUTO_EVAL_BATCH_SIZE`.
+        the data lives) from :data:`AUTO_EVAL_BATCH_SIZE` — unless the evaluation depends on the batch
+        (:attr:`eval_batch_fixed`, set by the loop): then the same size on every device.
 
         Example:
             >>> FederatedDataModule(eval_batch_size=None).eval_batch("cpu"), FederatedDataModule().eval_batch("cuda")
@@ -595,6 +601,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         """
         if self.eval_batch_size is not None:
             return int(self.eval_batch_size)
+        if self.eval_batch_fixed is not None:
+            return int(self.eval_batch_fixed)
         where = device if device is not None else (self.eval_device or self.device or "cpu")
         kind = torch.device(where).type
         return AUTO_EVAL_BATCH_SIZE.get(kind, AUTO_EVAL_BATCH_SIZE["cpu"])
