@@ -599,10 +599,10 @@ REQUIRED = {
     "docs/reproduce/fedspa.md": {"fedspa-200", "fedspa-claims", "fedspa-trajectory", "fedspa-backbone"},
     "docs/reproduce/dispfl.md": {"dispfl-200", "dispfl-claims", "dispfl-trajectory", "dispfl-why"},
     "docs/reproduce/pfedgate.md": {"pfedgate-t1", "pfedgate-t8", "pfedgate-long", "pfedgate-plateau",
-                                   "pfedgate-cost"},
+                                   "pfedgate-cost", "pfedgate-seeds", "pfedgate-claims"},
     "docs/reproduce/fedpse.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
                                  "fedpse-round1", "fedpse-first-look"},
-    "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded"},
+    "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-claims"},
     "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
     "README.md": {"readme-fedpse"},
 }
