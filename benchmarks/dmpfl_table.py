@@ -16,6 +16,7 @@ sampling all change with the seed).
     for w in 1 2; do DMPFL_TABLE_CODE=../bench OMP_NUM_THREADS=1 nohup python benchmarks/dmpfl_table.py run \\
         > /tmp/dmpfl_table_w$w.log 2>&1 & done          # ~6-8 min per run on one core, 18 runs
     python benchmarks/dmpfl_table.py table              # mean ± sample std over the recorded seeds
+    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_METHODS=dmpfl_plus,fedavg,fedavg_ft ... run   # the 100-round plan
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ import runplan
 from runplan import Run
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORD = ROOT / "benchmarks" / "dmpfl_table"
-RUNS = ROOT / "benchmarks" / "_runs" / "dmpfl_table"
+#: a longer horizon (``DMPFL_TABLE_ROUNDS=100``) is its own plan: ``dmpfl_table_r100`` records and run directories
+ROUNDS = int(os.environ.get("DMPFL_TABLE_ROUNDS", "30"))
+_SUFFIX = "" if ROUNDS == 30 else f"_r{ROUNDS}"
+RECORD = ROOT / "benchmarks" / f"dmpfl_table{_SUFFIX}"
+RUNS = ROOT / "benchmarks" / "_runs" / f"dmpfl_table{_SUFFIX}"
 CODE = Path(os.environ.get("DMPFL_TABLE_CODE", ROOT)).resolve()
 DATA = os.environ.get("DMPFL_TABLE_DATA", str(ROOT / "data" / "cifar10"))
 SEEDS = (0, 1, 2)
@@ -53,10 +57,17 @@ LEVELS = (0, 20, 40, 60, 80, 100)
 
 
 def plan() -> list[Run]:
-    """Every method at seed 0 first, then seeds 1 and 2 (a stopped plan still leaves a whole table)."""
+    """Every method at seed 0 first, then seeds 1 and 2 (a stopped plan still leaves a whole table);
+    ``DMPFL_TABLE_METHODS=dmpfl_plus,fedavg`` keeps some methods only."""
+    keep = [m for m in os.environ.get("DMPFL_TABLE_METHODS", "").split(",") if m]
+    unknown = sorted(set(keep) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"error: DMPFL_TABLE_METHODS={','.join(keep)} is invalid: expected names from "
+                         f"{', '.join(METHODS)}")
+    rounds = [] if ROUNDS == 30 else ["--trainer.num_rounds", str(ROUNDS)]
     return [Run(f"{m}_seed{s}", [*args, "--data.root", DATA, "--seed_everything", str(s), "--data.seed", str(s),
-                                 "--trainer.logger", "false"], {"seed": s, "method": m})
-            for s in SEEDS for m, args in METHODS.items()]
+                                 "--trainer.logger", "false", *rounds], {"seed": s, "method": m})
+            for s in SEEDS for m, args in METHODS.items() if not keep or m in keep]
 
 
 def _final(name: str) -> dict | None:

@@ -12,6 +12,7 @@ run is never redone, and two workers share the plan by claiming runs::
     PFEDGATE_TABLE_CODE=/work/bench_pg OMP_NUM_THREADS=1 nohup python benchmarks/pfedgate_table.py run &  # worker 2
     python benchmarks/pfedgate_table.py report          # the markdown tables (Table 1 and Table 8 shapes)
     python benchmarks/pfedgate_table.py plan            # the exact command of every run
+    PFEDGATE_TABLE_CODE=/work/bench_pg python benchmarks/pfedgate_table.py same-code   # the pinned code vs seed 0
 
 ``PFEDGATE_TABLE_CODE=<checkout>`` runs the CLI from another checkout (a worktree pinned at one commit), so the runs
 keep one version of the code while this tree changes; each run's log names the commit. Run directories go to
@@ -27,8 +28,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import runplan
 import yaml
 from runplan import Run, run_plan
 
@@ -166,6 +169,29 @@ def work() -> None:
         pass
 
 
+def same_code(methods: tuple[str, ...] = ("pfedgate_s05", "fedavg_ft"), rounds: int = 11) -> None:
+    """Whether the pinned code (``PFEDGATE_TABLE_CODE``) gives seed 0's recorded rows: each method re-run for
+    ``rounds`` rounds at seed 0, every numeric metric (times aside) of every recorded round compared exactly."""
+    lines = [f"code: {CODE} at {runplan.commit_of(CODE)}; seed 0, {rounds} rounds, against benchmarks/pfedgate_table/"]
+    for name in methods:
+        run_dir = Path(tempfile.mkdtemp(prefix="pg_same_")) / name
+        extra = ["--trainer.num_rounds", str(rounds), "--trainer.overwrite", "true", "--trainer.enable_progress_bar",
+                 "false", "--trainer.logger", "false"]
+        subprocess.run(command(name, run_dir, extra), cwd=CODE, check=True, capture_output=True)
+        new = {r["round"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+        old = {r["round"]: r for r in _load(name)[1]}  # type: ignore[index]
+        for rnd in sorted(set(new) & set(old)):
+            if rnd == rounds - 1:
+                continue  # the last round of the short run adapts the novel clients and fine-tunes: not comparable
+            keys = [k for k, v in old[rnd].items() if not k.startswith("time") and isinstance(v, (int, float))]
+            diff = {k: (old[rnd][k], new[rnd].get(k)) for k in keys if new[rnd].get(k) != old[rnd][k]}
+            lines.append(f"{name} round {rnd}: {len(keys)} metrics compared, "
+                         + ("all equal" if not diff else f"{len(diff)} differ: {diff}"))
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    (ROOT / "benchmarks" / "_pfedgate_code_check.txt").write_text(text)
+
+
 def smoke() -> None:
     """Every method for 2 rounds on 2 % of the data, timed: checks the overrides; nothing is recorded."""
     for name in ORDER:
@@ -268,7 +294,7 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("verb", choices=("plan", "run", "smoke", "report"))
+    parser.add_argument("verb", choices=("plan", "run", "smoke", "report", "same-code"))
     args = parser.parse_args()
     if args.verb == "plan":
         for plan, runs_dir in ((runs(), RUNS), (long_runs(), RUNS_LONG)):
@@ -282,6 +308,8 @@ def main() -> None:
         work()
     elif args.verb == "smoke":
         smoke()
+    elif args.verb == "same-code":
+        same_code()
     else:
         report()
 
