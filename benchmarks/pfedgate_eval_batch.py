@@ -62,7 +62,7 @@ def main() -> None:
                     raise SystemExit(f"error: {name} at its recorded eval batch {size} gives seen/acc_weighted "
                                      f"{row['seen/acc_weighted']}, the record {recorded['seen/acc_weighted']}: "
                                      "the restored federation is not the recorded one")
-                print(f"| {name} | {size}{' (as run)' if size == as_run else ''} "
+                print(f"| {name} | {size}{' (as run)' if size == as_run else ''} | "
                       + " | ".join("-" if row[k] is None else f"{100 * row[k]:.2f}" if k != "gate_density"
                                    else f"{row[k]:.3f}" for k in KEYS) + " |", flush=True)
         (RECORD / f"{name.replace('/', '_')}.json").write_text(json.dumps(out, indent=1) + "\n")
