@@ -179,7 +179,9 @@ def resolve_runs(records: Records, base: Path, spec: str) -> list[Run]:
     runs: list[Run] = []
     for word in spec.split():
         if any(ch in word for ch in "*?["):
-            hits = sorted((Path(p) for p in glob.glob(str(base / word)) if (Path(p) / "summary.json").exists()),
+            # like records.path: a pattern starting with "/" is relative to the repository, not to ``dir``
+            pattern = records.root / word.lstrip("/") if word.startswith("/") else base / word
+            hits = sorted((Path(p) for p in glob.glob(str(pattern)) if (Path(p) / "summary.json").exists()),
                           key=_natural)
         else:
             hits = [records.path(base, word)]
@@ -713,6 +715,16 @@ def test_seed_groups_match_pl_fed_report():
     assert Claim([3.0, 5.0], [1.0, 1.2]).verdict == "holds"
     assert Claim([3.0, 5.0], [3.5, 3.7]).verdict == "no: inside the spread"
     assert Claim([1.0, 1.2], [3.0, 5.0]).verdict == "no: reversed"
+
+
+def test_a_glob_starting_with_a_slash_is_relative_to_the_repository(tmp_path):
+    for name in ("a", "a_seed1", "a_seed2"):
+        (tmp_path / "benchmarks" / "long" / name).mkdir(parents=True)
+        (tmp_path / "benchmarks" / "long" / name / "summary.json").write_text("{}")
+    (tmp_path / "benchmarks" / "table").mkdir()
+    runs = resolve_runs(Records(tmp_path), tmp_path / "benchmarks" / "table",
+                        "/benchmarks/long/a /benchmarks/long/a_seed*")
+    assert [r.name for r in runs] == ["a", "a_seed1", "a_seed2"]
 
 
 def test_number_extraction():
