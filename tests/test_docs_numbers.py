@@ -606,7 +606,7 @@ REQUIRED = {
                                  "fedpse-round1", "fedpse-first-look"},
     "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-claims"},
     "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
-    "README.md": {"readme-fedpse"},
+    "README.md": {"readme-fedpse", "readme-dmpfl", "readme-quickstart", "readme-long", "readme-pfedgate"},
 }
 
 
