@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmark of the dense baselines on real CIFAR-10 (issue 2, acceptance 2): Local, FedAvg, FedAvg-FT.
+# CPU benchmark of the dense baselines on real CIFAR-10: Local, FedAvg, FedAvg-FT.
 # Setting: LeNet-CIFAR, 20 clients, Dirichlet(0.3), 10,000 training images (500 per client, seeded subsample),
 # per-client test sets drawn from the global test split with the client's label proportions (500 each),
 # 10 clients per round, 5 local epochs, batch 64, SGD lr 0.1 * 0.998^t, wd 5e-4, clip 10, augmentation, 30 rounds.

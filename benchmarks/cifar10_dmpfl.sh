@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU benchmark of DM-PFL / DM-PFL+ against the baselines of its paper on real CIFAR-10 (issue 5, acceptance 2).
+# CPU benchmark of DM-PFL / DM-PFL+ against the baselines of its paper on real CIFAR-10.
 # Setting (configs/cifar10_dmpfl_cpu.yaml): McMahan CNN, 20 clients, Dirichlet(0.3) with quantity skew over a seeded
 # 10,000-image subsample, per-client 0.75/0.25 train/test split, 10 clients per round, E = 2, batch 64, SGD lr
 # 0.05·0.995^t, wd 5e-4, 30 rounds, seed 0; S = 0.5 for DM-PFL and FedDST. Every method is evaluated at the end at

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU side-by-side of serverless methods on real CIFAR-10 (issue 4, acceptance 2): DisPFL vs D-PSGD vs D-PSGD-FT vs
+# CPU side-by-side of serverless methods on real CIFAR-10: DisPFL vs D-PSGD vs D-PSGD-FT vs
 # Local. LeNet-CIFAR, 20 clients, Dir(0.3), 500 train images per client, every client trains every round, random
 # topology (each client pulls from 4 random peers, redrawn per round), 5 local epochs, batch 64, lr 0.1·0.998^t,
 # wd 5e-4, clip 10, 12 rounds; DisPFL at density 0.5 (ERK, per-client initial masks, prune |w| / regrow |grad|,

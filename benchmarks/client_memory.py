@@ -1,4 +1,4 @@
-"""Issue 13, acceptance 5: bytes of client state the driver holds per client for DisPFL on ResNet18-GN at density 0.5.
+"""Bytes of client state the driver holds per client for DisPFL on ResNet18-GN at density 0.5.
 
 Feeds ``--clients`` synthetic trained states (the ResNet18-GN state with random values, zero outside a per-client
 ERK mask of density 0.5, as a masked fit leaves them) through :class:`pl_fedsparse.callbacks.Gossip`'s own storage

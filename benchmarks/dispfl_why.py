@@ -1,4 +1,4 @@
-"""Issue 15, item 2: why DisPFL trails D-PSGD on the CPU setting — one suspect changed at a time.
+"""Why DisPFL trails D-PSGD on the CPU setting — one suspect changed at a time.
 
 At 200 rounds of ``benchmarks/long_horizon.py`` (LeNet-CIFAR, 20 clients × 500 images, Dir(0.3), 1 local epoch, density
 0.5 ERK, 4 random peers) D-PSGD reaches 70.2 % and DisPFL 66.7 %; the DisPFL paper has DisPFL 85.70 ≫ D-PSGD after 500

@@ -1,4 +1,4 @@
-"""Issue 15, item 3: DM-PFL's readjustment rate α_s on real CIFAR-10 (the paper gives neither α_s nor its interval).
+"""DM-PFL's readjustment rate α_s on real CIFAR-10 (the paper gives neither α_s nor its interval).
 
 The CPU DM-PFL+ benchmark (``configs/cifar10_dmpfl_plus_cpu.yaml``: McMahan CNN, 20 clients, 10 per round, E = 2,
 Dir(0.3) with quantity skew, 30 rounds, shift views at the last round) with three readjustment schedules of

@@ -1,4 +1,4 @@
-"""Issue 15, item 2: FedSpa's and DisPFL's orderings at a horizon where they should hold — 200+ rounds on CPU.
+"""FedSpa's and DisPFL's orderings at a horizon where they should hold — 200+ rounds on CPU.
 
 The setting is each paper's protocol at the smallest size that runs here (CIFAR-10, LeNet-CIFAR, Dir(0.3), 20
 clients of 500 training images, per-client test sets drawn from the global test split with the client's label
@@ -8,8 +8,8 @@ proportions, batch 64, SGD lr 0.1·0.998^t, wd 5e-4, clip 10, augmentation, dens
 * **one local epoch** instead of five: 200+ rounds of 8 methods must fit in about one three-hour stretch on two
   cores (the papers' 5 epochs × 500 images would be ~5× slower); the number of local steps per round changes, the
   protocols (who trains, what is sent, how it is aggregated) do not;
-* LeNet instead of VGG11-GN / ResNet18-GN (CPU); the backbone question is studied separately (issue 15: a mostly
-  dense ERK backbone).
+* LeNet instead of VGG11-GN / ResNet18-GN (CPU); the backbone question is studied separately
+  (docs/reproduce/dispfl.md: a mostly dense ERK backbone).
 
 FedSpa's protocol: a server, 10 of 20 clients per round (the paper samples 10 %), DST (prune |w| / regrow |grad|,
 same initial mask) and RSM, FedAvg and Local as in its table. DisPFL's: no server, every client trains every round,

@@ -1,4 +1,4 @@
-"""Issue 13, acceptance 1: the same metrics.jsonl in process and with 1, 2 and 3 Ray workers.
+"""The same metrics.jsonl in process and with 1, 2 and 3 Ray workers.
 
 For each config, runs ``pl-fed fit`` in process and with ``RayExecutor`` (``num_workers`` 1, 2, 3; one CPU and one
 torch thread per worker), then compares every metrics row key by key — everything but wall times (``time_*``).

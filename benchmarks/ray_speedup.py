@@ -1,4 +1,4 @@
-"""Issue 13, acceptances 2 and 4: wall time per round in process vs Ray workers, Ray's own overhead, and the glibc
+"""Wall time per round in process vs Ray workers, Ray's own overhead, and the glibc
 allocator tuning's effect on round time and system CPU.
 
 Workloads (CIFAR-10, LeNet-CIFAR, batch 64, lr 0.05 / 0.1, 5 local epochs, no evaluation inside the timed rounds):

@@ -41,7 +41,7 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 1 << 30) -
     """Keep glibc malloc from handing large buffers back to the kernel after every client fit.
 
     With glibc's defaults, freed blocks above the (dynamic) mmap threshold are unmapped and the next fit faults them
-    in again page by page: on a 20-client DisPFL round, 27–30 s of *system* CPU per round (issue 13). Fixing the
+    in again page by page: on a 20-client DisPFL round, 27–30 s of *system* CPU per round. Fixing the
     mmap threshold at 32 MiB and the trim threshold at 1 GiB keeps them in the heap — the same as
     ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824``, but without the
     user setting anything (``mallopt(3)`` through ctypes). ``pl-fed`` and every Ray worker call it at start-up.

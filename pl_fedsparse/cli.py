@@ -762,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     _current_run = None
     from pl_fedsparse.allocator import tune_malloc
 
-    tune_malloc()  # glibc: keep freed fit buffers in the heap (issue 13; PL_FEDSPARSE_MALLOC_TUNING=0 opts out)
+    tune_malloc()  # glibc: keep freed fit buffers in the heap (PL_FEDSPARSE_MALLOC_TUNING=0 opts out)
     received: list[int] = []
     try:
         with stop_on_signals() as received, _working_dir_importable(os.getcwd()):
