@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import io
 import json
 import math
@@ -68,7 +69,8 @@ class Run:
     Attributes:
         path: the run directory.
         name: its label in the table and the legends (the directory name unless given).
-        method: its callbacks' class names joined by ``+`` (``FedAvg`` without callbacks; ``?`` without a config).
+        method: its callbacks' class names joined by ``+``, less the library's evaluation-only ones
+            (``evaluation_only``, e.g. ``ShiftEvaluation``); ``FedAvg`` when none is left; ``?`` without a config.
         rows: the evaluated rows of ``metrics.jsonl``.
         summary: ``summary.json`` (empty while the run is unfinished).
     """
@@ -95,8 +97,22 @@ def _method(config_path: Path) -> str:
     except (OSError, yaml.YAMLError):
         return "?"
     callbacks = ((cfg or {}).get("trainer") or {}).get("callbacks") or []
-    names = [str(c.get("class_path", "?")).rsplit(".", 1)[-1] for c in callbacks if isinstance(c, dict)]
+    paths = [str(c.get("class_path", "?")) for c in callbacks if isinstance(c, dict)]
+    names = [p.rsplit(".", 1)[-1] for p in paths if not _evaluation_only(p)]
     return " + ".join(names) or "FedAvg"
+
+
+def _evaluation_only(class_path: str) -> bool:
+    """Whether ``class_path`` is one of the library's callbacks that only evaluate. Only ``pl_fedsparse``'s own
+    classes are looked up: reading someone's records must not import the modules their config names."""
+    module, _, name = class_path.rpartition(".")
+    if not (module == "pl_fedsparse" or module.startswith("pl_fedsparse.")):
+        return False
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return bool(getattr(cls, "evaluation_only", False))
 
 
 def load_run(path: str | Path, name: str | None = None) -> Run:

@@ -43,6 +43,20 @@ def test_table_from_hand_made_runs(tmp_path: Path) -> None:
     assert "| 80.00 | 2.5 |" in lines[3]  # F1 from the last row; bytes of an unfinished run from the last row
 
 
+def test_method_label_leaves_out_evaluation_only_callbacks(tmp_path: Path) -> None:
+    """FedAvg evaluated under shift is FedAvg, not "ShiftEvaluation"; a method's own callbacks stay in the label; a
+    class outside the library is named as written (its module is never imported to ask)."""
+    shift = load_run(make_run(tmp_path / "fedavg_shift", [0.5], [1], ["ShiftEvaluation"]))
+    dm = load_run(make_run(tmp_path / "dm", [0.5], [1], ["DualMask", "AdaptiveInference", "ShiftEvaluation"]))
+    assert shift.method == "FedAvg"
+    assert dm.method == "DualMask + AdaptiveInference"
+    user = tmp_path / "user"
+    make_run(user, [0.5], [1])
+    (user / "config.yaml").write_text(json.dumps({"trainer": {"callbacks": [
+        {"class_path": "not_importable_anywhere.ShiftEvaluation"}]}}))
+    assert load_run(user).method == "ShiftEvaluation"
+
+
 def test_report_files_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     a = make_run(tmp_path / "a", [0.5, 0.7], [10, 20])

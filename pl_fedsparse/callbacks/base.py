@@ -84,6 +84,10 @@ class FederatedCallback(pl.Callback):
     #: never send back, and an attribute a checkpoint's ``state_dict`` does not restore are errors — except these
     #: (and, for the checkpoint check, ``driver_only_attributes``). A subclass's list adds to its bases' lists
     scratch_attributes: tuple[str, ...] = ()
+    #: whether the callback only adds evaluations and changes nothing that is trained, sent or aggregated
+    #: (:class:`~pl_fedsparse.callbacks.ShiftEvaluation`): ``pl-fed report`` leaves the library's own such classes out
+    #: of a run's method label (it never imports a user's module to ask)
+    evaluation_only: bool = False
 
     # ---- per-client state -------------------------------------------------------------------------------------
     @property

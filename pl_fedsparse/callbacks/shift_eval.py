@@ -54,6 +54,8 @@ class ShiftEvaluation(FederatedCallback):
 
     #: arguments that may change when a run is resumed (they only change what is evaluated, and when)
     resume_may_change: tuple[str, ...] = ("when",)
+    #: only evaluates: a run with FedAvg and this callback is labelled ``FedAvg`` by ``pl-fed report``
+    evaluation_only = True
 
     def __init__(self, *, shifts: list[float] | None = None, corruptions: list[str] | str | None = None,
                  severities: list[int] | None = None, when: Literal["last", "every"] = "last") -> None:
