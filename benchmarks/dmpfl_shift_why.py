@@ -1,8 +1,9 @@
 """Why DM-PFL+ stays below FedAvg under 100 % test-time shift here (the paper: DM-PFL+ 59.61 > FedAvg 58.56), one
 change at a time, on the trained federation of a recorded run — no retraining.
 
-The DM-PFL+ run of ``benchmarks/dmpfl_table.py`` (``dmpfl_plus_seed<s>``, 30 rounds) is restored from its last
-checkpoint and evaluated again at its last round (every view of ``configs/cifar10_dmpfl_plus_cpu.yaml``) with:
+The DM-PFL+ run of ``benchmarks/dmpfl_table.py`` (``dmpfl_plus_seed<s>``, 30 rounds; ``--rounds 100``: the 100-round
+plan's run) is restored from its last checkpoint and evaluated again at its last round (every view of
+``configs/cifar10_dmpfl_plus_cpu.yaml``) with:
 
 * ``as run`` — AdaptiveInference as configured (base entropies on the client's training data, cosine of softmax
   outputs): must reproduce the recorded ``shift100/acc_mean``;
@@ -18,6 +19,10 @@ is read from the same seed's FedAvg record for comparison.
 
     python benchmarks/dmpfl_table.py run          # until dmpfl_plus_seed0 and fedavg_seed0 are recorded
     OMP_NUM_THREADS=1 python benchmarks/dmpfl_shift_why.py --seed 0 --data-root data/cifar10
+    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_METHODS=dmpfl_plus,fedavg,fedavg_ft python benchmarks/dmpfl_table.py run
+    OMP_NUM_THREADS=1 python benchmarks/dmpfl_shift_why.py --seed 0 --rounds 100 --data-root data/cifar10
+
+Records: ``benchmarks/dmpfl_shift_why/seed<s>.{txt,json}`` (30 rounds), ``seed<s>_r<rounds>.{txt,json}`` (others).
 """
 
 from __future__ import annotations
@@ -43,8 +48,6 @@ from pl_fedsparse.callbacks import AdaptiveInference  # noqa: E402
 from pl_fedsparse.cli import FedCLI  # noqa: E402
 from pl_fedsparse.functional.inference import adaptive_choice, entropy  # noqa: E402
 
-RUNS = ROOT / "benchmarks" / "_runs" / "dmpfl_table"
-TABLE = ROOT / "benchmarks" / "dmpfl_table"
 RECORD = ROOT / "benchmarks" / "dmpfl_shift_why"
 VIEWS = ("clean", "shift100")
 
@@ -91,11 +94,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-root", default=None)
+    p.add_argument("--rounds", type=int, default=30, help="the horizon of dmpfl_table.py's plan (30 or 100)")
     a = p.parse_args()
     logging.disable(logging.WARNING)
-    run_dir = RUNS / f"dmpfl_plus_seed{a.seed}"
-    recorded = json.loads((TABLE / f"dmpfl_plus_seed{a.seed}" / "summary.json").read_text())["final"]
-    fedavg = json.loads((TABLE / f"fedavg_seed{a.seed}" / "summary.json").read_text())["final"]
+    suffix = "" if a.rounds == 30 else f"_r{a.rounds}"
+    runs_dir = ROOT / "benchmarks" / "_runs" / f"dmpfl_table{suffix}"
+    table_dir = ROOT / "benchmarks" / f"dmpfl_table{suffix}"
+    for name in (f"dmpfl_plus_seed{a.seed}", f"fedavg_seed{a.seed}"):
+        if not (table_dir / name / "summary.json").exists():
+            raise SystemExit(f"error: --seed {a.seed} --rounds {a.rounds}: {table_dir / name} is not recorded; "
+                             f"expected a finished run of benchmarks/dmpfl_table.py at {a.rounds} rounds")
+    run_dir = runs_dir / f"dmpfl_plus_seed{a.seed}"
+    recorded = json.loads((table_dir / f"dmpfl_plus_seed{a.seed}" / "summary.json").read_text())["final"]
+    fedavg = json.loads((table_dir / f"fedavg_seed{a.seed}" / "summary.json").read_text())["final"]
     rows: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         loop = restore(run_dir, a.data_root, tmp)
@@ -152,28 +163,35 @@ def main() -> None:
                                                         "shift100/acc": fedavg["shift100/acc_mean"],
                                                         "clean/chose_personal": float("nan"),
                                                         "shift100/chose_personal": float("nan")}
-    print(f"DM-PFL+ seed {a.seed}, 30 rounds, restored from {run_dir.name}/checkpoints/last.ckpt; "
-          f"entropy of a uniform 10-class output: {float(entropy(torch.zeros(1, 10))[0]):.3f}")
-    print("Accuracy % and the share of samples given to the personal model: means over clients. BE: mean base "
-          "entropies (nats) the rule subtracts.")
-    print("| variant | 100 % shift | 0 % shift | personal share @100 % | personal share @0 % | BE(θ_c) | BE(θ_g) |")
-    print("|---|---|---|---|---|---|---|")
+    out = io.StringIO()
+
+    def emit(line: str = "") -> None:  # the report goes to stdout and to the .txt record
+        print(line)
+        out.write(line + "\n")
+
+    emit(f"DM-PFL+ seed {a.seed}, {a.rounds} rounds, restored from {run_dir.name}/checkpoints/last.ckpt; "
+         f"entropy of a uniform 10-class output: {float(entropy(torch.zeros(1, 10))[0]):.3f}")
+    emit("Accuracy % and the share of samples given to the personal model: means over clients. BE: mean base "
+         "entropies (nats) the rule subtracts.")
+    emit("| variant | 100 % shift | 0 % shift | personal share @100 % | personal share @0 % | BE(θ_c) | BE(θ_g) |")
+    emit("|---|---|---|---|---|---|---|")
 
     def pct(x: float) -> str:
         return "-" if x != x else f"{100 * x:.2f}"
 
     for name, row in rows.items():
-        print(f"| {name} | {pct(row['shift100/acc'])} | {pct(row['clean/acc'])} | "
-              f"{pct(row['shift100/chose_personal'])} | {pct(row['clean/chose_personal'])} | "
-              f"{row.get('BE_personal', float('nan')):.3f} | {row.get('BE_global', float('nan')):.3f} |")
+        emit(f"| {name} | {pct(row['shift100/acc'])} | {pct(row['clean/acc'])} | "
+             f"{pct(row['shift100/chose_personal'])} | {pct(row['clean/chose_personal'])} | "
+             f"{row.get('BE_personal', float('nan')):.3f} | {row.get('BE_global', float('nan')):.3f} |")
     run = rows["as run"]
-    print("\nMean output entropy (nats) of each model, mean over clients:")
-    print("| model | 0 % shift | 100 % shift |")
-    print("|---|---|---|")
+    emit("\nMean output entropy (nats) of each model, mean over clients:")
+    emit("| model | 0 % shift | 100 % shift |")
+    emit("|---|---|---|")
     for label, key in (("personal θ_c", "E_personal"), ("global θ_g", "E_global")):
-        print(f"| {label} | {run[f'clean/{key}']:.3f} | {run[f'shift100/{key}']:.3f} |")
+        emit(f"| {label} | {run[f'clean/{key}']:.3f} | {run[f'shift100/{key}']:.3f} |")
     RECORD.mkdir(parents=True, exist_ok=True)
-    (RECORD / f"seed{a.seed}.json").write_text(json.dumps(rows, indent=1))
+    (RECORD / f"seed{a.seed}{suffix}.json").write_text(json.dumps(rows, indent=1))
+    (RECORD / f"seed{a.seed}{suffix}.txt").write_text(out.getvalue())
 
 
 if __name__ == "__main__":

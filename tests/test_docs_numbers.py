@@ -604,9 +604,11 @@ REQUIRED = {
                                    "pfedgate-cost", "pfedgate-seeds", "pfedgate-claims"},
     "docs/reproduce/fedpse.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
                                  "fedpse-round1", "fedpse-first-look"},
-    "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-claims"},
+    "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-table", "dmpfl-claims", "dmpfl-shift-why",
+                                "dmpfl-table-r100", "dmpfl-claims-r100", "dmpfl-shift-why-r100"},
     "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
-    "README.md": {"readme-fedpse", "readme-dmpfl", "readme-quickstart", "readme-long", "readme-pfedgate"},
+    "README.md": {"readme-fedpse", "readme-dmpfl", "readme-dmpfl-shift", "readme-quickstart", "readme-long",
+                  "readme-pfedgate"},
 }
 
 
