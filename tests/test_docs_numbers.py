@@ -603,7 +603,7 @@ REQUIRED = {
     "docs/reproduce/pfedgate.md": {"pfedgate-t1", "pfedgate-t8", "pfedgate-long", "pfedgate-plateau",
                                    "pfedgate-cost", "pfedgate-seeds", "pfedgate-claims"},
     "docs/reproduce/fedpse.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
-                                 "fedpse-round1", "fedpse-first-look"},
+                                 "fedpse-round1", "fedpse-first-look", "fedpse-claims-seeds"},
     "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-table", "dmpfl-claims", "dmpfl-shift-why",
                                 "dmpfl-table-r100", "dmpfl-claims-r100", "dmpfl-shift-why-r100"},
     "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
