@@ -147,16 +147,48 @@ def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) 
     return finished
 
 
+def resolve(run: Run) -> dict:
+    """The configuration ``run`` would fit with (``pl-fed fit ... --print_config``: nothing is trained, no data is
+    read), as a dict; ``SystemExit`` with a one-line message when its arguments do not resolve."""
+    from contextlib import redirect_stderr, redirect_stdout
+    from io import StringIO
+
+    import yaml
+
+    from pl_fedsparse.cli import main as cli_main
+
+    out, err = StringIO(), StringIO()
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli_main(["fit", *run.args, "--print_config"])
+    except SystemExit as e:  # the parser's own errors
+        code = e.code
+    if code not in (0, None):
+        last = (err.getvalue().strip().splitlines() or ["(no message)"])[-1]
+        raise SystemExit(f"error: run {run.name}: its arguments do not resolve: {last}")
+    return yaml.safe_load(out.getvalue())
+
+
+def check(runs: Sequence[Run]) -> None:
+    """Every run's arguments resolve (see :func:`resolve`): a plan that would fail hours into its workers fails now."""
+    for run in runs:
+        resolve(run)
+        print(f"{run.name}: resolves", flush=True)
+
+
 def main(doc: str, plan: Callable[[], list[Run]], table: Callable[[], None], runs_dir: Path, record_dir: Path,
          code: Path) -> None:
-    """The command line every plan script shares: ``run`` (a worker), ``plan`` (the commands), ``table``."""
+    """The command line every plan script shares: ``run`` (a worker), ``plan`` (the commands), ``check`` (they
+    resolve, without training or data), ``table``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("verb", choices=["run", "plan", "table"])
+    ap.add_argument("verb", choices=["run", "plan", "check", "table"])
     args = ap.parse_args()
     if args.verb == "run":
         run_plan(plan(), runs_dir, record_dir, code)
     elif args.verb == "plan":
         for run in plan():
             print(f"{run.name}: pl-fed fit {' '.join(run.args)}")
+    elif args.verb == "check":
+        check(plan())
     else:
         table()

@@ -1,0 +1,85 @@
+"""The recorded plans of ``benchmarks/`` resolve: each planned ``pl-fed fit`` parses (``--print_config``: no training,
+no data), and the one setting a study varies reaches the configuration — so a renamed config or argument fails here,
+not hours into a worker."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import runplan  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _at_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the plans name configs relative to the checkout, as their workers run them
+
+
+def _plan(module: str, monkeypatch: pytest.MonkeyPatch, **env: str) -> list[runplan.Run]:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    sys.modules.pop(module, None)  # module constants read the environment at import
+    return importlib.import_module(module).plan()
+
+
+def _dual_mask(cfg: dict) -> dict:
+    return next(cb["init_args"] for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith(".DualMask"))
+
+
+def test_the_iterations_plan_sets_iterations(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = [r for r in _plan("dmpfl_iterations", monkeypatch, DMPFL_ITER_DATA="/nonexistent")
+            if r.meta["seed"] == 0]
+    assert [r.meta["iterations"] for r in runs] == [0, 1, 2]
+    for run in runs:
+        cfg = runplan.resolve(run)
+        assert _dual_mask(cfg)["iterations"] == run.meta["iterations"], run.name
+        assert cfg["seed_everything"] == 0 and cfg["data"]["seed"] == 0
+        assert [cb["class_path"].rsplit(".", 1)[1] for cb in cfg["trainer"]["callbacks"]] == [
+            "DualMask", "AdaptiveInference", "ShiftEvaluation"]  # the card's other callbacks are kept
+
+
+def test_iterations_2_is_the_tables_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same-code check compares iter2_seed<s> with the table's dmpfl_plus_seed<s>: same arguments."""
+    it = {r.name: r for r in _plan("dmpfl_iterations", monkeypatch, DMPFL_ITER_DATA="/d")}
+    table = {r.name: r for r in _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_DATA="/d")}
+    for s in (0, 1, 2):
+        assert it[f"iter2_seed{s}"].args == table[f"dmpfl_plus_seed{s}"].args
+
+
+def test_the_synthetic_alpha_sweep_sets_each_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    mod_runs = _plan("dmpfl_alpha_sweep", monkeypatch)
+    variants = sys.modules["dmpfl_alpha_sweep"].VARIANTS
+    runs = [r for r in mod_runs if r.meta["seed"] == 1]
+    assert len(runs) == len(variants) == 5
+    for run in runs:
+        cfg = runplan.resolve(run)
+        got = _dual_mask(cfg)
+        assert {k: got[k] for k in variants[run.meta["variant"]]} == variants[run.meta["variant"]], run.name
+        assert cfg["seed_everything"] == 1 and cfg["data"]["seed"] == 1
+
+
+def test_the_100_round_table_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_ROUNDS="100", DMPFL_TABLE_DATA="/d",
+                 DMPFL_TABLE_METHODS="dmpfl_plus,fedavg,fedavg_ft")
+    assert sorted({r.meta["method"] for r in runs}) == ["dmpfl_plus", "fedavg", "fedavg_ft"] and len(runs) == 9
+    assert sys.modules["dmpfl_table"].RECORD.name == "dmpfl_table_r100"
+    for run in runs[:3]:
+        assert runplan.resolve(run)["trainer"]["num_rounds"] == 100, run.name
+
+
+def test_a_plan_whose_arguments_do_not_resolve_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    bad = runplan.Run("bad", ["--config", "configs/cifar10_dmpfl_plus_cpu.yaml", "--trainer.callbacks",
+                              '[{"class_path": "pl_fedsparse.callbacks.DualMask", "init_args": {"iterations": "x"}}]'])
+    with pytest.raises(SystemExit) as e:
+        runplan.check([bad])
+    msg = str(e.value)
+    assert msg.startswith("error: run bad: its arguments do not resolve: ") and "\n" not in msg
+    assert "iterations" in msg
+    with pytest.raises(SystemExit, match="no such file"):
+        runplan.resolve(runplan.Run("missing", ["--config", "configs/no_such_config.yaml"]))
