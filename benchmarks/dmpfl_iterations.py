@@ -8,7 +8,9 @@ per round, E = 2, Dir(0.3) with quantity skew, 30 rounds, shift views at the las
 as the table). Records: ``benchmarks/dmpfl_iterations/iter<i>_seed<s>/``.
 
 Iterations 2 is the table's ``dmpfl_plus`` run again: ``table`` says whether each seed's record here equals the
-table's (the same arguments; a difference means the code changed what DM-PFL computes).
+table's (the same arguments; a difference means the code or the machine changed what DM-PFL computes — another CPU's
+floating-point rounding is enough: ``benchmarks/dmpfl_iterations/_same_code.txt``). The table compares the
+iterations among this plan's own runs.
 
     mkdir -p data/cifar10 && tar -xzf ../shared/data/cifar10-jpg.tar.gz -C data/cifar10
     git worktree add ../bench HEAD                      # pin the code
