@@ -606,7 +606,7 @@ REQUIRED = {
                                  "fedpse-round1", "fedpse-first-look", "fedpse-claims-seeds"},
     "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-table", "dmpfl-claims", "dmpfl-shift-why",
                                 "dmpfl-table-r100", "dmpfl-claims-r100", "dmpfl-shift-why-r100",
-                                "dmpfl-alpha-synthetic"},
+                                "dmpfl-alpha-synthetic", "dmpfl-iterations", "dmpfl-iterations-claims"},
     "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
     "README.md": {"readme-fedpse", "readme-dmpfl", "readme-dmpfl-shift", "readme-quickstart", "readme-long",
                   "readme-pfedgate"},
