@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 from pathlib import Path
 
 import runplan
 import yaml
-from runplan import Run
+from runplan import Run, percent_spread
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "dmpfl_alpha_sweep"
@@ -70,12 +69,8 @@ def table() -> None:
         if not finals:
             print(f"| {name} | 0 |" + " |" * len(COLUMNS))
             continue
-
-        def cell(key: str) -> str:
-            v = [100 * f[key] for f in finals]
-            return f"{statistics.fmean(v):.2f}" + (f" ± {statistics.stdev(v):.2f}" if len(v) > 1 else "")
-
-        print(f"| {name} | {len(finals)} | " + " | ".join(cell(k) for _, k in COLUMNS) + " |")
+        print(f"| {name} | {len(finals)} | " + " | ".join(percent_spread([f[k] for f in finals]) for _, k in COLUMNS)
+              + " |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import runplan
 import yaml
-from runplan import Run
+from dmpfl_table import LEVELS, at_level
+from runplan import Run, percent_spread
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "dmpfl_iterations"
@@ -39,8 +40,6 @@ DATA = os.environ.get("DMPFL_ITER_DATA", str(ROOT / "data" / "cifar10"))
 CONFIG = "configs/cifar10_dmpfl_plus_cpu.yaml"
 ITERATIONS = (0, 1, 2)
 SEEDS = (0, 1, 2)
-#: Table 1's shift levels (the page's "avg")
-LEVELS = (0, 20, 40, 60, 80, 100)
 
 
 def _callbacks(iterations: int) -> list[dict]:
@@ -67,10 +66,6 @@ def _final(path: Path) -> dict | None:
     return json.loads(path.read_text())["final"] if path.exists() else None
 
 
-def _at(final: dict, level: int, key: str) -> float:
-    return final[key] if level == 0 else final[f"shift{level}/{key}"]
-
-
 def table() -> None:
     """Mean ± sample std over the recorded seeds, and whether iterations 2 equals the table's records."""
     print("| iterations | seeds | DM-PFL 0 % | DM-PFL 100 % | DM-PFL avg | DM-PFL+ 0 % | DM-PFL+ 100 % | DM-PFL+ avg "
@@ -82,15 +77,11 @@ def table() -> None:
             print(f"| {it} | 0 | (not run) | | | | | | |")
             continue
 
-        def cell(values: list[float]) -> str:
-            m = statistics.fmean(values) * 100
-            return f"{m:.2f}" if len(values) < 2 else f"{m:.2f} ± {statistics.stdev(values) * 100:.2f}"
-
         cols = []
         for key in ("personal_only_acc", "acc_mean"):
-            cols += [cell([_at(f, 0, key) for f in finals]), cell([_at(f, 100, key) for f in finals]),
-                     cell([statistics.fmean(_at(f, x, key) for x in LEVELS) for f in finals])]
-        cols.append(cell([f["global_acc"] for f in finals]))
+            cols += [percent_spread([at_level(f, 0, key) for f in finals]), percent_spread([at_level(f, 100, key) for f in finals]),
+                     percent_spread([statistics.fmean(at_level(f, x, key) for x in LEVELS) for f in finals])]
+        cols.append(percent_spread([f["global_acc"] for f in finals]))
         print(f"| {it} | {len(finals)} | {' | '.join(cols)} |")
     for s in SEEDS:
         here, there = _final(RECORD / f"iter2_seed{s}"), _final(TABLE_RECORD / f"dmpfl_plus_seed{s}")

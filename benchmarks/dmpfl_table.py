@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 
 import runplan
-from runplan import Run
+from runplan import Run, percent_spread
 
 ROOT = Path(__file__).resolve().parent.parent
 #: a longer horizon (``DMPFL_TABLE_ROUNDS=100``) is its own plan: ``dmpfl_table_r100`` records and run directories
@@ -75,7 +75,7 @@ def _final(name: str) -> dict | None:
     return json.loads(path.read_text())["final"] if path.exists() else None
 
 
-def _at(final: dict, level: int, key: str) -> float:
+def at_level(final: dict, level: int, key: str) -> float:
     return final[key] if level == 0 else final[f"shift{level}/{key}"]
 
 
@@ -93,14 +93,10 @@ def table() -> None:
             print(f"| {label} | 0 | (not run) | | | |")
             continue
 
-        def cell(values: list[float]) -> str:
-            m = statistics.fmean(values) * 100
-            return f"{m:.2f}" if len(values) < 2 else f"{m:.2f} ± {statistics.stdev(values) * 100:.2f}"
-
-        print(f"| {label} | {len(finals)} | {cell([_at(f, 0, key) for f in finals])} | "
-              f"{cell([_at(f, 100, key) for f in finals])} | "
-              f"{cell([statistics.fmean(_at(f, x, key) for x in LEVELS) for f in finals])} | "
-              f"{cell([f['corruption_avg/' + key] for f in finals])} |")
+        print(f"| {label} | {len(finals)} | {percent_spread([at_level(f, 0, key) for f in finals])} | "
+              f"{percent_spread([at_level(f, 100, key) for f in finals])} | "
+              f"{percent_spread([statistics.fmean(at_level(f, x, key) for x in LEVELS) for f in finals])} | "
+              f"{percent_spread([f['corruption_avg/' + key] for f in finals])} |")
 
 
 if __name__ == "__main__":

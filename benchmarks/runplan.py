@@ -25,6 +25,7 @@ import argparse
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -145,6 +146,13 @@ def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) 
             record(runs_dir, record_dir, run.name)
             finished += 1
     return finished
+
+
+def percent_spread(values: Sequence[float]) -> str:
+    """Fractions as ``mean ± sample std`` in percent, two decimals (``mean`` alone for one value): a table cell over
+    the recorded seeds."""
+    m = statistics.fmean(values) * 100
+    return f"{m:.2f}" if len(values) < 2 else f"{m:.2f} ± {statistics.stdev(values) * 100:.2f}"
 
 
 def resolve(run: Run) -> dict:
