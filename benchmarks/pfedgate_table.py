@@ -13,6 +13,8 @@ run is never redone, and two workers share the plan by claiming runs::
     python benchmarks/pfedgate_table.py report          # the markdown tables (Table 1 and Table 8 shapes)
     python benchmarks/pfedgate_table.py plan            # the exact command of every run
     PFEDGATE_TABLE_CODE=/work/bench_pg python benchmarks/pfedgate_table.py same-code   # the pinned code vs seed 0
+    python benchmarks/pfedgate_table.py park            # before a session ends: unfinished runs' checkpoints into
+    git add benchmarks/pfedgate_table/_parked benchmarks/pfedgate_long/_parked     # git; the next session resumes
 
 ``PFEDGATE_TABLE_CODE=<checkout>`` runs the CLI from another checkout (a worktree pinned at one commit), so the runs
 keep one version of the code while this tree changes; each run's log names the commit. Run directories go to
@@ -50,7 +52,11 @@ EVAL_EVERY = 5
 #: training seeds (``--seed_everything``: initial weights, batch order, the novel clients); the FedEM split keeps its
 #: data seed 12345 in every run. Seed 0's runs keep their first names (``fedavg``), the others get ``_seed<s>``.
 SEEDS = (0, 1, 2)
-LONG = ("pfedgate_s05", "fedavg_ft")  # FedRep (~2.7 h per 160 rounds on one core) is not continued
+LONG = ("pfedgate_s05", "fedavg_ft")
+#: continued to 200 rounds too, after every 40-round run: ~48 s a round on one core (10 head epochs a round), so ~2.2 h
+#: per continuation and ~2.7 h for a seed whose 40-round run directory is gone (it runs 200 rounds from the start).
+#: Longer than a session: ``park`` keeps the unfinished runs' checkpoints in git for the next one.
+LONG_SLOW = ("fedrep",)
 RECORD_LONG = ROOT / "benchmarks" / "pfedgate_long"
 RUNS_LONG = ROOT / "benchmarks" / "_runs" / "pfedgate_long"
 NOVEL = {"class_path": "pl_fedsparse.callbacks.NovelClients", "init_args": {"fraction": 0.2, "epochs": 1}}
@@ -150,23 +156,37 @@ def runs(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
     return [Run(run_name(m, s), fit_args(m, s), {"seed": s, "method": m}) for s in seeds for m in order]
 
 
-def long_runs(seeds: tuple[int, ...] = SEEDS) -> list[Run]:
-    """``LONG``'s 40-round runs continued to ``LONG_ROUNDS`` from their last checkpoint (no learning-rate schedule
-    here, so the continuation equals a 200-round run); each waits until its 40-round run has finished."""
+def long_runs(seeds: tuple[int, ...] = SEEDS, methods: tuple[str, ...] = LONG) -> list[Run]:
+    """``methods``' 40-round runs continued to ``LONG_ROUNDS`` from their last checkpoint (no learning-rate schedule
+    here, so the continuation equals a 200-round run); each waits until its 40-round run has finished. A
+    ``LONG_SLOW`` run whose 40-round run directory is not on this machine (recorded in an earlier session) runs its
+    200 rounds from the start instead."""
+    def start(m: str, s: int) -> Path | None:
+        base = RUNS / run_name(m, s)
+        return None if m in LONG_SLOW and not base.exists() else base
+
     return [Run(run_name(m, s), [*fit_args(m, s), "--trainer.num_rounds", str(LONG_ROUNDS)], {"seed": s, "method": m},
-                start_from=RUNS / run_name(m, s)) for s in seeds for m in LONG]
+                start_from=start(m, s)) for s in seeds for m in methods]
 
 
 def work() -> None:
-    """One worker: the 40-round runs of pFedGate s = 0.5 and FedAvg-FT, their 200-round continuations, then the
-    rest; again while a pass finished something (a continuation waits for its 40-round run, which another worker
-    may hold)."""
+    """One worker: the 40-round runs of pFedGate s = 0.5 and FedAvg-FT, their 200-round continuations, the rest of
+    the 40-round runs, then FedRep's 200-round runs; again while a pass finished something (a continuation waits
+    for its 40-round run, which another worker may hold)."""
     first = [r for r in runs() if r.meta["method"] in LONG]
     slow = ("fedrep", "fedem")  # 30-35 min a run: after every seed's other methods
     rest = sorted((r for r in runs() if r.meta["method"] not in LONG), key=lambda r: r.meta["method"] in slow)
     while (run_plan(first, RUNS, RECORD, CODE) + run_plan(long_runs(), RUNS_LONG, RECORD_LONG, CODE)
-           + run_plan(rest, RUNS, RECORD, CODE)):
+           + run_plan(rest, RUNS, RECORD, CODE)
+           + run_plan(long_runs(methods=LONG_SLOW), RUNS_LONG, RECORD_LONG, CODE)):
         pass
+
+
+def park() -> None:
+    """Every started, unrecorded run's last checkpoint into git (``runplan.park``), for the next session."""
+    for plan, runs_dir, record_dir in ((runs(), RUNS, RECORD),
+                                       (long_runs(methods=(*LONG, *LONG_SLOW)), RUNS_LONG, RECORD_LONG)):
+        runplan.report_parked(runplan.park(plan, runs_dir, record_dir), record_dir)
 
 
 def same_code(methods: tuple[str, ...] = ("pfedgate_s05", "fedavg_ft"), rounds: int = 11) -> None:
@@ -294,10 +314,10 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("verb", choices=("plan", "run", "smoke", "report", "same-code"))
+    parser.add_argument("verb", choices=("plan", "run", "park", "smoke", "report", "same-code"))
     args = parser.parse_args()
     if args.verb == "plan":
-        for plan, runs_dir in ((runs(), RUNS), (long_runs(), RUNS_LONG)):
+        for plan, runs_dir in ((runs(), RUNS), (long_runs(methods=(*LONG, *LONG_SLOW)), RUNS_LONG)):
             for run in plan:
                 cmd = [sys.executable, "-m", "pl_fedsparse.cli", "fit", *run.args, "--trainer.default_root_dir",
                        str(runs_dir / run.name)]
@@ -306,6 +326,8 @@ def main() -> None:
                     f"'{c}'" if any(ch in c for ch in " {[\"") else c for c in cmd[1:]) + ")\n")
     elif args.verb == "run":  # also records finished runs a stopped worker could not copy
         work()
+    elif args.verb == "park":
+        park()
     elif args.verb == "smoke":
         smoke()
     elif args.verb == "same-code":

@@ -13,6 +13,10 @@ one at a time:
 * **continues** — a run with ``start_from`` (the run directory of another plan's finished run) starts as a copy of
   that directory, less its ``summary.json``, and resumes from its last checkpoint with its own arguments (more
   rounds, say); until that run has finished it is skipped;
+* **parks** — ``park`` copies the last checkpoint of every unfinished run to ``<record>/_parked/<name>.ckpt`` (kept in
+  git, a few MB each), so a run of many hours survives a session that ends on one machine and a next session that
+  starts on a fresh one: a run with no checkpoint of its own resumes from its parked one (the checkpoint carries the
+  rows of ``metrics.jsonl``), and the parked file is removed once the run is recorded;
 * **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
   one version of the code while this tree changes; every run log starts with that commit.
 
@@ -87,10 +91,61 @@ def claim(runs_dir: Path, name: str) -> bool:
 
 
 def record(runs_dir: Path, record_dir: Path, name: str) -> None:
+    """Copy a finished run's record files to ``<record>/<name>/``; its parked checkpoint is no longer needed."""
     out = record_dir / name
     out.mkdir(parents=True, exist_ok=True)
     for f in ("config.yaml", "metrics.jsonl", "summary.json"):
         shutil.copy2(runs_dir / name / f, out / f)
+    parked(record_dir, name).unlink(missing_ok=True)
+
+
+PARKED = "_parked"
+
+
+def parked(record_dir: Path, name: str) -> Path:
+    """Where :func:`park` keeps run ``name``'s last checkpoint."""
+    return record_dir / PARKED / f"{name}.ckpt"
+
+
+def _copy_whole(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` through a temporary file and a rename: ``dst`` is whole or absent."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".copying")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def park(runs: Sequence[Run], runs_dir: Path, record_dir: Path) -> list[str]:
+    """Copy the last checkpoint of every run of ``runs`` that has started and has no record yet to
+    :func:`parked` (safe while a worker runs it: the engine replaces ``last.ckpt`` by a rename, the copy reads one
+    whole file). Returns the parked runs' names."""
+    done = []
+    for run in runs:
+        last = runs_dir / run.name / "checkpoints" / "last.ckpt"
+        if (record_dir / run.name / "summary.json").exists() or not last.exists():
+            continue
+        _copy_whole(last, parked(record_dir, run.name))
+        done.append(run.name)
+    return done
+
+
+def report_parked(names: Sequence[str], record_dir: Path) -> None:
+    """Print what :func:`park` kept and the ``git add`` that keeps it."""
+    for name in names:
+        print(f"parked {name}: {parked(record_dir, name)}")
+    if names:
+        print(f"commit them: git add {record_dir / PARKED}")
+    else:
+        print("nothing to park: every started run is recorded")
+
+
+def _unpark(run: Run, run_dir: Path, record_dir: Path) -> bool:
+    """A run without a checkpoint of its own takes its parked one (True when it did)."""
+    last, kept = run_dir / "checkpoints" / "last.ckpt", parked(record_dir, run.name)
+    if last.exists() or not kept.exists():
+        return False
+    _copy_whole(kept, last)
+    return True
 
 
 def _start_from(run: Run, run_dir: Path) -> bool:
@@ -124,7 +179,7 @@ def run_plan(runs: Sequence[Run], runs_dir: Path, record_dir: Path, code: Path) 
             continue
         if not claim(runs_dir, run.name):
             continue
-        if not _start_from(run, run_dir):
+        if not _unpark(run, run_dir, record_dir) and not _start_from(run, run_dir):
             (runs_dir / f"{run.name}.claim").unlink(missing_ok=True)
             continue
         cmd = [sys.executable, "-m", "pl_fedsparse.cli", "fit", *run.args, "--trainer.default_root_dir", str(run_dir),
@@ -187,9 +242,9 @@ def check(runs: Sequence[Run]) -> None:
 def main(doc: str, plan: Callable[[], list[Run]], table: Callable[[], None], runs_dir: Path, record_dir: Path,
          code: Path) -> None:
     """The command line every plan script shares: ``run`` (a worker), ``plan`` (the commands), ``check`` (they
-    resolve, without training or data), ``table``."""
+    resolve, without training or data), ``park`` (the unfinished runs' checkpoints into git), ``table``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("verb", choices=["run", "plan", "check", "table"])
+    ap.add_argument("verb", choices=["run", "plan", "check", "park", "table"])
     args = ap.parse_args()
     if args.verb == "run":
         run_plan(plan(), runs_dir, record_dir, code)
@@ -198,5 +253,7 @@ def main(doc: str, plan: Callable[[], list[Run]], table: Callable[[], None], run
             print(f"{run.name}: pl-fed fit {' '.join(run.args)}")
     elif args.verb == "check":
         check(plan())
+    elif args.verb == "park":
+        report_parked(park(plan(), runs_dir, record_dir), record_dir)
     else:
         table()

@@ -5,6 +5,7 @@ not hours into a worker."""
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -83,3 +84,34 @@ def test_a_plan_whose_arguments_do_not_resolve_is_one_line(capsys: pytest.Captur
     assert "iterations" in msg
     with pytest.raises(SystemExit, match="no such file"):
         runplan.resolve(runplan.Run("missing", ["--config", "configs/no_such_config.yaml"]))
+
+
+def test_a_parked_run_resumes_on_a_fresh_machine(tmp_path: Path) -> None:
+    """``park`` keeps an unfinished run's last checkpoint with the records; a worker whose machine has no run
+    directory (the next session's) resumes from it instead of starting over, and the parked file goes once the run
+    is recorded."""
+    from conftest import TINY_CLI
+
+    def plan(rounds: int) -> list[runplan.Run]:
+        return [runplan.Run("tiny", [*TINY_CLI, "--trainer.num_rounds", str(rounds), "--trainer.eval_every", "1",
+                                     "--trainer.logger", "false"])]
+
+    record, first, fresh = tmp_path / "record", tmp_path / "machine1", tmp_path / "machine2"
+    # machine 1: the run has done 2 of its 4 rounds when the session ends (no summary.json, no record)
+    assert runplan.run_plan(plan(2), first, record, ROOT) == 1
+    (first / "tiny" / "summary.json").unlink()
+    rows_before = (record / "tiny" / "metrics.jsonl").read_text().splitlines()
+    for f in (record / "tiny").iterdir():
+        f.unlink()
+    assert runplan.park(plan(4), first, record) == ["tiny"]
+    assert runplan.parked(record, "tiny").exists()
+    # machine 2: no run directory; the worker resumes from the parked checkpoint
+    assert runplan.run_plan(plan(4), fresh, record, ROOT) == 1
+    summary = json.loads((record / "tiny" / "summary.json").read_text())
+    assert summary["resumes"] and summary["resumes"][0]["round"] == 2  # continued, not started over
+    rows = [json.loads(r) for r in (record / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3]
+    assert [json.loads(r)["acc_weighted"] for r in rows_before] == [r["acc_weighted"] for r in rows[:2]]
+    assert "(resumed)" in (fresh / "tiny.log").read_text()
+    assert not runplan.parked(record, "tiny").exists()  # recorded: the checkpoint is no longer kept
+    assert runplan.park(plan(4), fresh, record) == []  # nothing left to park
