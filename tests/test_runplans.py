@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -73,6 +74,22 @@ def test_the_100_round_table_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     for run in runs[:3]:
         assert runplan.resolve(run)["trainer"]["num_rounds"] == 100, run.name
 
+
+
+def test_the_100_round_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FedPSE's long plan runs the recorded 5-round protocol runs' exact settings (split, lr, batch, seeds) for 100
+    rounds: only the horizon and the evaluation / checkpoint cadence differ."""
+    runs = _plan("fedpse_long", monkeypatch, FEDPSE_LONG_DATA="/d")
+    assert len(runs) == 12 and runs[0].meta["seed"] == 0
+    for run in (runs[0], runs[-1]):
+        cfg = runplan.resolve(run)
+        old = yaml.safe_load((ROOT / "benchmarks/fedpse_protocol" / run.name / "config.yaml").read_text())
+        assert cfg["trainer"]["num_rounds"] == 100 and cfg["trainer"]["eval_every"] == 5, run.name
+        assert cfg["trainer"]["checkpoint_every"] == 5
+        for key in ("noniid_order", "noniid_ratio", "num_clients", "batch_size", "seed", "partition"):
+            assert cfg["data"][key] == old["data"][key], (run.name, key)
+        assert cfg["model"] == old["model"] and cfg["seed_everything"] == old["seed_everything"]
+        assert cfg["trainer"]["callbacks"] == old["trainer"]["callbacks"]
 
 def test_a_plan_whose_arguments_do_not_resolve_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     bad = runplan.Run("bad", ["--config", "configs/cifar10_dmpfl_plus_cpu.yaml", "--trainer.callbacks",
