@@ -209,7 +209,8 @@ def same_code(methods: tuple[str, ...] = ("pfedgate_s05", "fedavg_ft"), rounds: 
                          + ("all equal" if not diff else f"{len(diff)} differ: {diff}"))
     text = "\n".join(lines) + "\n"
     print(text, end="")
-    (ROOT / "benchmarks" / "_pfedgate_code_check.txt").write_text(text)
+    out = ROOT / "benchmarks" / "_pfedgate_code_check.txt"  # one section per check: each pinned commit's evidence
+    out.write_text((out.read_text() + "\n" if out.exists() else "") + text)
 
 
 def smoke() -> None:
@@ -315,6 +316,9 @@ def report() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("verb", choices=("plan", "run", "park", "smoke", "report", "same-code"))
+    parser.add_argument("--methods", default="pfedgate_s05,fedavg_ft",
+                        help="same-code: the methods to re-run at seed 0 (comma-separated; default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=11, help="same-code: rounds per re-run (default %(default)s)")
     args = parser.parse_args()
     if args.verb == "plan":
         for plan, runs_dir in ((runs(), RUNS), (long_runs(methods=(*LONG, *LONG_SLOW)), RUNS_LONG)):
@@ -331,7 +335,11 @@ def main() -> None:
     elif args.verb == "smoke":
         smoke()
     elif args.verb == "same-code":
-        same_code()
+        unknown = [m for m in args.methods.split(",") if m not in METHODS]
+        if unknown or args.rounds < 6:
+            raise SystemExit(f"error: --methods={args.methods!r} / --rounds={args.rounds} is invalid: expected methods "
+                             f"among {', '.join(METHODS)} and at least 6 rounds (the first evaluation is round 4)")
+        same_code(tuple(args.methods.split(",")), args.rounds)
     else:
         report()
 
