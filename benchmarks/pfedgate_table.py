@@ -12,6 +12,7 @@ run is never redone, and two workers share the plan by claiming runs::
     PFEDGATE_TABLE_CODE=/work/bench_pg OMP_NUM_THREADS=1 nohup python benchmarks/pfedgate_table.py run &  # worker 2
     python benchmarks/pfedgate_table.py report          # the markdown tables (Table 1 and Table 8 shapes)
     python benchmarks/pfedgate_table.py plan            # the exact command of every run
+    python benchmarks/pfedgate_table.py check           # the runs not recorded yet resolve (no training, no data)
     PFEDGATE_TABLE_CODE=/work/bench_pg python benchmarks/pfedgate_table.py same-code   # the pinned code vs seed 0
     python benchmarks/pfedgate_table.py park            # before a session ends: unfinished runs' checkpoints into
     git add benchmarks/pfedgate_table/_parked benchmarks/pfedgate_long/_parked     # git; the next session resumes
@@ -315,7 +316,7 @@ def report() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("verb", choices=("plan", "run", "park", "smoke", "report", "same-code"))
+    parser.add_argument("verb", choices=("plan", "run", "check", "park", "smoke", "report", "same-code"))
     parser.add_argument("--methods", default="pfedgate_s05,fedavg_ft",
                         help="same-code: the methods to re-run at seed 0 (comma-separated; default %(default)s)")
     parser.add_argument("--rounds", type=int, default=11, help="same-code: rounds per re-run (default %(default)s)")
@@ -332,6 +333,10 @@ def main() -> None:
         work()
     elif args.verb == "park":
         park()
+    elif args.verb == "check":  # the runs a worker would still run resolve (no training, no data)
+        todo = [r for r in runs() if not (RECORD / r.name / "summary.json").exists()]
+        todo += [r for r in long_runs(methods=(*LONG, *LONG_SLOW)) if not (RECORD_LONG / r.name / "summary.json").exists()]
+        runplan.check(todo)
     elif args.verb == "smoke":
         smoke()
     elif args.verb == "same-code":

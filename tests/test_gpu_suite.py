@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,3 +36,40 @@ def test_a_bad_argument_is_one_line() -> None:
     assert res.returncode == 2
     assert res.stderr.strip() == ("error: gpu_suite.sh: --only 'nonsense' is not a step "
                                   "(allowed: env tests overhead rounds ray vectorized)")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _plans(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("GPU_PLANS_ANY_DEVICE", None)
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_plans.sh"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_the_long_plans_dry_run_resolves_their_remaining_runs() -> None:
+    res = _plans("--dry-run", "--workers", "2", "fedpse_long", "pfedgate_table")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert out.count("benchmarks/fedpse_long.py run") == 2 and out.count("benchmarks/pfedgate_table.py run") == 2
+    assert "fedpse_n10_lam1_seed0: resolves" in out
+    assert "dry run: every plan's remaining runs resolve" in out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--minutes", "0", "fedpse_long"], "--minutes='0' is invalid; expected a whole number of minutes >= 1"),
+    (["--workers", "x", "fedpse_long"], "--workers='x' is invalid; expected a whole number of workers >= 1"),
+    (["nonsense"], "plan 'nonsense' is not one of: "),
+    ([], "no plan given; expected one or more of: "),
+    pytest.param(["fedpse_long"], "no CUDA device is visible",  # the real run needs one
+                 marks=pytest.mark.skipif(_cuda(), reason="a CUDA device is visible: the real run would start")),
+])
+def test_the_long_plans_bad_input_is_one_line(args: list[str], message: str) -> None:
+    res = _plans(*args)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: gpu_plans.sh: ") and message in res.stderr
+    assert res.stderr.count("\n") == 1

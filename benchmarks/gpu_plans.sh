@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The recorded plans that are too long for the CPU sessions, on a lent GPU, time-boxed: several workers share the
+# device for --minutes, then each is stopped with SIGTERM (a run keeps its last completed round), the unfinished
+# runs are parked (their last checkpoints, for the next session) and, when $OUT is set (the device tool's output
+# folder), the plans' records and parked checkpoints are copied under $OUT/ with their repository paths.
+#
+#   bash benchmarks/gpu_plans.sh --minutes 8 --workers 4 fedpse_long pfedgate_table
+#   bash benchmarks/gpu_plans.sh --dry-run fedpse_long pfedgate_table    # the commands; the runs resolve (no GPU)
+#   GPU_PLANS_ANY_DEVICE=1 OUT=/tmp/o bash benchmarks/gpu_plans.sh --minutes 2 --workers 1 pfedgate_table  # rehearse
+#
+# Plans (resumable, benchmarks/runplan.py): fedpse_long (FedPSE vs FedAvg, 100 rounds, 12 runs -> fedpse_long/) and
+# pfedgate_table (what is left of it: FedRep's 200-round runs -> pfedgate_long/). Run the GPU suite first
+# (benchmarks/gpu_suite.sh); this is what the rest of a lease is for.
+# Data: only the repository travels to a lent machine, so carry a git-ignored data/ folder: data/cifar10-jpg.tar.gz
+# (extracted to data/cifar10 when that is missing) and data/fashion-mnist/ (the four IDX .gz files of
+# /usr/share/datasets/fashion-mnist).
+# Back home: copy $OUT's benchmarks/ over the checkout's; `git status` shows the new records; a parked checkpoint
+# whose run now has a summary.json is stale there (the worker removed it on the device): delete it before committing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+MINUTES=8; WORKERS=4; DRY=0; PLANS=()
+declare -A RECORDS=([fedpse_long]="benchmarks/fedpse_long" [pfedgate_table]="benchmarks/pfedgate_table benchmarks/pfedgate_long")
+fail() { echo "error: gpu_plans.sh: $*" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --minutes) shift; MINUTES=${1:-} ;;
+    --workers) shift; WORKERS=${1:-} ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    --*) fail "unknown argument '$1' (allowed: --minutes N, --workers N, --dry-run, PLAN...)" ;;
+    *) [ -n "${RECORDS[$1]+x}" ] || fail "plan '$1' is not one of: ${!RECORDS[*]}"; PLANS+=("$1") ;;
+  esac
+  shift
+done
+[[ "$MINUTES" =~ ^[1-9][0-9]*$ ]] || fail "--minutes='$MINUTES' is invalid; expected a whole number of minutes >= 1"
+[[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || fail "--workers='$WORKERS' is invalid; expected a whole number of workers >= 1"
+[ ${#PLANS[@]} -gt 0 ] || fail "no plan given; expected one or more of: ${!RECORDS[*]}"
+
+export FEDPSE_LONG_DATA=${FEDPSE_LONG_DATA:-$PWD/data/fashion-mnist} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
+if [ "$DRY" = 1 ]; then
+  for plan in "${PLANS[@]}"; do
+    for w in $(seq "$WORKERS"); do echo "\$ $PY benchmarks/$plan.py run   # worker $w, stopped after $MINUTES min"; done
+    echo "\$ $PY benchmarks/$plan.py park; copy ${RECORDS[$plan]} to \$OUT"
+    "$PY" benchmarks/$plan.py check || exit 1
+  done
+  echo "dry run: every plan's remaining runs resolve"
+  exit 0
+fi
+[ "${GPU_PLANS_ANY_DEVICE:-0}" = 1 ] || "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+  || fail "no CUDA device is visible to $PY (torch.cuda.is_available() is false); use --dry-run"
+if [ ! -d data/cifar10 ] && [ -f data/cifar10-jpg.tar.gz ]; then
+  mkdir -p data/cifar10 && tar -xzf data/cifar10-jpg.tar.gz -C data/cifar10
+fi
+
+LOGS=benchmarks/_runs/gpu_plans; mkdir -p "$LOGS"
+PIDS=()
+for plan in "${PLANS[@]}"; do
+  for w in $(seq "$WORKERS"); do  # each worker leads its own process group: the stop reaches its fits too
+    setsid "$PY" benchmarks/$plan.py run > "$LOGS/${plan}_w$w.log" 2>&1 &
+    PIDS+=($!); sleep 2  # staggered: two workers never race for the same first run
+  done
+done
+echo "== ${#PIDS[@]} workers for ${PLANS[*]}, stopped after $MINUTES min"
+deadline=$((SECONDS + MINUTES * 60))
+while [ $SECONDS -lt $deadline ]; do
+  alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+  [ $alive = 0 ] && break  # every plan finished early
+  sleep 5
+done
+for p in "${PIDS[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done
+for _ in $(seq 60); do  # a fit stops at its next step; give it a minute, then kill
+  alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+  [ $alive = 0 ] && break; sleep 1
+done
+for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+for plan in "${PLANS[@]}"; do
+  "$PY" benchmarks/$plan.py park
+  if [ -n "${OUT:-}" ]; then
+    for dir in ${RECORDS[$plan]}; do
+      find "$dir" \( -name config.yaml -o -name metrics.jsonl -o -name summary.json -o -name '*.ckpt' \) \
+        -print0 2>/dev/null | xargs -0 -r cp --parents -t "$OUT"
+    done
+    mkdir -p "$OUT/$LOGS" && cp "$LOGS"/${plan}_w*.log "$OUT/$LOGS/"
+  fi
+done
+echo "== done; records and parked checkpoints under ${OUT:-benchmarks/}"
