@@ -11,9 +11,9 @@
 # Plans (resumable, benchmarks/runplan.py): fedpse_long (FedPSE vs FedAvg, 100 rounds, 12 runs -> fedpse_long/) and
 # pfedgate_table (what is left of it: FedRep's 200-round runs -> pfedgate_long/). Run the GPU suite first
 # (benchmarks/gpu_suite.sh); this is what the rest of a lease is for.
-# Data: only the repository travels to a lent machine, so carry a git-ignored data/ folder: data/cifar10-jpg.tar.gz
-# (extracted to data/cifar10 when that is missing) and data/fashion-mnist/ (the four IDX .gz files of
-# /usr/share/datasets/fashion-mnist).
+# Data: only the repository travels to a lent machine, so carry data/cifar10-jpg.tar.gz and data/fashion-mnist/ (the
+# four IDX .gz files of /usr/share/datasets/fashion-mnist); they are placed at the paths the CPU sessions' runs read
+# (PFEDGATE_TABLE_DATA=/work/main/data/cifar10, FEDPSE_LONG_DATA=/usr/share/datasets/fashion-mnist) when missing.
 # Back home: copy $OUT's benchmarks/ over the checkout's; `git status` shows the new records; a parked checkpoint
 # whose run now has a summary.json is stale there (the worker removed it on the device): delete it before committing.
 set -uo pipefail
@@ -37,7 +37,11 @@ done
 [[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || fail "--workers='$WORKERS' is invalid; expected a whole number of workers >= 1"
 [ ${#PLANS[@]} -gt 0 ] || fail "no plan given; expected one or more of: ${!RECORDS[*]}"
 
-export FEDPSE_LONG_DATA=${FEDPSE_LONG_DATA:-$PWD/data/fashion-mnist} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
+# A run resumes only with its own configuration, data.root included: the data go where the CPU sessions' runs read
+# them, so that a run parked there continues here and back.
+export PFEDGATE_TABLE_DATA=${PFEDGATE_TABLE_DATA:-/work/main/data/cifar10}
+export FEDPSE_LONG_DATA=${FEDPSE_LONG_DATA:-/usr/share/datasets/fashion-mnist}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 if [ "$DRY" = 1 ]; then
   for plan in "${PLANS[@]}"; do
     for w in $(seq "$WORKERS"); do echo "\$ $PY benchmarks/$plan.py run   # worker $w, stopped after $MINUTES min"; done
@@ -49,8 +53,13 @@ if [ "$DRY" = 1 ]; then
 fi
 [ "${GPU_PLANS_ANY_DEVICE:-0}" = 1 ] || "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
   || fail "no CUDA device is visible to $PY (torch.cuda.is_available() is false); use --dry-run"
-if [ ! -d data/cifar10 ] && [ -f data/cifar10-jpg.tar.gz ]; then
-  mkdir -p data/cifar10 && tar -xzf data/cifar10-jpg.tar.gz -C data/cifar10
+if [ ! -d "$PFEDGATE_TABLE_DATA/train" ] && [ -f data/cifar10-jpg.tar.gz ]; then
+  mkdir -p "$PFEDGATE_TABLE_DATA" && tar -xzf data/cifar10-jpg.tar.gz -C "$PFEDGATE_TABLE_DATA" \
+    || fail "could not extract data/cifar10-jpg.tar.gz to PFEDGATE_TABLE_DATA=$PFEDGATE_TABLE_DATA"
+fi
+if [ ! -f "$FEDPSE_LONG_DATA/train-images-idx3-ubyte.gz" ] && [ -d data/fashion-mnist ]; then
+  mkdir -p "$FEDPSE_LONG_DATA" && cp data/fashion-mnist/*.gz "$FEDPSE_LONG_DATA"/ \
+    || fail "could not copy data/fashion-mnist to FEDPSE_LONG_DATA=$FEDPSE_LONG_DATA"
 fi
 
 LOGS=benchmarks/_runs/gpu_plans; mkdir -p "$LOGS"

@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "benchmarks" / "pfedgate_table"
 RUNS = ROOT / "benchmarks" / "_runs" / "pfedgate_table"
 CODE = Path(os.environ.get("PFEDGATE_TABLE_CODE", ROOT)).resolve()
-DATA = ROOT / "data" / "cifar10"  # the extracted ImageFolder copy (absolute: the CLI runs in CODE)
+#: the extracted ImageFolder copy (absolute: the CLI runs in CODE). A run resumes only with its own configuration, so
+#: a parked run needs this same path wherever it continues (``gpu_plans.sh`` places the data there on a lent GPU)
+DATA = Path(os.environ.get("PFEDGATE_TABLE_DATA", ROOT / "data" / "cifar10"))
 
 #: the common CPU setting (pFedGate's Table 1 setting except the scale: 100 clients, all data, 400 rounds there)
 CLIENTS = 25          # 20 clients train, 5 (20 %) are novel
