@@ -16,7 +16,8 @@ one at a time:
 * **parks** — ``park`` copies the last checkpoint of every unfinished run to ``<record>/_parked/<name>.ckpt`` (kept in
   git, a few MB each), so a run of many hours survives a session that ends on one machine and a next session that
   starts on a fresh one: a run with no checkpoint of its own resumes from its parked one (the checkpoint carries the
-  rows of ``metrics.jsonl``), and the parked file is removed once the run is recorded;
+  rows of ``metrics.jsonl``), and the parked file is removed once the run is recorded; a continuation that has not
+  started parks the checkpoint it would start from;
 * **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
   one version of the code while this tree changes; every run log starts with that commit.
 
@@ -118,10 +119,13 @@ def _copy_whole(src: Path, dst: Path) -> None:
 def park(runs: Sequence[Run], runs_dir: Path, record_dir: Path) -> list[str]:
     """Copy the last checkpoint of every run of ``runs`` that has started and has no record yet to
     :func:`parked` (safe while a worker runs it: the engine replaces ``last.ckpt`` by a rename, the copy reads one
-    whole file). Returns the parked runs' names."""
+    whole file). A continuation that has not started yet parks its starting point instead (the finished run it
+    continues), so a next session on a fresh machine continues it too. Returns the parked runs' names."""
     done = []
     for run in runs:
         last = runs_dir / run.name / "checkpoints" / "last.ckpt"
+        if not last.exists() and run.start_from is not None and (run.start_from / "summary.json").exists():
+            last = run.start_from / "checkpoints" / "last.ckpt"
         if (record_dir / run.name / "summary.json").exists() or not last.exists():
             continue
         _copy_whole(last, parked(record_dir, run.name))

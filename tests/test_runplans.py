@@ -132,3 +132,20 @@ def test_a_parked_run_resumes_on_a_fresh_machine(tmp_path: Path) -> None:
     assert "(resumed)" in (fresh / "tiny.log").read_text()
     assert not runplan.parked(record, "tiny").exists()  # recorded: the checkpoint is no longer kept
     assert runplan.park(plan(4), fresh, record) == []  # nothing left to park
+
+
+def test_a_continuation_not_yet_started_parks_its_starting_point(tmp_path: Path) -> None:
+    """A continuation (``start_from``) whose base run finished on this machine but which has not started parks the
+    base's last checkpoint: on a fresh machine it continues from there instead of waiting for a base that is gone."""
+    from conftest import TINY_CLI
+
+    args = [*TINY_CLI, "--trainer.eval_every", "1", "--trainer.logger", "false"]
+    record, first, fresh = tmp_path / "record", tmp_path / "machine1", tmp_path / "machine2"
+    assert runplan.run_plan([runplan.Run("base", [*args, "--trainer.num_rounds", "2"])], first, record, ROOT) == 1
+    cont = [runplan.Run("cont", [*args, "--trainer.num_rounds", "4"], start_from=first / "base")]
+    assert runplan.park(cont, first, record) == ["cont"]
+    assert runplan.run_plan(cont, fresh, record, ROOT) == 1  # machine 2 has no base run directory
+    summary = json.loads((record / "cont" / "summary.json").read_text())
+    assert summary["resumes"] and summary["resumes"][0]["round"] == 2
+    assert [json.loads(r)["round"] for r in (record / "cont" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
