@@ -4,14 +4,15 @@ The paper does not state its number of rounds; its example code loops 100. This 
 ``benchmarks/fedpse_tables.py run protocol`` (Fashion-MNIST, the whole training split, 10 clients, the Flower split
 ``noniid_order: halves`` at λ = 1 and 0.5, each method's swept lr and batch, seeds 0-2) to 100 rounds, evaluating
 every 5 and checkpointing every 5. A round is one epoch over 60,000 images: ~65 s on one CPU core, so one run is
-~1.8 h and the plan ~22 h of one core — several sessions. It is resumable across them: ``park`` before a session
-ends keeps each unfinished run's last checkpoint in git, and the next session's workers resume from it::
+~1.8 h and the plan ~22 h of one core. A run resumes on the machine it started on, but it cannot be parked in git
+(its checkpoint holds ten personal CNNs and their residuals: ~200 MB, over ``runplan.PARK_LIMIT_MB``), so on the CPU
+each run must finish within the session that starts it — two workers started early in a session finish two runs —
+and on a lent GPU (a round takes ~2 s) ``benchmarks/gpu_plans.sh`` runs the plan in minutes::
 
     git worktree add ../bench HEAD                        # pin the code for hours of runs
     apt-get install -y dataset-fashion-mnist              # the data (../shared/data/README.md)
     for w in 1 2; do FEDPSE_LONG_CODE=../bench OMP_NUM_THREADS=1 nohup python benchmarks/fedpse_long.py run \\
         > /tmp/fedpse_long_w$w.log 2>&1 & done           # two workers, one core each
-    python benchmarks/fedpse_long.py park && git add benchmarks/fedpse_long/_parked   # before the session ends
     python benchmarks/fedpse_long.py table                # the claims at rounds 5, 20, 50, 100 (so far)
     python benchmarks/fedpse_long.py check                # every run's arguments resolve (no data, no training)
 

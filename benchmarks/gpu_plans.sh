@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The recorded plans that are too long for the CPU sessions, on a lent GPU, time-boxed: several workers share the
 # device for --minutes, then each is stopped with SIGTERM (a run keeps its last completed round), the unfinished
-# runs are parked (their last checkpoints, for the next session) and, when $OUT is set (the device tool's output
+# runs are parked (their last checkpoints, for the next session; not FedPSE's ~200 MB ones: give --minutes room for
+# its runs, ~3.5 min each, to finish) and, when $OUT is set (the device tool's output
 # folder), the plans' records and parked checkpoints are copied under $OUT/ with their repository paths.
 #
 #   bash benchmarks/gpu_plans.sh --minutes 8 --workers 4 fedpse_long pfedgate_table
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --minutes) shift; MINUTES=${1:-} ;;
     --workers) shift; WORKERS=${1:-} ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     --*) fail "unknown argument '$1' (allowed: --minutes N, --workers N, --dry-run, PLAN...)" ;;
     *) [ -n "${RECORDS[$1]+x}" ] || fail "plan '$1' is not one of: ${!RECORDS[*]}"; PLANS+=("$1") ;;
   esac

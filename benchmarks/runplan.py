@@ -17,7 +17,7 @@ one at a time:
   git, a few MB each), so a run of many hours survives a session that ends on one machine and a next session that
   starts on a fresh one: a run with no checkpoint of its own resumes from its parked one (the checkpoint carries the
   rows of ``metrics.jsonl``), and the parked file is removed once the run is recorded; a continuation that has not
-  started parks the checkpoint it would start from;
+  started parks the checkpoint it would start from; a checkpoint over ``PARK_LIMIT_MB`` is not parked (said so);
 * **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
   one version of the code while this tree changes; every run log starts with that commit.
 
@@ -101,6 +101,9 @@ def record(runs_dir: Path, record_dir: Path, name: str) -> None:
 
 
 PARKED = "_parked"
+#: the largest checkpoint ``park`` puts in git (MB): a LeNet federation's is a few MB; a run whose client state is
+#: hundreds of MB (FedPSE's ten personal CNNs and residuals: ~200 MB) must finish within a session instead
+PARK_LIMIT_MB = 16
 
 
 def parked(record_dir: Path, name: str) -> Path:
@@ -127,6 +130,11 @@ def park(runs: Sequence[Run], runs_dir: Path, record_dir: Path) -> list[str]:
         if not last.exists() and run.start_from is not None and (run.start_from / "summary.json").exists():
             last = run.start_from / "checkpoints" / "last.ckpt"
         if (record_dir / run.name / "summary.json").exists() or not last.exists():
+            continue
+        size = last.stat().st_size / 1e6
+        if size > PARK_LIMIT_MB:
+            print(f"not parked {run.name}: its checkpoint is {size:.0f} MB, more than PARK_LIMIT_MB={PARK_LIMIT_MB} "
+                  "that git should hold; expected a run that finishes within a session (or on a GPU)", flush=True)
             continue
         _copy_whole(last, parked(record_dir, run.name))
         done.append(run.name)

@@ -134,6 +134,19 @@ def test_a_parked_run_resumes_on_a_fresh_machine(tmp_path: Path) -> None:
     assert runplan.park(plan(4), fresh, record) == []  # nothing left to park
 
 
+
+def test_a_checkpoint_too_large_for_git_is_not_parked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    last = tmp_path / "runs" / "big" / "checkpoints" / "last.ckpt"
+    last.parent.mkdir(parents=True)
+    last.write_bytes(b"x" * 3_000_000)
+    monkeypatch.setattr(runplan, "PARK_LIMIT_MB", 2)
+    assert runplan.park([runplan.Run("big", [])], tmp_path / "runs", tmp_path / "record") == []
+    assert not runplan.parked(tmp_path / "record", "big").exists()
+    assert capsys.readouterr().out == ("not parked big: its checkpoint is 3 MB, more than PARK_LIMIT_MB=2 that git "
+                                       "should hold; expected a run that finishes within a session (or on a GPU)\n")
+
+
 def test_a_continuation_not_yet_started_parks_its_starting_point(tmp_path: Path) -> None:
     """A continuation (``start_from``) whose base run finished on this machine but which has not started parks the
     base's last checkpoint: on a fresh machine it continues from there instead of waiting for a base that is gone."""
