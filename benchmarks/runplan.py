@@ -148,7 +148,7 @@ def report_parked(names: Sequence[str], record_dir: Path) -> None:
     if names:
         print(f"commit them: git add {record_dir / PARKED}")
     else:
-        print("nothing to park: every started run is recorded")
+        print("nothing parked")
 
 
 def _unpark(run: Run, run_dir: Path, record_dir: Path) -> bool:
