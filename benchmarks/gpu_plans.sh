@@ -72,16 +72,15 @@ for plan in "${PLANS[@]}"; do
   done
 done
 echo "== ${#PIDS[@]} workers for ${PLANS[*]}, stopped after $MINUTES min"
+any_alive() { for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }
 deadline=$((SECONDS + MINUTES * 60))
 while [ $SECONDS -lt $deadline ]; do
-  alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-  [ $alive = 0 ] && break  # every plan finished early
+  any_alive || break  # every plan finished early
   sleep 5
 done
 for p in "${PIDS[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done
 for _ in $(seq 60); do  # a fit stops at its next step; give it a minute, then kill
-  alive=0; for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-  [ $alive = 0 ] && break; sleep 1
+  any_alive || break; sleep 1
 done
 for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
 for plan in "${PLANS[@]}"; do
