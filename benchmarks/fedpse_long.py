@@ -1,23 +1,31 @@
-"""FedPSE against FedAvg under the paper's protocol for 100 rounds (the recorded protocol runs stop at 5).
+"""FedPSE against FedAvg under the paper's protocol past the recorded 5 rounds: 20 rounds, then 100.
 
 The paper does not state its number of rounds; its example code loops 100. This plan takes the protocol runs of
 ``benchmarks/fedpse_tables.py run protocol`` (Fashion-MNIST, the whole training split, 10 clients, the Flower split
-``noniid_order: halves`` at λ = 1 and 0.5, each method's swept lr and batch, seeds 0-2) to 100 rounds, evaluating
-every 5 and checkpointing every 5. A round is one epoch over 60,000 images: ~65 s on one CPU core, so one run is
-~1.8 h and the plan ~22 h of one core. A run resumes on the machine it started on, but it cannot be parked in git
-(its checkpoint holds ten personal CNNs and their residuals: ~200 MB, over ``runplan.PARK_LIMIT_MB``), so on the CPU
-each run must finish within the session that starts it — two workers started early in a session finish two runs —
-and on a lent GPU (a round takes ~2 s) ``benchmarks/gpu_plans.sh`` runs the plan in minutes::
+``noniid_order: halves`` at λ = 1 and 0.5, each method's swept lr and batch, seeds 0-2) further, evaluating every 5
+rounds and checkpointing every 5, in two stages:
+
+* ``<run>_r20``: 20 rounds. A round is one epoch over 60,000 images, ~65 s on one CPU core, so a run is ~22 min and
+  the stage (12 runs) ~4.3 h of one core: about one session with two workers. This is the longest horizon whose
+  three seeds fit the CPU.
+* ``<run>_r100``: 100 rounds, the example code's horizon, continuing the same run's ``_r20`` directory when it is on
+  this machine (the engine resumes exactly, and no learning-rate schedule depends on the horizon, so the
+  continuation equals a 100-round run) and starting over otherwise. ~1.8 h a run on one core; its checkpoint (ten
+  personal CNNs and their residuals: ~200 MB, over ``runplan.PARK_LIMIT_MB``) cannot be parked in git, so on the
+  CPU a run must finish in the session that starts it, and on a lent GPU (a round takes ~2 s)
+  ``benchmarks/gpu_plans.sh`` runs the stage in minutes.
+
+Workers take the 20-round stage first (seed 0 first), then the 100-round one::
 
     git worktree add ../bench HEAD                        # pin the code for hours of runs
     apt-get install -y dataset-fashion-mnist              # the data (../shared/data/README.md)
     for w in 1 2; do FEDPSE_LONG_CODE=../bench OMP_NUM_THREADS=1 nohup python benchmarks/fedpse_long.py run \\
         > /tmp/fedpse_long_w$w.log 2>&1 & done           # two workers, one core each
-    python benchmarks/fedpse_long.py table                # the claims at rounds 5, 20, 50, 100 (so far)
+    python benchmarks/fedpse_long.py table                # the claims at rounds 5-20 and 20-100 (so far)
     python benchmarks/fedpse_long.py check                # every run's arguments resolve (no data, no training)
 
-On a GPU the configs' ``accelerator: auto`` takes it (a round is seconds). Records:
-``benchmarks/fedpse_long/<run>/{config.yaml,metrics.jsonl,summary.json}``; run directories under
+On a GPU the configs' ``accelerator: auto`` takes it. Records:
+``benchmarks/fedpse_long/<run>_r{20,100}/{config.yaml,metrics.jsonl,summary.json}``; run directories under
 ``benchmarks/_runs/fedpse_long/`` (not kept).
 """
 
@@ -36,26 +44,38 @@ RECORD = ROOT / "benchmarks" / "fedpse_long"
 RUNS = ROOT / "benchmarks" / "_runs" / "fedpse_long"
 CODE = Path(os.environ.get("FEDPSE_LONG_CODE", ROOT)).resolve()
 DATA = os.environ.get("FEDPSE_LONG_DATA", "/usr/share/datasets/fashion-mnist")
-ROUNDS = 100  # the paper's example code (the paper states none)
+#: the stages' horizons: the longest whose three seeds fit one CPU session, then the paper's example code's (the
+#: paper states none)
+STAGES = (20, 100)
 EVERY = 5
-#: the rounds the table reports (1-based: "after round r")
-REPORTED = (5, 20, 50, 100)
+#: the rounds the table reports per stage (1-based: "after round r")
+REPORTED = {20: (5, 10, 15, 20), 100: (20, 50, 100)}
+
+
+def run_name(name: str, rounds: int) -> str:
+    return f"{name}_r{rounds}"
 
 
 def plan() -> list[Run]:
-    """The protocol plan's runs, with 100 rounds, evaluation and checkpoints every 5 rounds, seed 0 first."""
+    """The protocol plan's runs at each stage's horizon (20-round stage first, seed 0 first in each), evaluation and
+    checkpoints every 5 rounds; a 100-round run continues its 20-round run's directory when that is on this machine."""
     runs = []
-    for spec in fedpse_tables.plan("protocol"):
-        cmd = fedpse_tables.command({**spec, "rounds": ROUNDS})
-        if cmd is None:  # the swept lr/batch (fedpse_tables/sweep.json) is committed; a missing one is a bug
-            raise SystemExit(f"error: run {spec['name']}: no lr/batch chosen for it in benchmarks/fedpse_tables/"
-                             "sweep.json; expected the committed sweep")
-        args = cmd[cmd.index("fit") + 1:]
-        i = args.index("--trainer.default_root_dir")  # run_plan names the run directory
-        del args[i:i + 2]
-        runs.append(Run(spec["name"], [*args, "--data.root", DATA, "--trainer.eval_every", str(EVERY),
-                                       "--trainer.checkpoint_every", str(EVERY), "--trainer.logger", "false"],
-                        {"method": spec["method"], "lam": spec["lam"], "seed": spec["seed"]}))
+    for rounds in STAGES:
+        for spec in fedpse_tables.plan("protocol"):
+            cmd = fedpse_tables.command({**spec, "rounds": rounds})
+            if cmd is None:  # the swept lr/batch (fedpse_tables/sweep.json) is committed; a missing one is a bug
+                raise SystemExit(f"error: run {spec['name']}: no lr/batch chosen for it in benchmarks/fedpse_tables/"
+                                 "sweep.json; expected the committed sweep")
+            args = cmd[cmd.index("fit") + 1:]
+            i = args.index("--trainer.default_root_dir")  # run_plan names the run directory
+            del args[i:i + 2]
+            short = RUNS / run_name(spec["name"], STAGES[0])
+            start = short if rounds != STAGES[0] and short.exists() else None
+            runs.append(Run(run_name(spec["name"], rounds),
+                            [*args, "--data.root", DATA, "--trainer.eval_every", str(EVERY),
+                             "--trainer.checkpoint_every", str(EVERY), "--trainer.logger", "false"],
+                            {"method": spec["method"], "lam": spec["lam"], "seed": spec["seed"], "rounds": rounds},
+                            start_from=start))
     return runs
 
 
@@ -72,19 +92,21 @@ def _acc_after(name: str, rnd: int) -> float | None:
 
 
 def table() -> None:
-    """FedPSE vs FedAvg at λ = 1 and 0.5 after each reported round: mean ± std over the seeds that got there."""
-    print("| λ | after round | FedPSE | FedAvg | seeds (FedPSE / FedAvg) |")
-    print("|---|---|---|---|---|")
+    """FedPSE vs FedAvg at λ = 1 and 0.5 after each reported round of each stage: mean ± std over the seeds that got
+    there."""
+    print("| λ | stage | after round | FedPSE | FedAvg | seeds (FedPSE / FedAvg) |")
+    print("|---|---|---|---|---|---|")
     runs = plan()
-    for lam in fedpse_tables.PROTOCOL["lams"]:
-        for rnd in REPORTED:
-            cells, counts = [], []
-            for method in fedpse_tables.PROTOCOL["methods"]:
-                vals = [a for r in runs if r.meta["method"] == method and r.meta["lam"] == lam
-                        if (a := _acc_after(r.name, rnd)) is not None]
-                cells.append(runplan.percent_spread(vals) if vals else "-")
-                counts.append(str(len(vals)))
-            print(f"| {lam:g} | {rnd} | {cells[0]} | {cells[1]} | {' / '.join(counts)} |")
+    for rounds in STAGES:
+        for lam in fedpse_tables.PROTOCOL["lams"]:
+            for rnd in REPORTED[rounds]:
+                cells, counts = [], []
+                for method in fedpse_tables.PROTOCOL["methods"]:
+                    vals = [a for r in runs if r.meta["method"] == method and r.meta["lam"] == lam
+                            and r.meta["rounds"] == rounds if (a := _acc_after(r.name, rnd)) is not None]
+                    cells.append(runplan.percent_spread(vals) if vals else "-")
+                    counts.append(str(len(vals)))
+                print(f"| {lam:g} | {rounds} | {rnd} | {cells[0]} | {cells[1]} | {' / '.join(counts)} |")
 
 
 if __name__ == "__main__":

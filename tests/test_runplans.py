@@ -76,20 +76,32 @@ def test_the_100_round_table_plan(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 
-def test_the_100_round_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FedPSE's long plan runs the recorded 5-round protocol runs' exact settings (split, lr, batch, seeds) for 100
-    rounds: only the horizon and the evaluation / checkpoint cadence differ."""
+def test_the_long_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    """FedPSE's long plan runs the recorded 5-round protocol runs' exact settings (split, lr, batch, seeds) for 20
+    rounds, then 100: only the horizon and the evaluation / checkpoint cadence differ; a 100-round run continues its
+    20-round run's directory only when that is on this machine."""
     runs = _plan("fedpse_long", monkeypatch, FEDPSE_LONG_DATA="/d")
-    assert len(runs) == 12 and runs[0].meta["seed"] == 0
-    for run in (runs[0], runs[-1]):
+    assert len(runs) == 24 and runs[0].meta["seed"] == 0
+    assert [r.meta["rounds"] for r in runs] == [20] * 12 + [100] * 12
+    assert all(r.start_from is None for r in runs)  # no 20-round run directory here
+    for run in (runs[0], runs[11], runs[12], runs[-1]):
         cfg = runplan.resolve(run)
-        old = yaml.safe_load((ROOT / "benchmarks/fedpse_protocol" / run.name / "config.yaml").read_text())
-        assert cfg["trainer"]["num_rounds"] == 100 and cfg["trainer"]["eval_every"] == 5, run.name
+        old = yaml.safe_load((ROOT / "benchmarks/fedpse_protocol" / run.name.rsplit("_r", 1)[0] / "config.yaml")
+                             .read_text())
+        assert cfg["trainer"]["num_rounds"] == run.meta["rounds"] and cfg["trainer"]["eval_every"] == 5, run.name
         assert cfg["trainer"]["checkpoint_every"] == 5
         for key in ("noniid_order", "noniid_ratio", "num_clients", "batch_size", "seed", "partition"):
             assert cfg["data"][key] == old["data"][key], (run.name, key)
         assert cfg["model"] == old["model"] and cfg["seed_everything"] == old["seed_everything"]
         assert cfg["trainer"]["callbacks"] == old["trainer"]["callbacks"]
+    mod = sys.modules["fedpse_long"]
+    monkeypatch.setattr(mod, "RUNS", tmp_path)
+    (tmp_path / runs[0].name).mkdir()
+    cont = {r.name: r.start_from for r in mod.plan() if r.meta["rounds"] == 100}
+    assert cont[runs[12].name] == tmp_path / runs[0].name and runs[12].name == runs[0].name[:-3] + "r100"
+    assert sum(v is not None for v in cont.values()) == 1
+
 
 def test_a_plan_whose_arguments_do_not_resolve_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     bad = runplan.Run("bad", ["--config", "configs/cifar10_dmpfl_plus_cpu.yaml", "--trainer.callbacks",
