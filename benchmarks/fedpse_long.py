@@ -5,12 +5,12 @@ The paper does not state its number of rounds; its example code loops 100. This 
 ``noniid_order: halves`` at λ = 1 and 0.5, each method's swept lr and batch, seeds 0-2) further, evaluating every 5
 rounds and checkpointing every 5, in two stages:
 
-* ``<run>_r20``: 20 rounds. A round is one epoch over 60,000 images, ~65 s on one CPU core, so a run is ~22 min and
-  the stage (12 runs) ~4.3 h of one core: about one session with two workers. This is the longest horizon whose
+* ``<run>_r20``: 20 rounds. A round is one epoch over 60,000 images, ~55 s on one CPU core, so a run is ~19 min and
+  the stage (12 runs) ~3.8 h of one core: about one session with two workers. This is the longest horizon whose
   three seeds fit the CPU.
 * ``<run>_r100``: 100 rounds, the example code's horizon, continuing the same run's ``_r20`` directory when it is on
   this machine (the engine resumes exactly, and no learning-rate schedule depends on the horizon, so the
-  continuation equals a 100-round run) and starting over otherwise. ~1.8 h a run on one core; its checkpoint (ten
+  continuation equals a 100-round run) and starting over otherwise. ~1.6 h a run on one core; its checkpoint (ten
   personal CNNs and their residuals: ~200 MB, over ``runplan.PARK_LIMIT_MB``) cannot be parked in git, so on the
   CPU a run must finish in the session that starts it, and on a lent GPU (a round takes ~2 s)
   ``benchmarks/gpu_plans.sh`` runs the stage in minutes.
