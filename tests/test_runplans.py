@@ -81,7 +81,10 @@ def test_the_long_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest
     """FedPSE's long plan runs the recorded 5-round protocol runs' exact settings (split, lr, batch, seeds) for 20
     rounds, then 100: only the horizon and the evaluation / checkpoint cadence differ; a 100-round run continues its
     20-round run's directory only when that is on this machine."""
-    runs = _plan("fedpse_long", monkeypatch, FEDPSE_LONG_DATA="/d")
+    _plan("fedpse_long", monkeypatch, FEDPSE_LONG_DATA="/d")
+    mod = sys.modules["fedpse_long"]
+    monkeypatch.setattr(mod, "RUNS", tmp_path)  # no run directories (this machine's may hold 20-round runs)
+    runs = mod.plan()
     assert len(runs) == 24 and runs[0].meta["seed"] == 0
     assert [r.meta["rounds"] for r in runs] == [20] * 12 + [100] * 12
     assert all(r.start_from is None for r in runs)  # no 20-round run directory here
@@ -95,8 +98,6 @@ def test_the_long_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest
             assert cfg["data"][key] == old["data"][key], (run.name, key)
         assert cfg["model"] == old["model"] and cfg["seed_everything"] == old["seed_everything"]
         assert cfg["trainer"]["callbacks"] == old["trainer"]["callbacks"]
-    mod = sys.modules["fedpse_long"]
-    monkeypatch.setattr(mod, "RUNS", tmp_path)
     (tmp_path / runs[0].name).mkdir()
     cont = {r.name: r.start_from for r in mod.plan() if r.meta["rounds"] == 100}
     assert cont[runs[12].name] == tmp_path / runs[0].name and runs[12].name == runs[0].name[:-3] + "r100"
