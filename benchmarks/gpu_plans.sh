@@ -10,7 +10,7 @@
 #   GPU_PLANS_ANY_DEVICE=1 OUT=/tmp/o bash benchmarks/gpu_plans.sh --minutes 2 --workers 1 pfedgate_table  # rehearse
 #
 # Plans (resumable, benchmarks/runplan.py): fedpse_long (FedPSE vs FedAvg, 12 runs at 20 rounds, then at 100 -> fedpse_long/) and
-# pfedgate_table (what is left of it: FedRep's 200-round runs -> pfedgate_long/). Run the GPU suite first
+# pfedgate_table (FedRep's 200-round runs -> pfedgate_long/; all recorded now: its workers find nothing to run). Run the GPU suite first
 # (benchmarks/gpu_suite.sh); this is what the rest of a lease is for.
 # Data: only the repository travels to a lent machine, so carry data/cifar10-jpg.tar.gz and data/fashion-mnist/ (the
 # four IDX .gz files of /usr/share/datasets/fashion-mnist); they are placed at the paths the CPU sessions' runs read
