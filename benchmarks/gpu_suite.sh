@@ -14,6 +14,8 @@
 #                                                                                       -> overhead_<precision>.txt
 #   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
 #             utilisation, the estimate for the paper's full run                          -> rounds.jsonl, rounds/
+#   paper     benchmarks/gpu_paper_runs.py: the five papers' Table-1 configs at once for PAPER_SECONDS (default 390):
+#             the rounds each reaches and its accuracy                                  -> paper_runs.jsonl, paper_runs/
 #   ray       benchmarks/ray_speedup.py on the GPU: in-process vs 4 Ray workers sharing it (0.25 GPU each)
 #                                                                                       -> ray_<mode>.txt
 #   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round and the MLP quickstart
@@ -38,7 +40,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests overhead rounds ray vectorized)
+STEPS=(env tests overhead rounds paper ray vectorized)
+PAPER_SECONDS=${PAPER_SECONDS:-390}
 for s in "${ONLY[@]}"; do
   case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
 done
@@ -87,6 +90,16 @@ if wanted rounds; then
   else
     say "$PY benchmarks/gpu_rounds.py run $([ "$FORCE" = 1 ] && echo --force)"
     "$PY" benchmarks/gpu_rounds.py run $([ "$FORCE" = 1 ] && echo --force) || FAILED=1
+  fi
+fi
+
+if wanted paper; then
+  if [ "$DRY" = 1 ]; then
+    echo "\$ $PY benchmarks/gpu_paper_runs.py run --seconds $PAPER_SECONDS"
+    "$PY" benchmarks/gpu_paper_runs.py dry-run || exit 1
+  else
+    say "$PY benchmarks/gpu_paper_runs.py run --seconds $PAPER_SECONDS $([ "$FORCE" = 1 ] && echo --force)"
+    "$PY" benchmarks/gpu_paper_runs.py run --seconds "$PAPER_SECONDS" $([ "$FORCE" = 1 ] && echo --force) || FAILED=1
   fi
 fi
 

@@ -3,7 +3,8 @@
 Marked ``gpu`` and skipped without CUDA (CI has none); ``benchmarks/gpu_suite.sh`` runs them (``pytest -m gpu``).
 Agreement: byte and FLOP counts exactly (they depend on the masks and the schedule, not on the arithmetic); accuracies
 and losses within a small tolerance at ``32-true`` (GPU kernels sum in another order); at ``bf16-mixed`` and
-``16-mixed`` the run completes with finite losses and the same byte counts.
+``16-mixed`` the run completes with finite losses, learns, and counts the same bytes, except the counters that depend
+on the arithmetic by the method's design (``VALUE_DEPENDENT``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CONFIGS = ["synthetic_fedavg.yaml", "synthetic_pfedgate.yaml", "synthetic_fedspa.yaml", "synthetic_dispfl.yaml",
            "synthetic_dmpfl.yaml", "synthetic_fedpse.yaml"]
 EXACT = ("comm_cum_bytes_total", "comm_cum_bytes_up", "comm_cum_bytes_down", "flops_train_cum")
+#: rounds per run where 4 are not enough to learn: FedSpa's synthetic task is still at chance after 4 rounds at
+#: 32-true (0.149 on the CPU, 0.14 on an H200) and at 0.31 after 6
+ROUNDS = {"synthetic_fedspa.yaml": 6}
+#: byte counters that depend on the arithmetic by the method's design: FedPSE's downlink carries only the non-zeros
+#: of the server's top-k update (Alg. 1 line 1), and another rounding makes a few more or fewer of them exactly zero
+#: (after 4 rounds of 6.17 MB: 36 bytes fewer at bf16-mixed on the CPU, 12 fewer / more at bf16 / 16-mixed on an
+#: H200). At 32-true the GPU and the CPU agreed to the byte (H100, H200), so the CPU comparison stays exact.
+VALUE_DEPENDENT = {"synthetic_fedpse.yaml": ("comm_cum_bytes_down", "comm_cum_bytes_total")}
 
 
 def _rows(config: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], tag: str, *extra: str) -> list[dict]:
     cfg = Path(__file__).resolve().parents[1] / "configs" / config
-    return fit_rows(["--config", str(cfg), "--trainer.num_rounds", "4", "--trainer.eval_every", "2",
+    rounds = str(ROUNDS.get(config, 4))
+    return fit_rows(["--config", str(cfg), "--trainer.num_rounds", rounds, "--trainer.eval_every", "2",
                      "--trainer.default_root_dir", str(tmp_path / tag), *extra], capsys)
 
 
@@ -48,5 +58,11 @@ def test_mixed_precision_on_the_gpu(config: str, precision: str, tmp_path: Path,
     ref = _rows(config, tmp_path, capsys, "ref", "--trainer.accelerator", "gpu")
     rows = _rows(config, tmp_path, capsys, precision, "--trainer.accelerator", "gpu", "--trainer.precision", precision)
     assert rows and all(math.isfinite(r["loss_mean"]) for r in rows), rows
-    assert [r["comm_cum_bytes_total"] for r in rows] == [r["comm_cum_bytes_total"] for r in ref]
+    assert [r["round"] for r in rows] == [r["round"] for r in ref]
+    for a, b in zip(ref, rows):
+        for key in ("comm_cum_bytes_up", "comm_cum_bytes_down", "comm_cum_bytes_total"):
+            if key in VALUE_DEPENDENT.get(config, ()):  # a few values more or fewer exactly zero, not a new schedule
+                assert b[key] == pytest.approx(a[key], rel=1e-4), (config, precision, a["round"], key)
+            else:
+                assert b[key] == a[key], (config, precision, a["round"], key)
     assert rows[-1]["acc_mean"] > 1.5 / 10, (config, precision, rows[-1])  # learnt something (10 classes)
