@@ -12,8 +12,8 @@ rounds and checkpointing every 5, in two stages:
   this machine (the engine resumes exactly, and no learning-rate schedule depends on the horizon, so the
   continuation equals a 100-round run) and starting over otherwise. ~1.6 h a run on one core; its checkpoint (ten
   personal CNNs and their residuals: ~200 MB, over ``runplan.PARK_LIMIT_MB``) cannot be parked in git, so on the
-  CPU a run must finish in the session that starts it, and on a lent GPU (a round takes ~2 s)
-  ``benchmarks/gpu_plans.sh`` runs the stage in minutes.
+  CPU a run must finish in the session that starts it; on a lent GPU (a round took 4.3 s on an H200 shared by
+  five runs) ``benchmarks/gpu_plans.sh`` runs the stage in minutes.
 
 Workers take the 20-round stage first (seed 0 first), then the 100-round one::
 

@@ -2,8 +2,10 @@
 # The recorded plans that are too long for the CPU sessions, on a lent GPU, time-boxed: several workers share the
 # device for --minutes, then each is stopped with SIGTERM (a run keeps its last completed round), the unfinished
 # runs are parked (their last checkpoints, for the next session; not FedPSE's ~200 MB ones: give --minutes room for
-# its runs, ~3.5 min each, to finish) and, when $OUT is set (the device tool's output
-# folder), the plans' records and parked checkpoints are copied under $OUT/ with their repository paths.
+# its runs to finish: ~7 min each at the 4.3 s a round measured on an H200 shared by five runs, more with more
+# workers) and, when $OUT is set (the device tool's output folder, which returns few files and shallow folders), the
+# plans' records, parked checkpoints and worker logs are packed into one file, $OUT/gpu_plans_records.tar.gz, with
+# their repository paths.
 #
 #   bash benchmarks/gpu_plans.sh --minutes 8 --workers 4 fedpse_long pfedgate_table
 #   bash benchmarks/gpu_plans.sh --dry-run fedpse_long pfedgate_table    # the commands; the runs resolve (no GPU)
@@ -15,7 +17,7 @@
 # Data: only the repository travels to a lent machine, so carry data/cifar10-jpg.tar.gz and data/fashion-mnist/ (the
 # four IDX .gz files of /usr/share/datasets/fashion-mnist); they are placed at the paths the CPU sessions' runs read
 # (PFEDGATE_TABLE_DATA=/work/main/data/cifar10, FEDPSE_LONG_DATA=/usr/share/datasets/fashion-mnist) when missing.
-# Back home: copy $OUT's benchmarks/ over the checkout's; `git status` shows the new records; a parked checkpoint
+# Back home: `tar -xzf gpu_plans_records.tar.gz` in the checkout; `git status` shows the new records; a parked checkpoint
 # whose run now has a summary.json is stale there (the worker removed it on the device): delete it before committing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,14 +85,18 @@ for _ in $(seq 60); do  # a fit stops at its next step; give it a minute, then k
   any_alive || break; sleep 1
 done
 for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+LIST=$(mktemp)
 for plan in "${PLANS[@]}"; do
   "$PY" benchmarks/$plan.py park
-  if [ -n "${OUT:-}" ]; then
-    for dir in ${RECORDS[$plan]}; do
-      find "$dir" \( -name config.yaml -o -name metrics.jsonl -o -name summary.json -o -name '*.ckpt' \) \
-        -print0 2>/dev/null | xargs -0 -r cp --parents -t "$OUT"
-    done
-    mkdir -p "$OUT/$LOGS" && cp "$LOGS"/${plan}_w*.log "$OUT/$LOGS/"
-  fi
+  for dir in ${RECORDS[$plan]}; do
+    find "$dir" \( -name config.yaml -o -name metrics.jsonl -o -name summary.json -o -name '*.ckpt' \) 2>/dev/null
+  done >> "$LIST"
+  ls "$LOGS"/${plan}_w*.log >> "$LIST" 2>/dev/null
 done
-echo "== done; records and parked checkpoints under ${OUT:-benchmarks/}"
+if [ -n "${OUT:-}" ]; then
+  tar -czf "$OUT/gpu_plans_records.tar.gz" -T "$LIST" || fail "could not pack the records into $OUT"
+  echo "== done; records, parked checkpoints and logs in $OUT/gpu_plans_records.tar.gz ($(wc -l < "$LIST") files)"
+else
+  echo "== done; records and parked checkpoints under benchmarks/"
+fi
+rm -f "$LIST"
