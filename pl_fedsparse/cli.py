@@ -82,6 +82,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import yaml
+import jsonargparse
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value, seed_everything
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -92,6 +93,12 @@ from pl_fedsparse.errors import STORAGE_ADVICE, STORAGE_ERRNOS, ConfigError, Sto
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
 from pl_fedsparse.signals import Terminated, exit_status, interrupt_in, stop_on_signals
+
+#: the ``dump`` keyword that keeps ``None`` values in ``config.yaml``: jsonargparse 4.49 renamed ``skip_none`` to
+#: ``skip_unset`` and warns on the old name on every run; older versions (the declared range starts at 4.32) know only
+#: the old one
+_KEEP_NONE = "skip_unset" if tuple(int(x) for x in re.findall(r"\d+", jsonargparse.__version__)[:2]) >= (4, 49) \
+    else "skip_none"
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FedCLI", "main"]
 
@@ -247,6 +254,8 @@ class _OneLineErrors(LightningArgumentParser):
         """jsonargparse's dump, with ``model:``/``data:`` of the default classes written without ``class_path``
         (:func:`~pl_fedsparse.reporting.canonical_config`): ``--print_config`` and ``config.yaml`` read like the
         shipped configs, and a user class keeps its ``class_path``."""
+        if _KEEP_NONE != "skip_none" and "skip_none" in kwargs:  # Lightning's callers still use the old name
+            kwargs[_KEEP_NONE] = kwargs.pop("skip_none")
         text = super().dump(cfg, *args, **kwargs)
         fmt = kwargs.get("format", args[0] if args else "parser_mode")
         if fmt not in ("parser_mode", "yaml"):
@@ -416,7 +425,7 @@ class FedCLI(LightningCLI):
         cfg = self.config.get(str(self.subcommand), self.config).clone()
         if "ckpt_path" in cfg:
             cfg["ckpt_path"] = None
-        text = parser.dump(cfg, skip_none=False, skip_link_targets=False)
+        text = parser.dump(cfg, skip_link_targets=False, **{_KEEP_NONE: False})
         data = yaml.safe_load(text)
         header = "# written by pl-fed; reproduce with: pl-fed fit --config config.yaml\n"
         return header + yaml.safe_dump(data, sort_keys=False)
