@@ -35,9 +35,7 @@ import yaml
 from gpu_rounds import GpuSampler, _device_name
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "gpu"
-RUNS = OUT / "paper_runs"
-LEDGER = OUT / "paper_runs.jsonl"
+OUT = ROOT / "benchmarks" / "gpu"  # the records' folder (--out)
 
 #: name -> (shipped config, dataset, evaluate every this many rounds inside the box, extra arguments, page). The
 #: evaluation schedules are shorter than the configs' own where those would give no point inside a few minutes
@@ -79,25 +77,34 @@ def summarise(name: str, rows: list[dict[str, Any]], wall_s: float, rc: int) -> 
             "train_s_per_round_median": sorted(r["time_train_s"] for r in rows)[len(rows) // 2] if rows else None}
 
 
-def _ledger() -> list[dict[str, Any]]:
-    return [json.loads(x) for x in LEDGER.read_text().splitlines() if x.strip()] if LEDGER.exists() else []
+def _ledger(out: Path) -> list[dict[str, Any]]:
+    ledger = out / "paper_runs.jsonl"
+    return [json.loads(x) for x in ledger.read_text().splitlines() if x.strip()] if ledger.exists() else []
 
 
 def run(args: argparse.Namespace) -> None:
-    recorded = {r["name"] for r in _ledger()}
+    out = Path(args.out)
+    runs_dir = out / "paper_runs"
+    recorded = {r["name"] for r in _ledger(out)}
     names = [n for n in args.only or list(PAPERS) if args.force or n not in recorded]
     for name in sorted(set(args.only or PAPERS) - set(names)):
         print(f"{name}: recorded already (benchmarks/gpu/paper_runs.jsonl); --force re-runs it", flush=True)
+    roots = {"cifar10": Path(args.data_root), "fmnist": Path(args.fmnist_root)}
+    for name in list(names):  # a paper whose data are missing is skipped, not recorded as a failed run
+        root = roots[PAPERS[name][1]]
+        if not root.is_dir():
+            print(f"{name}: skipped: no {PAPERS[name][1]} data at {root} (--data-root / --fmnist-root)", flush=True)
+            names.remove(name)
     if not names:
-        table()
+        table(out)
         return
-    RUNS.mkdir(parents=True, exist_ok=True)
-    sampler = GpuSampler(RUNS / "gpu.csv")
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    sampler = GpuSampler(runs_dir / "gpu.csv")
     procs: dict[str, tuple[subprocess.Popen, float]] = {}
     for name in names:
-        cmd = [sys.executable, "-m", "pl_fedsparse.cli", *fit_args(name, args, RUNS / name)]
+        cmd = [sys.executable, "-m", "pl_fedsparse.cli", *fit_args(name, args, runs_dir / name)]
         print("$", " ".join(cmd[2:]), flush=True)
-        log = (RUNS / f"{name}.log").open("w")
+        log = (runs_dir / f"{name}.log").open("w")
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True), time.perf_counter())
     deadline = time.perf_counter() + args.seconds
@@ -115,12 +122,12 @@ def run(args: argparse.Namespace) -> None:
             p.wait()
     gpu = sampler.stop()
     device = _device_name()
-    kept = [r for r in _ledger() if r["name"] not in procs]  # a --force re-run replaces its old line
-    with LEDGER.open("w") as ledger:
+    kept = [r for r in _ledger(out) if r["name"] not in procs]  # a --force re-run replaces its old line
+    with (out / "paper_runs.jsonl").open("w") as ledger:
         for r in kept:
             ledger.write(json.dumps(r) + "\n")
         for name, (p, t0) in procs.items():
-            run_dir = RUNS / name
+            run_dir = runs_dir / name
             for ckpt in run_dir.glob("**/*.ckpt"):  # records only
                 ckpt.unlink()
             metrics = run_dir / "metrics.jsonl"
@@ -129,11 +136,11 @@ def run(args: argparse.Namespace) -> None:
                     "concurrent": names, "seconds": args.seconds, **gpu}
             ledger.write(json.dumps(line) + "\n")
             print(json.dumps(line), flush=True)
-    table()
+    table(out)
 
 
-def table() -> None:
-    if not LEDGER.exists():
+def table(out: Path = OUT) -> None:
+    if not (out / "paper_runs.jsonl").exists():
         return
     print("\n| paper config | device | rounds done / config's | last evaluated round | personal acc % | "
           "global acc % | train s/round (shared GPU) |")
@@ -142,7 +149,7 @@ def table() -> None:
     def pct(v: Any) -> str:
         return "—" if v is None else f"{100 * v:.2f}"
 
-    for r in _ledger():
+    for r in _ledger(out):
         rnd = "—" if r["last_eval_round"] is None else str(r["last_eval_round"] + 1)
         tr = "—" if r["train_s_per_round_median"] is None else f"{r['train_s_per_round_median']:.1f}"
         print(f"| {r['config']} | {r['device']} | {r['rounds_done']} / {r['config_num_rounds']} | {rnd} | "
@@ -157,7 +164,7 @@ def dry_run(args: argparse.Namespace) -> None:
     from pl_fedsparse.cli import main as cli_main
 
     for name in args.only or list(PAPERS):
-        argv = fit_args(name, argparse.Namespace(**{**vars(args), "accelerator": "cpu"}), RUNS / name)
+        argv = fit_args(name, argparse.Namespace(**{**vars(args), "accelerator": "cpu"}), Path(args.out) / "paper_runs" / name)
         buf = StringIO()
         try:
             with redirect_stdout(buf):
@@ -180,6 +187,7 @@ def main() -> None:
     ap.add_argument("--accelerator", choices=["gpu", "cpu"], default="gpu")
     ap.add_argument("--seconds", type=float, default=390.0, help="the time box: SIGTERM to every run still going")
     ap.add_argument("--grace", type=float, default=45.0, help="seconds a stopped run gets to exit before SIGKILL")
+    ap.add_argument("--out", default=str(OUT), help="the records' folder (default benchmarks/gpu)")
     ap.add_argument("--force", action="store_true", help="re-run the papers recorded already (their lines replaced)")
     args = ap.parse_args()
     if args.seconds <= 0 or args.grace < 0:
@@ -187,7 +195,7 @@ def main() -> None:
     if args.verb == "run":
         run(args)
     elif args.verb == "table":
-        table()
+        table(Path(args.out))
     else:
         dry_run(args)
 

@@ -76,3 +76,19 @@ def test_the_long_plans_bad_input_is_one_line(args: list[str], message: str) -> 
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("error: gpu_plans.sh: ") and message in res.stderr
     assert res.stderr.count("\n") == 1
+
+
+def test_the_paper_runs_skip_a_paper_without_its_data(tmp_path: Path) -> None:
+    """A paper whose data are missing is skipped with one line naming the path; the ledger is left as it was."""
+    (tmp_path / "out").mkdir()
+    ledger = tmp_path / "out" / "paper_runs.jsonl"
+    ledger.write_text(next(x for x in (ROOT / "benchmarks" / "gpu" / "paper_runs.jsonl").read_text().splitlines()
+                           if '"name": "dmpfl"' in x) + "\n")  # a recorded line, kept as it is
+    before = ledger.read_bytes()
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_paper_runs.py"), "run", "--accelerator", "cpu",
+                          "--force", "--only", "dmpfl", "--data-root", str(tmp_path / "absent"),
+                          "--out", str(tmp_path / "out"), "--seconds", "20", "--grace", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"dmpfl: skipped: no cifar10 data at {tmp_path / 'absent'}" in res.stdout
+    assert ledger.read_bytes() == before and not (tmp_path / "out" / "paper_runs").exists()
