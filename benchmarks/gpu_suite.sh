@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The GPU suite: one command that measures what matters on one GPU in about 25 minutes, resumably.
+# The GPU suite: one command that measures what matters on one GPU, resumably: each step is skipped once its record
+# exists, so a suite cut off by a short lease goes on in the next (steps run side by side where they share the GPU
+# well: benchmarks/gpu/README.md, "Getting the package onto a lent machine").
 #
 #   bash benchmarks/gpu_suite.sh                 # every step not yet recorded under benchmarks/gpu/
 #   bash benchmarks/gpu_suite.sh --dry-run       # the commands parse and the configs resolve (no GPU; CI runs it)
