@@ -10,11 +10,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["heap_only", "release_free_memory", "tune_malloc"]
+import torch
+
+_log = logging.getLogger(__name__)
+
+__all__ = ["apply_flush_denormal", "heap_only", "release_free_memory", "tune_malloc"]
 
 
 @functools.cache
@@ -115,3 +120,14 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def apply_flush_denormal(on: bool) -> bool:
+    """Flush subnormal floats to zero in this process when ``on`` (``trainer.flush_denormal``); returns whether it
+    did. A CPU without the instructions (not x86 with SSE3, not ARM) keeps them, said in one warning."""
+    if not on:
+        return False
+    if torch.set_flush_denormal(True):
+        return True
+    _log.warning("trainer.flush_denormal=true has no effect here: this CPU cannot flush subnormal floats to zero")
+    return False

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pl_fedsparse.allocator import tune_malloc
+from pl_fedsparse.allocator import apply_flush_denormal, tune_malloc
 from pl_fedsparse.client import ClientStateStore, ClientUpdate
 from pl_fedsparse.contract import CallbackContractError
 from pl_fedsparse.errors import ConfigError, check
@@ -248,6 +248,7 @@ class FitWorker:
         loop.client_store._sealed = True  # a worker never creates client state: it arrives with the request
         loop.evaluator = Evaluator(loop)
         loop._owners = {}
+        apply_flush_denormal(getattr(loop, "flush_denormal", False))  # (the driver's trainer.flush_denormal)
         loop.run_dir = None  # a fit writes nothing (no logger, no checkpoints)
         self.loop = loop
         self.executor: InProcessExecutor | VectorizedExecutor = VectorizedExecutor() if vectorize else InProcessExecutor()

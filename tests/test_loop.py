@@ -298,3 +298,34 @@ def test_keep_optimizer_state_persists_momentum_and_resumes(tmp_path: Path) -> N
     for k in range(4):
         x, y = full.personal_state(k), res.personal_state(k)
         assert all(torch.equal(x[n], y[n]) for n in x)
+
+
+_SUBNORMAL = 1e-39  # below float32's smallest normal (1.18e-38)
+
+
+class _SubnormalProbe(FederatedCallback):
+    """Records what a subnormal float32 times one is inside the fit (0.0 where subnormals are flushed)."""
+
+    scratch_attributes = ("seen",)  # a probe for the test, not state a resume needs
+
+    def __init__(self) -> None:
+        self.seen: float | None = None
+
+    def on_federation_start(self, loop: Any) -> None:
+        self.seen = float(torch.tensor([_SUBNORMAL], dtype=torch.float32).mul(1.0))
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_flush_denormal_holds_during_the_fit_only(tmp_path: Path, flush: bool) -> None:
+    """trainer.flush_denormal: subnormals are zero inside the fit (the CPU skips its slow path for them) and the
+    process is back to torch's default after it."""
+    probe = _SubnormalProbe()
+    loop = tiny_loop(tmp_path, num_rounds=1, flush_denormal=flush, callbacks=[probe])
+    loop.fit(tiny_module(), tiny_datamodule())
+    assert probe.seen == (0.0 if flush else pytest.approx(_SUBNORMAL, rel=1e-2))
+    assert float(torch.tensor([_SUBNORMAL], dtype=torch.float32).mul(1.0)) != 0.0  # restored after the fit
+
+
+def test_flush_denormal_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="trainer.flush_denormal"):
+        tiny_loop(tmp_path, flush_denormal="yes")

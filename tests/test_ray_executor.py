@@ -293,3 +293,17 @@ def test_packed_updates_round_trip_exactly() -> None:
     assert torch.equal(back.message.tensors["a"], sparse) and torch.equal(back.message.tensors["b"], dense)
     assert torch.equal(back.message.masks["a"], m) and torch.equal(back.masks["a"], m)
     assert torch.equal(back.client_state["cb/mask"], m) and torch.equal(back.message.tensors["c"], torch.ones(3))
+
+
+def test_a_worker_flushes_subnormals_when_the_driver_does(tmp_path: Path, one_thread: None) -> None:
+    """trainer.flush_denormal reaches out-of-process workers: a replica built from worker_spec sets it in its own
+    process (Ray actors are other processes, where the driver's setting does not reach)."""
+    loop = tiny_loop(tmp_path, flush_denormal=True)
+    loop.setup(tiny_module(), tiny_datamodule())
+    try:
+        FitWorker(cloudpickle.loads(cloudpickle.dumps(worker_spec(loop))), threads=1)
+        assert float(torch.tensor([1e-39], dtype=torch.float32).mul(1.0)) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    FitWorker(cloudpickle.loads(cloudpickle.dumps(worker_spec(tiny_loop(tmp_path / "off")))), threads=1)
+    assert float(torch.tensor([1e-39], dtype=torch.float32).mul(1.0)) != 0.0
