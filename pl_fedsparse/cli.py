@@ -80,9 +80,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jsonargparse
 import lightning.pytorch as pl
 import yaml
-import jsonargparse
 from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.fabric.utilities.seed import max_seed_value, min_seed_value, seed_everything
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
