@@ -10,7 +10,10 @@ rounds and checkpointing every 5, in two stages:
   three seeds fit the CPU.
 * ``<run>_r100``: 100 rounds, the example code's horizon, continuing the same run's ``_r20`` directory when it is on
   this machine (the engine resumes exactly, and no learning-rate schedule depends on the horizon, so the
-  continuation equals a 100-round run) and starting over otherwise. ~1.6 h a run on one core; its checkpoint (ten
+  continuation equals a 100-round run but for the last bits that flushing moves) and starting over otherwise, with
+  ``trainer.flush_denormal`` on (FedPSE's
+  rounds doubled in time past round 20 without it; FedAvg's seed-0 run at λ = 1, recorded before, ran without).
+  ~1.7 h a run on one core; its checkpoint (ten
   personal CNNs and their residuals: ~200 MB, over ``runplan.PARK_LIMIT_MB``) cannot be parked in git, so on the
   CPU a run must finish in the session that starts it; on a lent GPU (a round took 4.3 s on an H200 shared by
   five runs) ``benchmarks/gpu_plans.sh`` runs the stage in minutes.
@@ -71,9 +74,13 @@ def plan() -> list[Run]:
             del args[i:i + 2]
             short = RUNS / run_name(spec["name"], STAGES[0])
             start = short if rounds != STAGES[0] and short.exists() else None
+            # past round 20 FedPSE's converged personal models make subnormal floats, on which one CPU core spends
+            # twice the time (docs/reproduce/engine.md, "Converged models on a CPU"): the 100-round stage flushes
+            # them (numbers move at most in their last bits; a continuation from the 20-round run may turn it on)
+            ftz = ["--trainer.flush_denormal", "true"] if rounds != STAGES[0] else []
             runs.append(Run(run_name(spec["name"], rounds),
                             [*args, "--data.root", DATA, "--trainer.eval_every", str(EVERY),
-                             "--trainer.checkpoint_every", str(EVERY), "--trainer.logger", "false"],
+                             "--trainer.checkpoint_every", str(EVERY), "--trainer.logger", "false", *ftz],
                             {"method": spec["method"], "lam": spec["lam"], "seed": spec["seed"], "rounds": rounds},
                             start_from=start))
     return runs

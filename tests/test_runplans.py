@@ -94,6 +94,7 @@ def test_the_long_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest
                              .read_text())
         assert cfg["trainer"]["num_rounds"] == run.meta["rounds"] and cfg["trainer"]["eval_every"] == 5, run.name
         assert cfg["trainer"]["checkpoint_every"] == 5
+        assert cfg["trainer"]["flush_denormal"] is (run.meta["rounds"] == 100), run.name  # (speed; see the plan)
         for key in ("noniid_order", "noniid_ratio", "num_clients", "batch_size", "seed", "partition"):
             assert cfg["data"][key] == old["data"][key], (run.name, key)
         assert cfg["model"] == old["model"] and cfg["seed_everything"] == old["seed_everything"]
