@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from gpu_rounds import GpuSampler, _device_name
+from gpu_rounds import GpuSampler, _device_name, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "gpu"  # the records' folder (--out)
@@ -157,21 +157,10 @@ def table(out: Path = OUT) -> None:
 
 def dry_run(args: argparse.Namespace) -> None:
     """Every paper run's command resolves (``--print_config``) without a GPU or the data."""
-    from contextlib import redirect_stdout
-    from io import StringIO
-
-    from pl_fedsparse.cli import main as cli_main
-
     for name in args.only or list(PAPERS):
-        argv = fit_args(name, argparse.Namespace(**{**vars(args), "accelerator": "cpu"}), Path(args.out) / "paper_runs" / name)
-        buf = StringIO()
-        try:
-            with redirect_stdout(buf):
-                cli_main([*argv, "--print_config"])
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise SystemExit(f"gpu_paper_runs: {name}: the command does not resolve (exit {e.code})") from None
-        resolved = yaml.safe_load(buf.getvalue())
+        cpu = argparse.Namespace(**{**vars(args), "accelerator": "cpu"})
+        argv = fit_args(name, cpu, Path(args.out) / "paper_runs" / name)
+        resolved = resolve(argv, f"gpu_paper_runs: {name}")
         assert resolved["trainer"]["num_rounds"] == config_rounds(name), name
         assert resolved["trainer"]["eval_every"] == PAPERS[name][2], name
         print(f"{name}: {PAPERS[name][0]} resolves ({config_rounds(name)} rounds, eval every {PAPERS[name][2]})")

@@ -189,25 +189,31 @@ def table() -> None:
               f"{f(r.get('full_run_estimate_h'))} |")
 
 
-def dry_run(args: argparse.Namespace) -> None:
-    """Every timed run's command resolves (``--print_config``) without a GPU or the data."""
+def resolve(argv: list[str], who: str) -> dict[str, Any]:
+    """The configuration ``pl-fed`` resolves from ``argv`` (``--print_config``: no data, no device); a command that
+    does not resolve stops with one line naming ``who``."""
     from contextlib import redirect_stdout
     from io import StringIO
 
     from pl_fedsparse.cli import main as cli_main
 
+    buf = StringIO()
+    try:
+        with redirect_stdout(buf):
+            cli_main([*argv, "--print_config"])
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise SystemExit(f"{who}: the command does not resolve (exit {e.code})") from None
+    return yaml.safe_load(buf.getvalue())
+
+
+def dry_run(args: argparse.Namespace) -> None:
+    """Every timed run's command resolves (``--print_config``) without a GPU or the data."""
     for name in args.only or list(CONFIGS):
         argv = fit_args(name, args, OUT / "rounds" / name)
         argv[argv.index("--data.device") + 1] = "cpu"  # data.device cuda is refused where CUDA is absent
         argv[argv.index("--trainer.accelerator") + 1] = "cpu"
-        buf = StringIO()
-        try:
-            with redirect_stdout(buf):
-                cli_main([*argv, "--print_config"])
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise SystemExit(f"gpu_rounds: {name}: the command does not resolve (exit {e.code})") from None
-        resolved = yaml.safe_load(buf.getvalue())
+        resolved = resolve(argv, f"gpu_rounds: {name}")
         assert resolved["trainer"]["num_rounds"] == args.rounds, name
         print(f"{name}: {CONFIGS[name][0]} resolves ({args.rounds} rounds, eval every {args.eval_every})")
 

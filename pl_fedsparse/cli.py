@@ -254,7 +254,7 @@ class _OneLineErrors(LightningArgumentParser):
         """jsonargparse's dump, with ``model:``/``data:`` of the default classes written without ``class_path``
         (:func:`~pl_fedsparse.reporting.canonical_config`): ``--print_config`` and ``config.yaml`` read like the
         shipped configs, and a user class keeps its ``class_path``."""
-        if _KEEP_NONE != "skip_none" and "skip_none" in kwargs:  # Lightning's callers still use the old name
+        if _KEEP_NONE != "skip_none" and "skip_none" in kwargs:  # Lightning's callers and ours use the old name
             kwargs[_KEEP_NONE] = kwargs.pop("skip_none")
         text = super().dump(cfg, *args, **kwargs)
         fmt = kwargs.get("format", args[0] if args else "parser_mode")
@@ -425,7 +425,7 @@ class FedCLI(LightningCLI):
         cfg = self.config.get(str(self.subcommand), self.config).clone()
         if "ckpt_path" in cfg:
             cfg["ckpt_path"] = None
-        text = parser.dump(cfg, skip_link_targets=False, **{_KEEP_NONE: False})
+        text = parser.dump(cfg, skip_none=False, skip_link_targets=False)  # (dump gives it the installed name)
         data = yaml.safe_load(text)
         header = "# written by pl-fed; reproduce with: pl-fed fit --config config.yaml\n"
         return header + yaml.safe_dump(data, sort_keys=False)
