@@ -39,8 +39,8 @@ with the row's variables and these names:
 * ``seeds(expr, d)`` — ``mean ± sample std (n)`` of ``expr`` over ``runs`` (``mean (1)`` for one run), as
   ``pl-fed report``'s ``seeds.md`` prints it; ``vals(runs, expr)`` — the values (``runs``: names and globs);
   ``st(values, d)`` — those values as ``mean ± std (n)``; ``claim(a, b)`` — two value lists compared: ``.gap``,
-  ``.spread`` (the larger sample std), ``.verdict`` ("holds" only where ``a − b`` exceeds the spread; "one seed: not
-  settled" below two seeds a side), ``.same_verdict`` (for ``a ≈ b``); ``consensus(run)`` — a serverless run's
+  ``.spread`` (the larger sample std), ``.verdict`` ("holds" only where ``a − b`` exceeds the spread; "one seed / two
+  seeds: not settled" below three seeds a side), ``.same_verdict`` (for ``a ≈ b``); ``consensus(run)`` — a serverless run's
   consensus accuracy (its ``consensus_acc``, else ``consensus.json`` beside the record, else ``None``);
   ``known(values)`` — the values that are not ``None``.
 * ``J(file)`` — a JSON record, ``find(list, key, suffix)`` — its item whose ``key`` ends with ``suffix``;
@@ -71,7 +71,7 @@ PAGES = ["docs/reproduce/pfedgate.md", "docs/reproduce/fedspa.md", "docs/reprodu
          "docs/reproduce/dmpfl.md", "docs/reproduce/dispfl.md", "docs/reproduce/engine.md", "README.md",
          "docs/fedpse-baselines.md"]
 
-SPEC_RE = re.compile(r"<!--\s*numbers\b(.*?)-->", re.DOTALL)
+SPEC_RE = re.compile(r"^<!--\s*numbers\b(.*?)-->", re.DOTALL | re.MULTILINE)  # at a line start: not `<!-- numbers -->` quoted in prose
 # a number: an optional sign, digits, decimals, an exponent — not part of a word ("conv2", "r34", "VGG11" are not
 # numbers) and not a sign after a digit ("1.6-8.7" is 1.6 and 8.7)
 NUMBER_RE = re.compile(r"(?<![\w.])[+\-−]?\d+(?:\.\d+)?(?:[eE][+\-]?\d+)?(?!\w|\.\d)")
@@ -204,9 +204,15 @@ def seeds_text(values: list[float], d: int) -> str:
     return f"{m:.{d}f} ± {sample_std(values):.{d}f} ({len(values)})"
 
 
+#: seeds a side below which a claim is "not settled" (the issue's "claim tables use ≥ 3 seeds")
+MIN_SEEDS = 3
+
+
 @dataclass
 class Claim:
-    """``a > b`` over seeds: holds only where the gap exceeds the seeds' spread (the larger sample std)."""
+    """``a > b`` over seeds: holds only where the gap exceeds the seeds' spread (the larger sample std), and only
+    with at least :data:`MIN_SEEDS` seeds a side (the claim tables' rule; fewer are "not settled" whatever the gap,
+    the spread still shown from two)."""
 
     a: list[float]
     b: list[float]
@@ -221,13 +227,21 @@ class Claim:
         return max(sample_std(self.a), sample_std(self.b))
 
     @property
+    def seeds(self) -> int:
+        return min(len(self.a), len(self.b))
+
+    @property
     def settled(self) -> bool:
-        return len(self.a) >= 2 and len(self.b) >= 2
+        return self.seeds >= MIN_SEEDS
+
+    @property
+    def unsettled_text(self) -> str:
+        return f"{'one seed' if self.seeds == 1 else f'{self.seeds} seeds'}: not settled"
 
     @property
     def verdict(self) -> str:
         if not self.settled:
-            return "one seed: not settled"
+            return self.unsettled_text
         if self.gap > self.spread:
             return "holds"
         if self.gap < -self.spread:
@@ -238,12 +252,12 @@ class Claim:
     def same_verdict(self) -> str:
         """For ``a ≈ b``: holds where the gap is inside the spread."""
         if not self.settled:
-            return "one seed: not settled"
+            return self.unsettled_text
         return "holds" if abs(self.gap) <= self.spread else "no"
 
     @property
     def spread_text(self) -> str:
-        return "-" if not self.settled else f"{self.spread:.{self.d}f}"
+        return "-" if self.seeds < 2 else f"{self.spread:.{self.d}f}"
 
 
 def bottom(values: list[float]) -> float:
@@ -353,6 +367,10 @@ def find_tables(text: str, page: str) -> tuple[list[Table], list[str]]:
             spec = yaml.safe_load(m.group(1)) or {}
         except yaml.YAMLError as exc:
             errors.append(f"{page}:{first + 1}: the numbers spec is not YAML: {exc}")
+            continue
+        if not isinstance(spec, dict):
+            errors.append(f"{page}:{first + 1}: the numbers spec is {type(spec).__name__} {str(spec)[:40]!r}: expected "
+                          "a mapping (id, dir, rows, cols)")
             continue
         end = next(i for i, o in enumerate(offsets) if o > m.end() - 1) - 1
         i = end + 1
@@ -715,9 +733,12 @@ def test_seed_groups_match_pl_fed_report():
         assert seeds_text(values, 2) == want
     assert seeds_text([58.08], 2) == "58.08 (1)"
     assert Claim([64.85], [1.0]).verdict == "one seed: not settled"
-    assert Claim([3.0, 5.0], [1.0, 1.2]).verdict == "holds"
-    assert Claim([3.0, 5.0], [3.5, 3.7]).verdict == "no: inside the spread"
-    assert Claim([1.0, 1.2], [3.0, 5.0]).verdict == "no: reversed"
+    two = Claim([3.0, 5.0], [1.0, 1.2])  # a gap beyond the spread, but two seeds a side
+    assert (two.verdict, two.same_verdict, two.spread_text) == ("2 seeds: not settled", "2 seeds: not settled", "1.41")
+    assert Claim([3.0, 5.0, 4.0], [1.0, 1.2, 1.1]).verdict == "holds"
+    assert Claim([3.0, 5.0, 4.0], [3.5, 3.7, 3.6]).verdict == "no: inside the spread"
+    assert Claim([1.0, 1.2, 1.1], [3.0, 5.0, 4.0]).verdict == "no: reversed"
+    assert Claim([3.0, 5.0, 4.0, 3.5], [1.0, 1.2, 1.1]).verdict == "holds"
 
 
 def test_a_glob_starting_with_a_slash_is_relative_to_the_repository(tmp_path):
