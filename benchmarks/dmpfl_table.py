@@ -16,7 +16,9 @@ sampling all change with the seed).
     for w in 1 2; do DMPFL_TABLE_CODE=../bench OMP_NUM_THREADS=1 nohup python benchmarks/dmpfl_table.py run \\
         > /tmp/dmpfl_table_w$w.log 2>&1 & done          # ~6-8 min per run on one core, 18 runs
     python benchmarks/dmpfl_table.py table              # mean ± sample std over the recorded seeds
-    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_METHODS=dmpfl_plus,fedavg,fedavg_ft ... run   # the 100-round plan
+    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_CODE=../bench OMP_NUM_THREADS=1 python benchmarks/dmpfl_table.py run
+                                                        # the 100-round plan: every row, 15-35 min a run
+    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_METHODS=ditto ... run   # some methods only
 """
 
 from __future__ import annotations
