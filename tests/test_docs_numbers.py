@@ -39,7 +39,7 @@ with the row's variables and these names:
 * ``seeds(expr, d)`` — ``mean ± sample std (n)`` of ``expr`` over ``runs`` (``mean (1)`` for one run), as
   ``pl-fed report``'s ``seeds.md`` prints it; ``vals(runs, expr)`` — the values (``runs``: names and globs);
   ``st(values, d)`` — those values as ``mean ± std (n)``; ``claim(a, b)`` — two value lists compared: ``.gap``,
-  ``.spread`` (the larger sample std), ``.verdict`` ("holds" only where ``a − b`` exceeds the spread; "one seed / two
+  ``.spread`` (the larger sample std), ``.verdict`` ("holds" only where ``a − b`` exceeds the spread; "one seed / 2
   seeds: not settled" below three seeds a side), ``.same_verdict`` (for ``a ≈ b``); ``consensus(run)`` — a serverless run's
   consensus accuracy (its ``consensus_acc``, else ``consensus.json`` beside the record, else ``None``);
   ``known(values)`` — the values that are not ``None``.
