@@ -11,7 +11,7 @@ import torch
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional import (
     cosine_prune_rate, drop_and_grow, erk_densities, layer_densities, mask_density, masks_from_densities, pack_mask,
-    pack_masks, prune_regrow_count, unpack_mask, unpack_masks,
+    pack_masks, prune_regrow_count, stable_top_k, unpack_mask, unpack_masks,
 )
 from pl_fedsparse.models import VGG11GN, ResNet18GN
 
@@ -218,3 +218,42 @@ def test_pack_bit_order_and_dicts():
     assert all(torch.equal(out[k], masks[k]) for k in masks)
     with pytest.raises(ConfigError, match="packed"):
         unpack_mask(packed, (17,))
+
+
+def _sort_reference(scores: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+    """The selection ``stable_top_k`` replaces: the first k of a stable sort."""
+    out = torch.zeros(scores.numel(), dtype=torch.bool)
+    out[torch.sort(scores, descending=largest, stable=True).indices[:k]] = True
+    return out
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_stable_top_k_equals_the_first_k_of_a_stable_sort(largest, dtype):
+    """Ties (few distinct values), NaN, ±0.0 and ±inf, every k: the same entries as the sort."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        values = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
+        pool = values if trial % 2 else values[:5]  # half the trials without NaN / inf
+        scores = pool[torch.randint(0, len(pool), (n,), generator=g)].to(dtype)
+        for k in range(n + 1):
+            got = stable_top_k(scores, k, largest=largest)
+            want = _sort_reference(scores.float() if dtype in (torch.float16, torch.bfloat16) else scores, k, largest)
+            assert torch.equal(got, want), (trial, k, scores.tolist())
+            assert int(got.sum()) == k
+
+
+def test_stable_top_k_on_distinct_and_large_scores():
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(100_000, generator=g).abs().round(decimals=2)  # many ties among 100k entries
+    for k in (1, 17, 25_000, 99_999):
+        for largest in (True, False):
+            assert torch.equal(stable_top_k(scores, k, largest=largest), _sort_reference(scores, k, largest))
+
+
+def test_stable_top_k_bad_k():
+    with pytest.raises(ConfigError, match="k"):
+        stable_top_k(torch.zeros(3), 4, largest=True)
+    with pytest.raises(ConfigError, match="k"):
+        stable_top_k(torch.zeros(3), -1, largest=False)

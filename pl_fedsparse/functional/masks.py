@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pl_fedsparse.errors import check
 
-__all__ = ["topk_mask", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
+__all__ = ["topk_mask", "stable_top_k", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
            "masks_from_densities", "mask_density"]
 
 
@@ -217,6 +217,48 @@ def mask_density(masks: Mapping[str, Tensor]) -> float:
     return sum(int(torch.count_nonzero(m)) for m in masks.values()) / total
 
 
+def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
+    """The entries a stable sort puts first, without the sort: a bool tensor of a 1-D ``scores``' shape that is True
+    at exactly the entries of ``torch.sort(scores, descending=largest, stable=True).indices[:k]``.
+
+    That is the ``k`` largest (``largest=True``) or smallest scores, ties to the lower index, NaN ranked above every
+    number (``torch.sort``'s convention: first when ``largest``, last otherwise), ``-0.0`` equal to ``0.0``. The
+    k-th value is found with ``torch.kthvalue`` (linear time) and the entries are taken by comparison with it, so
+    on a ResNet-18 layer this is ~8× faster than the sort on a CPU (``benchmarks/topk_select.py``), with the same
+    result (``tests/test_functional_masks.py`` compares the two on ties, NaN, ±0 and ±inf).
+
+    Args:
+        scores: a 1-D floating-point tensor (half-precision scores are compared in float32, which keeps their order).
+        k: how many to select, ``0 <= k <= scores.numel()``.
+        largest: select the largest (True) or the smallest (False).
+
+    Example:
+        >>> stable_top_k(torch.tensor([0.5, 0.9, 0.5, 0.1]), 2, largest=True).tolist()
+        [True, True, False, False]
+    """
+    n = scores.numel()
+    check(isinstance(k, int) and 0 <= k <= n, "k", k, f"an int in [0, {n}]")
+    s = scores.detach().reshape(-1)
+    if s.dtype in (torch.float16, torch.bfloat16):
+        s = s.float()
+    selected = torch.zeros(n, dtype=torch.bool, device=s.device)
+    nan = torch.isnan(s)
+    n_nan = int(nan.sum())
+    take_nan = min(k, n_nan) if largest else max(0, k - (n - n_nan))  # NaN sorts above every number
+    if take_nan:
+        selected[nan.nonzero().squeeze(1)[:take_nan]] = True
+    rest = k - take_nan
+    if rest:
+        v = -s if largest else s  # the largest of s are the smallest of -s, ties kept in index order
+        threshold = torch.kthvalue(v[~nan] if n_nan else v, rest).values
+        below = v < threshold
+        selected |= below
+        missing = rest - int(below.sum())
+        if missing:
+            selected[(v == threshold).nonzero().squeeze(1)[:missing]] = True
+    return selected
+
+
 def topk_mask(scores: Tensor, k: int) -> Tensor:
     """A bool mask of ``scores``' shape with exactly ``k`` ones at the ``k`` highest scores (ties: lower flat index
     first, so the result is deterministic).
@@ -227,9 +269,10 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
     """
     n = scores.numel()
     check(isinstance(k, int) and 0 <= k <= n, "k", k, f"an int in [0, {n}]")
-    flat = torch.zeros(n, dtype=torch.bool)
-    flat[torch.argsort(scores.detach().flatten().cpu(), descending=True, stable=True)[:k]] = True
-    return flat.view(scores.shape)
+    flat = scores.detach().flatten().cpu()
+    if not flat.is_floating_point():
+        flat = flat.double()
+    return stable_top_k(flat, k, largest=True).view(scores.shape)
 
 
 def permutation_scores(shape: torch.Size | tuple[int, ...], generator: torch.Generator) -> Tensor:

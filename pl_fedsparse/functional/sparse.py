@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.errors import check
+from pl_fedsparse.functional.masks import stable_top_k
 
 __all__ = ["cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
            "unpack_masks"]
@@ -84,7 +85,8 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
 
     Inactive entries are never dropped and active-after-drop entries never grown: the selections run over those
     index sets only (equivalent to a drop score of +inf / grow score of −inf outside them). ``k`` is clipped to
-    ``[0, nnz]``. Ties are broken deterministically by index order: both selections use a stable sort, so among
+    ``[0, nnz]``. Ties are broken deterministically by index order: both selections are the first ``k`` of a stable
+    sort (:func:`~pl_fedsparse.functional.masks.stable_top_k`, found in linear time without sorting), so among
     equal scores the entry with the lower flat (row-major) index is dropped / grown first. NaN scores rank above
     every number (``torch.sort``'s convention): never dropped first, always grown first.
 
@@ -117,11 +119,9 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
     k = max(0, min(k, active.numel()))
     if k == 0:
         return new.view(mask.shape)
-    drop = active[torch.sort(ds[active], stable=True).indices[:k]]
-    new[drop] = False
+    new[active[stable_top_k(ds[active], k, largest=False)]] = False
     inactive = (~new).nonzero().squeeze(1)
-    grow = inactive[torch.sort(gs[inactive], descending=True, stable=True).indices[:k]]
-    new[grow] = True
+    new[inactive[stable_top_k(gs[inactive], k, largest=True)]] = True
     return new.view(mask.shape)
 
 
