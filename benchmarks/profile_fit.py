@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from pl_fedsparse.errors import ConfigError
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: (label, path fragment) in order: the first fragment found in a function's file names its package
@@ -112,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        loop = build(args.config, args.accelerator, args.data_root, args.clients, extra, tmp)
+        try:
+            loop = build(args.config, args.accelerator, args.data_root, args.clients, extra, tmp)
+        except ConfigError as e:  # a bad config, path or value: its one line, no traceback
+            print(f"error: profile_fit.py: {e}", file=sys.stderr)
+            return 2
         print(f"config {args.config}: {loop.num_clients} clients, {args.clients} per round, device "
               f"{torch.cuda.get_device_name() if cuda else 'cpu'}; set up in {time.perf_counter() - t:.1f} s")
         t = time.perf_counter()
