@@ -200,10 +200,11 @@ def resolve(argv: list[str], who: str) -> dict[str, Any]:
     buf = StringIO()
     try:
         with redirect_stdout(buf):
-            cli_main([*argv, "--print_config"])
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise SystemExit(f"{who}: the command does not resolve (exit {e.code})") from None
+            code = cli_main([*argv, "--print_config"])  # a ConfigError: its line on stderr, a non-zero return
+    except SystemExit as e:  # the parser's own errors
+        code = e.code
+    if code not in (0, None):
+        raise SystemExit(f"{who}: the command does not resolve (exit {code})")
     return yaml.safe_load(buf.getvalue())
 
 

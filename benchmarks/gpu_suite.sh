@@ -22,6 +22,8 @@
 #                                                                                       -> ray_<mode>.txt
 #   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round and the MLP quickstart
 #             task, in process vs VectorizedExecutor: seconds per round and GPU utilisation -> vectorized_<task>.txt
+#   profile   benchmarks/profile_fit.py: where a FedSpa round (ResNet18-GN, 10 clients) spends its time, by package,
+#             and how busy the GPU is                                                    -> profile_fedspa.txt
 # Data: CIFAR10_ROOT (default data/cifar10, the extracted ImageFolder copy) and FMNIST_ROOT (default
 # /usr/share/datasets/fashion-mnist); a step whose data or package is missing is recorded as skipped, not failed.
 set -uo pipefail
@@ -42,7 +44,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests overhead rounds paper ray vectorized)
+STEPS=(env tests overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
 for s in "${ONLY[@]}"; do
   case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
@@ -123,6 +125,14 @@ if wanted vectorized; then
   else say "vectorized lenet skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
   step vectorized_mlp.txt "$PY" benchmarks/vectorized.py --task mlp --clients 100 --accelerator gpu --pairs 3 --rounds 5
   [ "$DRY" = 1 ] && "$PY" benchmarks/vectorized.py --help > /dev/null && echo "vectorized.py parses"
+fi
+if wanted profile; then
+  PROFILE=(benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml --accelerator gpu --clients 10 --top 20
+           --data-root "$CIFAR10_ROOT")
+  if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+    step profile_fedspa.txt "$PY" "${PROFILE[@]}" -- --data.device cuda
+  else say "profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  if [ "$DRY" = 1 ]; then "$PY" "${PROFILE[@]}" --dry-run -- --data.device cuda || exit 1; fi
 fi
 [ "$DRY" = 1 ] && echo "dry run: every step's command resolves"
 exit $FAILED

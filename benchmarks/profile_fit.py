@@ -62,17 +62,23 @@ def package_of(filename: str) -> str:
     return "other Python"
 
 
-def build(config: str, accelerator: str, data_root: str | None, clients: int, extra: list[str], tmp: str):
-    """The federation of ``config`` as ``pl-fed fit`` builds it, set up, nothing trained."""
-    from pl_fedsparse.cli import FedCLI
-
+def fit_args(config: str, accelerator: str, data_root: str | None, clients: int, extra: list[str],
+             tmp: str) -> list[str]:
+    """The ``pl-fed fit`` arguments of the profiled federation (no evaluation, no checkpoints, no logger)."""
     args = ["--config", config, "--trainer.default_root_dir", tmp, "--trainer.logger", "false",
             "--trainer.enable_progress_bar", "false", "--trainer.accelerator", accelerator,
             "--trainer.clients_per_round", str(clients), "--trainer.eval_every", "1000000",
             "--trainer.checkpoint_every", "0", "--trainer.overwrite", "true"]
     if data_root is not None:
         args += ["--data.root", data_root]
-    cli = FedCLI(args=[*args, *extra], run=False)
+    return [*args, *extra]
+
+
+def build(config: str, accelerator: str, data_root: str | None, clients: int, extra: list[str], tmp: str):
+    """The federation of ``config`` as ``pl-fed fit`` builds it, set up, nothing trained."""
+    from pl_fedsparse.cli import FedCLI
+
+    cli = FedCLI(args=fit_args(config, accelerator, data_root, clients, extra, tmp), run=False)
     loop = cli.trainer
     loop.setup(cli.model, cli.datamodule)
     return loop
@@ -98,11 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=1, help="clients per profiled round (default 1: one fit)")
     ap.add_argument("--top", type=int, default=15, help="rows of the function and operator tables (default 15)")
     ap.add_argument("--out", type=Path, default=None, help="also write fit.pstats and ops.txt here")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="only check that the command resolves (no data, no device, nothing run)")
     args = ap.parse_args(argv)
     if args.clients < 1:
         ap.error(f"--clients={args.clients} is invalid; expected a whole number >= 1")
     if args.top < 1:
         ap.error(f"--top={args.top} is invalid; expected a whole number >= 1")
+    if args.dry_run:  # on the CPU: data.device cuda is refused where CUDA is absent
+        from gpu_rounds import resolve
+
+        argv_ = fit_args(args.config, "cpu", args.data_root, args.clients,
+                         [x if x != "cuda" else "cpu" for x in extra], "benchmarks/_runs/profile_fit")
+        resolved = resolve(["fit", *argv_], f"profile_fit: {args.config}")
+        print(f"profile_fit: {args.config} resolves (clients per round: {resolved['trainer']['clients_per_round']})")
+        return 0
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         print("error: profile_fit.py: --accelerator gpu, but torch.cuda.is_available() is false; use --accelerator cpu",
               file=sys.stderr)
