@@ -22,7 +22,7 @@
 #                                                                                       -> ray_<mode>.txt
 #   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round and the MLP quickstart
 #             task, in process vs VectorizedExecutor: seconds per round and GPU utilisation -> vectorized_<task>.txt
-#   profile   benchmarks/profile_fit.py: where a FedSpa round (ResNet18-GN, 10 clients) spends its time, by package,
+#   profile   benchmarks/profile_fit.py: where a FedSpa round (VGG11-GN, 10 clients) spends its time, by package,
 #             and how busy the GPU is                                                    -> profile_fedspa.txt
 # Data: CIFAR10_ROOT (default data/cifar10, the extracted ImageFolder copy) and FMNIST_ROOT (default
 # /usr/share/datasets/fashion-mnist); a step whose data or package is missing is recorded as skipped, not failed.

@@ -1,13 +1,14 @@
-"""Prune-and-regrow on one ResNet-18 client: the linear-time selection against the stable sort it replaced.
+"""Prune-and-regrow on one client: the linear-time selection against the stable sort it replaced.
 
-On a lent H200 a FedSpa round of the paper config (ResNet18-GN, 10 clients) spent 13.3 of its 17.2 s in
+On a lent H200 a FedSpa round of the paper config (VGG11-GN, 10 clients) spent 13.3 of its 17.2 s in
 ``torch.sort`` inside ``drop_and_grow`` (``benchmarks/gpu/profile/profile_fedspa_10clients.txt``, written by
 ``benchmarks/profile_fit.py``): the masks are readjusted on the CPU, and sorting each large layer's scores cost
 ~140 ms. :func:`pl_fedsparse.functional.masks.stable_top_k` selects the same entries with ``torch.kthvalue`` and
-comparisons. This script times one client's readjustment (every ResNet18-GN tensor FedSpa masks, ERK density 0.5,
-α = 0.5: the first round's rate) both ways, alternating, and checks that the masks are equal:
+comparisons. This script times one client's readjustment (every weight tensor of FedSpa's VGG11-GN or DisPFL's
+ResNet18-GN with more than one dimension, ERK density 0.5, α = 0.5: the first round's rate) both ways, alternating,
+and checks that the masks are equal:
 
-    OMP_NUM_THREADS=1 python benchmarks/topk_select.py [--pairs 7] [--rate 0.5]
+    OMP_NUM_THREADS=1 python benchmarks/topk_select.py [--model vgg11gn|resnet18gn] [--pairs 7] [--rate 0.5]
 
 It prints the medians of wall and CPU time and their ratios (sort / selection).
 """
@@ -21,7 +22,9 @@ import time
 import torch
 
 from pl_fedsparse.functional import drop_and_grow, erk_densities, masks_from_densities, prune_regrow_count
-from pl_fedsparse.models import ResNet18GN
+from pl_fedsparse.models import VGG11GN, ResNet18GN
+
+MODELS = {"vgg11gn": VGG11GN, "resnet18gn": ResNet18GN}
 
 
 def drop_and_grow_by_sort(mask: torch.Tensor, drop_score: torch.Tensor, grow_score: torch.Tensor,
@@ -41,6 +44,8 @@ def drop_and_grow_by_sort(mask: torch.Tensor, drop_score: torch.Tensor, grow_sco
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="vgg11gn",
+                    help="vgg11gn (FedSpa's, the profiled one; default) or resnet18gn (DisPFL's)")
     ap.add_argument("--pairs", type=int, default=7, help="alternating A/B pairs (default 7)")
     ap.add_argument("--rate", type=float, default=0.5, help="prune rate α (default 0.5)")
     args = ap.parse_args()
@@ -48,10 +53,12 @@ def main() -> None:
         ap.error(f"--pairs={args.pairs} is invalid; expected a whole number >= 1")
     if not 0 <= args.rate <= 1:
         ap.error(f"--rate={args.rate} is invalid; expected a number in [0, 1]")
-    model = ResNet18GN(num_classes=10)
+    model = MODELS[args.model](num_classes=10)
     shapes = {n: p.shape for n, p in model.named_parameters() if p.dim() > 1}
     g = torch.Generator().manual_seed(0)
-    masks = masks_from_densities(shapes, erk_densities(shapes, 0.5), g)
+    densities = erk_densities(shapes, 0.5)
+    # the tensors the engine masks (and readjusts): those ERK leaves below density 1 (SparseMask)
+    masks = masks_from_densities({n: s for n, s in shapes.items() if densities[n] < 1.0}, densities, g)
     drop = {n: p.detach().abs() for n, p in model.named_parameters() if n in masks}
     grow = {n: torch.rand(s, generator=g) for n, s in shapes.items() if n in masks}
     ks = {n: prune_regrow_count(m, args.rate) for n, m in masks.items()}
@@ -73,7 +80,7 @@ def main() -> None:
             if not torch.equal(a[n], b[n]):
                 raise SystemExit(f"error: the masks of {n} differ between the sort and the selection")
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in times.items()}
-    print(f"ResNet18GN: {len(masks)} masked tensors, {entries:,} entries, rate {args.rate}, "
+    print(f"{type(model).__name__}: {len(masks)} masked tensors, {entries:,} entries, rate {args.rate}, "
           f"{torch.get_num_threads()} thread(s), {args.pairs} alternating pairs; masks equal in every pair")
     for k, (w, c) in med.items():
         print(f"  {k:7s} wall {1000 * w:8.1f} ms   cpu {1000 * c:8.1f} ms   (median per client readjustment)")

@@ -223,9 +223,9 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
 
     That is the ``k`` largest (``largest=True``) or smallest scores, ties to the lower index, NaN ranked above every
     number (``torch.sort``'s convention: first when ``largest``, last otherwise), ``-0.0`` equal to ``0.0``. The
-    k-th value is found with ``torch.kthvalue`` (linear time) and the entries are taken by comparison with it, so
-    on a ResNet-18 layer this is ~8× faster than the sort on a CPU (``benchmarks/topk_select.py``), with the same
-    result (``tests/test_functional_masks.py`` compares the two on ties, NaN, ±0 and ±inf).
+    k-th value is found with ``torch.kthvalue`` (linear time) and the entries are taken by comparison with it: one
+    VGG11-GN or ResNet18-GN client's prune-and-regrow is ~3× faster than with the sort on a CPU core
+    (``benchmarks/topk_select.py``), with the same result (``tests/test_functional_masks.py`` compares the two on ties, NaN, ±0 and ±inf).
 
     Args:
         scores: a 1-D floating-point tensor (half-precision scores are compared in float32, which keeps their order).
