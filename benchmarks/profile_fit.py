@@ -84,9 +84,11 @@ def build(config: str, accelerator: str, data_root: str | None, clients: int, ex
     return loop
 
 
-def by_package(stats: pstats.Stats, wall: float) -> list[tuple[str, float]]:
+def by_package(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """cProfile self time summed by :data:`PACKAGES` label, largest first."""
     totals: dict[str, float] = defaultdict(float)
-    for (filename, _line, _name), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    entries = stats.stats.items()  # type: ignore[attr-defined]
+    for (filename, _line, _name), (_cc, _nc, tottime, _ct, _callers) in entries:
         totals[package_of(filename)] += tottime
     return sorted(totals.items(), key=lambda kv: -kv[1])
 
@@ -143,7 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up round: {time.perf_counter() - t:.2f} s")
 
         prof = cProfile.Profile()
-        sync()
         t = time.perf_counter()
         prof.enable()
         loop.run_round(1)
@@ -153,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         stats = pstats.Stats(prof)
         print(f"\nround under cProfile: {wall_cprofile:.2f} s (profiling slows Python-heavy code; read shares)")
         print("| package | self s | share % |\n|---|---|---|")
-        total = sum(v for _k, v in by_package(stats, wall_cprofile))
-        for label, secs in by_package(stats, wall_cprofile):
+        packages = by_package(stats)
+        total = sum(secs for _label, secs in packages)
+        for label, secs in packages:
             print(f"| {label} | {secs:.3f} | {100 * secs / total:.1f} |")
         print(f"\ntop {args.top} functions by self time:")
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.top]  # type: ignore[attr-defined]
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nround under torch.profiler: {wall:.2f} s")
         if cuda:
             kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-            print(f"GPU kernels: {kernel_us / 1e6:.3f} s of {wall:.2f} s wall = {100 * kernel_us / 1e6 / wall:.1f} % busy")
+            busy = kernel_us / 1e6
+            print(f"GPU kernels: {busy:.3f} s of {wall:.2f} s wall = {100 * busy / wall:.1f} % busy")
             syncs = {e.key: e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
                                                                   "cudaMemcpyAsync", "cudaMemcpy",
                                                                   "cudaLaunchKernel", "cudaEventSynchronize")}

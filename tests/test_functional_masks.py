@@ -252,6 +252,13 @@ def test_stable_top_k_on_distinct_and_large_scores():
             assert torch.equal(stable_top_k(scores, k, largest=largest), _sort_reference(scores, k, largest))
 
 
+def test_stable_top_k_on_integer_scores():
+    scores = torch.tensor([3, 1, 3, 0, 1, 2])
+    for k in range(7):
+        for largest in (True, False):
+            assert torch.equal(stable_top_k(scores, k, largest=largest), _sort_reference(scores, k, largest))
+
+
 def test_stable_top_k_bad_k():
     with pytest.raises(ConfigError, match="k"):
         stable_top_k(torch.zeros(3), 4, largest=True)

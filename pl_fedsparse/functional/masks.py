@@ -225,10 +225,12 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
     number (``torch.sort``'s convention: first when ``largest``, last otherwise), ``-0.0`` equal to ``0.0``. The
     k-th value is found with ``torch.kthvalue`` (linear time) and the entries are taken by comparison with it: one
     VGG11-GN or ResNet18-GN client's prune-and-regrow is ~3× faster than with the sort on a CPU core
-    (``benchmarks/topk_select.py``), with the same result (``tests/test_functional_masks.py`` compares the two on ties, NaN, ±0 and ±inf).
+    (``benchmarks/topk_select.py``), with the same result (``tests/test_functional_masks.py`` compares the two on
+    ties, NaN, ±0, ±inf and integer scores).
 
     Args:
-        scores: a 1-D floating-point tensor (half-precision scores are compared in float32, which keeps their order).
+        scores: a 1-D tensor of real scores (half precision is compared in float32, integers and bools in float64:
+            both keep the order).
         k: how many to select, ``0 <= k <= scores.numel()``.
         largest: select the largest (True) or the smallest (False).
 
@@ -239,7 +241,9 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
     n = scores.numel()
     check(isinstance(k, int) and 0 <= k <= n, "k", k, f"an int in [0, {n}]")
     s = scores.detach().reshape(-1)
-    if s.dtype in (torch.float16, torch.bfloat16):
+    if not s.is_floating_point():
+        s = s.double()
+    elif s.dtype in (torch.float16, torch.bfloat16):
         s = s.float()
     selected = torch.zeros(n, dtype=torch.bool, device=s.device)
     nan = torch.isnan(s)
@@ -267,12 +271,7 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
         >>> topk_mask(torch.tensor([[0.1, 0.9], [0.5, 0.5]]), 2).tolist()
         [[False, True], [True, False]]
     """
-    n = scores.numel()
-    check(isinstance(k, int) and 0 <= k <= n, "k", k, f"an int in [0, {n}]")
-    flat = scores.detach().flatten().cpu()
-    if not flat.is_floating_point():
-        flat = flat.double()
-    return stable_top_k(flat, k, largest=True).view(scores.shape)
+    return stable_top_k(scores.detach().flatten().cpu(), k, largest=True).view(scores.shape)
 
 
 def permutation_scores(shape: torch.Size | tuple[int, ...], generator: torch.Generator) -> Tensor:

@@ -69,8 +69,7 @@ def _as_scores(score: Tensor, mask: Tensor, param: str) -> Tensor:
     check(isinstance(score, Tensor) and score.shape == mask.shape, param,
           tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__,
           f"a tensor of the mask's shape {tuple(mask.shape)}")
-    flat = score.detach().reshape(-1)
-    return flat if flat.is_floating_point() else flat.double()
+    return score.detach().reshape(-1)  # any real dtype: stable_top_k compares integers in float64
 
 
 def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) -> Tensor:
