@@ -18,12 +18,12 @@ checkpoint is never touched by a failed write.
 from __future__ import annotations
 
 import errno
-import importlib
 import json
 import logging
 import os
 import re
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -137,12 +137,29 @@ def _callback_class_path(cfg: Any, index: str) -> str | None:
     return str(path) if path is not None else None
 
 
-def _resume_may_change_args(class_path: str) -> tuple[str, ...]:
-    """The callback class's :data:`CALLBACK_RESUME_ATTR` (none when it cannot be imported)."""
+def _loaded_class(class_path: str) -> Any:
+    """The object ``class_path`` names **if its module is already imported**, else ``None``.
+
+    A configuration read from a checkpoint, ``run.json`` or a resumed ``config.yaml`` may come from elsewhere: it is
+    data, and nothing it names is imported (importing runs the module's code). The classes of the configuration the
+    user asked to run are imported by the CLI before any comparison, so they resolve here; a class named only by the
+    other file does not, and is compared as text. The module's own attribute table is read directly, so not even a
+    module-level ``__getattr__`` runs.
+    """
     module, _, name = class_path.rpartition(".")
+    mod = sys.modules.get(module) if module else None
+    if mod is None:
+        return None
     try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
+        return vars(mod).get(name)
+    except TypeError:  # an object in sys.modules without a __dict__
+        return None
+
+
+def _resume_may_change_args(class_path: str) -> tuple[str, ...]:
+    """The callback class's :data:`CALLBACK_RESUME_ATTR` (none when its module is not already imported)."""
+    cls = _loaded_class(class_path)
+    if cls is None:
         return ()
     args = getattr(cls, CALLBACK_RESUME_ATTR, ())
     return tuple(args) if isinstance(args, (tuple, list, set, frozenset)) else ()
@@ -165,14 +182,14 @@ DEFAULT_SECTION_CLASSES = {"model": "pl_fedsparse.FederatedModule", "data": "pl_
 
 def _class_key(path: Any) -> Any:
     """One spelling per class: ``pl_fedsparse.module.FederatedModule`` and ``pl_fedsparse.FederatedModule`` name the
-    same class (jsonargparse writes the shortest importable path)."""
+    same class (jsonargparse writes the shortest importable path). Resolved only through modules already imported
+    (:func:`_loaded_class`): nothing a file from elsewhere names is imported."""
     if not isinstance(path, str) or "." not in path:
         return path
-    module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError):
+    cls = _loaded_class(path)
+    if cls is None:
         return path
+    module, _, name = path.rpartition(".")
     return f"{getattr(cls, '__module__', module)}.{getattr(cls, '__qualname__', name)}"
 
 

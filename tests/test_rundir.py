@@ -494,3 +494,75 @@ def test_overwrite_does_not_break_into_a_running_run(tmp_path: Path, capsys: pyt
         assert {k: v for k, v in digest(run).items() if k != ".lock"} == before
     finally:
         holder.reporter.release()
+
+
+# ------------------------------------------------------------------------------------------ checkpoint provenance
+SIDE_EFFECT = '''
+import os
+open(os.environ["SIDEFX_MARKER"], "a").write("imported {name}\\n")
+
+class Evil:
+    resume_may_change = ("lr",)
+'''
+
+
+def _plant_side_effect_modules(where: Path, marker: Path, monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    for name in names:
+        (where / f"{name}.py").write_text(SIDE_EFFECT.replace("{name}", name))
+    monkeypatch.setenv("SIDEFX_MARKER", str(marker))
+    monkeypatch.syspath_prepend(str(where))
+
+
+def test_config_diff_never_imports_a_class_named_by_the_other_file(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Comparing configurations resolves class paths only through modules already imported: a class path in a
+    checkpoint's configuration is text, compared as text."""
+    marker = tmp_path / "marker"
+    _plant_side_effect_modules(tmp_path, marker, monkeypatch, "sidefx_model", "sidefx_cb")
+    old = yaml.safe_dump({"model": {"class_path": "sidefx_model.Evil", "init_args": {"lr": 0.1}},
+                          "trainer": {"callbacks": [{"class_path": "sidefx_cb.Evil", "init_args": {"lr": 1}}]}})
+    new = yaml.safe_dump({"model": {"class_path": "pl_fedsparse.FederatedModule", "init_args": {"lr": 0.1}},
+                          "trainer": {"callbacks": [{"class_path": "sidefx_cb.Evil", "init_args": {"lr": 2}}]}})
+    allowed, refused = config_changes(old, new)
+    assert not marker.exists(), marker.read_text()
+    assert "sidefx_model" not in sys.modules and "sidefx_cb" not in sys.modules
+    assert refused["model.class_path"] == ["sidefx_model.Evil", "(absent)"]
+    # the callback's declared resumable argument is unknown while its module is not imported: the change is refused
+    assert refused["trainer.callbacks.0.init_args.lr"] == [1, 2] and allowed == {}
+    # two spellings of one imported class still compare equal (the alias is resolved from loaded modules)
+    same = yaml.safe_dump({"model": {"class_path": "pl_fedsparse.module.FederatedModule", "init_args": {"lr": 0.1}}})
+    alias = yaml.safe_dump({"model": {"class_path": "pl_fedsparse.FederatedModule", "init_args": {"lr": 0.1}}})
+    assert config_changes(same, alias) == ({}, {})
+
+
+def test_a_crafted_checkpoint_imports_nothing_it_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint from elsewhere whose embedded configuration names modules with side effects (one in the working
+    directory, where ``pl-fed`` looks for the user's own modules) is refused with one line; a marker file proves that
+    none of them was imported."""
+    run = tmp_path / "run"
+    assert run_main(cli_fit(run, "--trainer.num_rounds", "1"), capsys)[0] == 0
+    marker = tmp_path / "marker"
+    work = tmp_path / "work"
+    work.mkdir()
+    _plant_side_effect_modules(work, marker, monkeypatch, "sidefx", "sidefx_data", "sidefx_cb")
+    monkeypatch.chdir(work)
+    state = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    state.pop("loaded_from", None)
+    state.pop("format", None)
+    cfg = yaml.safe_load(state["config"])
+    cfg["model"] = {"class_path": "sidefx.Evil", "init_args": {"lr": 0.01}}
+    cfg["data"] = {"class_path": "sidefx_data.Evil", "init_args": {}}
+    cfg["trainer"]["callbacks"] = [{"class_path": "sidefx_cb.Evil", "init_args": {"lr": 1}}]
+    state["config"] = yaml.safe_dump(cfg)
+    crafted = tmp_path / "crafted.ckpt"
+    from pl_fedsparse.checkpoint import save_checkpoint
+    save_checkpoint(crafted, state)
+    before = digest(run)
+    code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2", "--ckpt_path", str(crafted)), capsys)
+    assert code == 2
+    line = one_line(err)
+    assert "model.class_path" in line and "sidefx.Evil" in line, line
+    assert not marker.exists(), marker.read_text()
+    assert not {"sidefx", "sidefx_data", "sidefx_cb"} & set(sys.modules)
+    assert digest(run) == before
