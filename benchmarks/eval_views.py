@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from pl_fedsparse.cli import FedCLI
 from pl_fedsparse.evaluation import CLEAN
-from pl_fedsparse.execution import load_state
+from pl_fedsparse.executors.base import load_state
 
 
 def build(config: str, data_root: str | None, clients: int | None, tmp: str, samples: int | None = None) -> Any:

@@ -13,7 +13,7 @@ path (``seperate_trans 0``), joint per-batch updates (``bi_level_opt 0``), SGD(m
 
 * **ours**: the real library path. A ``FederatedModule(LeNetCIFAR)`` (its own ``configure_optimizers``: SGD with the
   module's lr / momentum / weight decay) is fitted by a Lightning ``Trainer`` built as
-  ``pl_fedsparse.execution`` builds a client's (``gradient_clip_val=10``, 32-bit, CPU) with the ``PFedGate`` callback
+  ``pl_fedsparse.executors`` builds a client's (``gradient_clip_val=10``, 32-bit, CPU) with the ``PFedGate`` callback
   in it: the callback's gated forward (gate → knapsack → straight-through → ``θ' = θ ⊙ expand(M')`` → functional
   forward), its ``on_train_start`` (the gate's SGD) and ``on_before_optimizer_step`` (gate clip + step). The only
   thing the harness does by hand is what ``on_client_fit_start`` does with a loop (load the gate, set the client's
@@ -344,7 +344,7 @@ class Recorder(pl.Callback):
 
 
 def make_trainer(n_steps: int, callbacks: list[pl.Callback], root: str) -> pl.Trainer:
-    # as pl_fedsparse.execution builds a client's Trainer (CPU, 32-bit, θ clipped at 10 by Lightning)
+    # as pl_fedsparse.executors builds a client's Trainer (CPU, 32-bit, θ clipped at 10 by Lightning)
     return pl.Trainer(accelerator="cpu", devices=1, precision="32-true", max_epochs=-1, max_steps=n_steps,
                       callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,

@@ -25,7 +25,7 @@ import torch
 
 from pl_fedsparse import FederatedCallback, current_fit
 from pl_fedsparse.errors import check
-from pl_fedsparse.vectorized import StackedFit, VectorizedFitHooks
+from pl_fedsparse.executors import StackedFit, VectorizedFitHooks
 
 
 class FedProx(FederatedCallback):

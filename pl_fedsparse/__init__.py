@@ -3,7 +3,7 @@
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.context import FitContext, FitKind, FitSpec, FitStage, current_fit
-from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
+from pl_fedsparse.executors import ClientExecutor, FitRequest, InProcessExecutor
 from pl_fedsparse.errors import CheckpointError, ConfigError
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule

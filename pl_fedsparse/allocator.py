@@ -79,7 +79,7 @@ def heap_only() -> Iterator[bool]:
 
     Why: :func:`tune_malloc` can keep freed blocks of up to 32 MiB in the heap (glibc's largest mmap threshold), but
     a larger block is still mapped afresh at every allocation and faulted in page by page. The
-    :class:`~pl_fedsparse.vectorized.VectorizedExecutor` allocates such blocks at every stacked step (a group's
+    :class:`~pl_fedsparse.executors.VectorizedExecutor` allocates such blocks at every stacked step (a group's
     gradients, 100 MLP clients: 61 MB per layer): measured, a quarter of a round went to page faults. In the heap
     the freed block is reused by the next step (the trim threshold keeps it there).
     """

@@ -48,7 +48,7 @@ from torch import Tensor
 from pl_fedsparse.data.corruptions import CORRUPTIONS
 from pl_fedsparse.data.loaders import TensorBatchLoader
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.execution import load_state
+from pl_fedsparse.executors.base import load_state
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 
 if TYPE_CHECKING:
@@ -300,7 +300,7 @@ class Evaluator:
                 ) -> tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]:
         """Client ``k``'s logits of every model kind on every view, and the labels of every view: the forward part
         of an evaluation, with the ``on_client_evaluate_start``/``_end`` hooks (an out-of-process executor runs it
-        in its workers, :meth:`~pl_fedsparse.execution.ClientExecutor.forward_clients`).
+        in its workers, :meth:`~pl_fedsparse.executors.ClientExecutor.forward_clients`).
 
         ``streamed[kind][view key]``: this client's results already computed in one stream (:meth:`forward_shared`);
         such a kind computes only its other views here, and its ``on_client_evaluate_end`` was called already.

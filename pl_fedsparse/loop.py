@@ -11,7 +11,7 @@ One round (0-based ``round_idx``)::
     global = aggregate(updates) → on_after_aggregate → requested fits ("after_aggregate")
     every eval_every rounds: evaluate (evaluation.Evaluator) → on_round_end → report → checkpoint (atomic)
 
-Its parts live in modules named for their jobs: client execution (:mod:`pl_fedsparse.execution`), the fit context
+Its parts live in modules named for their jobs: client execution (:mod:`pl_fedsparse.executors`), the fit context
 (:mod:`pl_fedsparse.context`), evaluation (:mod:`pl_fedsparse.evaluation`), reporting (:mod:`pl_fedsparse.reporting`),
 checkpoint state (:mod:`pl_fedsparse.checkpoint`), random streams (:mod:`pl_fedsparse.streams`) and accounting
 (:class:`pl_fedsparse.metrics.Accounting`). Nothing here is specific to a method: masks, personal weights, residuals
@@ -40,16 +40,16 @@ from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CONTRACT_MODES, CallbackContract
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
-from pl_fedsparse.execution import (
+from pl_fedsparse.executors.base import (
     ClientExecutor,
     ClientFaultError,
     FitRequest,
-    InProcessExecutor,
     check_environment,
     load_state,
     local_gradients,
     quiet_lightning,
 )
+from pl_fedsparse.executors.in_process import InProcessExecutor
 from pl_fedsparse.metrics import EVAL_METRICS, SERVER, Accounting, TrainFlops
 from pl_fedsparse.protocol import check_datamodule
 from pl_fedsparse.reporting import RunReporter, results_table
@@ -89,7 +89,7 @@ class FederatedLoop:
         enable_progress_bar: progress bar over rounds (default: only on a terminal).
         topology: communication graph (default :class:`~pl_fedsparse.topology.Star`).
         callbacks: the method, as a list of (federated) callbacks.
-        executor: runs the client fits (default :class:`~pl_fedsparse.execution.InProcessExecutor`).
+        executor: runs the client fits (default :class:`~pl_fedsparse.executors.InProcessExecutor`).
         on_client_fault: ``"skip"``: a fit that raises or yields a non-finite loss, gradient, weight or upload is
             left out of aggregation and gossip, the client keeps its previous state and the fault is reported;
             ``"raise"``: stop the run with the fault.
@@ -285,7 +285,7 @@ class FederatedLoop:
     def fit_request(self, client_idx: int, start: Mapping[str, Tensor], kind: FitKind = "train", *,
                     epochs: int | None = None, lr_round: int | None = None, stream: str | None = None,
                     requester: str | None = None) -> FitRequest:
-        """A :class:`~pl_fedsparse.execution.FitRequest` for the current round (seeded by its stream)."""
+        """A :class:`~pl_fedsparse.executors.FitRequest` for the current round (seeded by its stream)."""
         r, stream = self.round_idx, stream or kind
         ctx = FitContext(client_idx, r, kind, stream, self.streams.fit_seed(stream, r, client_idx),
                          r if lr_round is None else lr_round, epochs, requester)

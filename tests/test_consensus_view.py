@@ -21,7 +21,7 @@ from pl_fedsparse import ConfigError, FullyConnected, RandomPeers, Ring
 from pl_fedsparse.callbacks import FineTune, Gossip, RandomRegrow
 from pl_fedsparse.callbacks.gossip import consensus_state
 from pl_fedsparse.evaluation import CLEAN, shared_models
-from pl_fedsparse.execution import InProcessExecutor
+from pl_fedsparse.executors import InProcessExecutor
 from pl_fedsparse.executors import FitWorker, sync_state, worker_spec
 from pl_fedsparse.functional import pack_masks, weighted_average
 from pl_fedsparse.rundir import config_changes

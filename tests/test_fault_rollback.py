@@ -32,7 +32,7 @@ from pl_fedsparse.callbacks import (
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.contract import CallbackContractError
-from pl_fedsparse.execution import FitRequest
+from pl_fedsparse.executors import FitRequest
 from pl_fedsparse.models import MLP, Mixture
 from pl_fedsparse.testing import FaultInjection
 

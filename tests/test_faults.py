@@ -22,7 +22,7 @@ from conftest import TINY_CLI, tiny_datamodule, tiny_loop, tiny_module
 from pl_fedsparse import FederatedCallback, policies
 from pl_fedsparse.checkpoint import load_checkpoint
 from pl_fedsparse.cli import main
-from pl_fedsparse.execution import ClientFaultError
+from pl_fedsparse.executors import ClientFaultError
 from pl_fedsparse.testing import FAULT_KINDS, FaultInjection
 
 CLIENT, ROUND = 2, 1

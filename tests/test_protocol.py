@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from pl_fedsparse import ConfigError, current_fit
 from pl_fedsparse.callbacks import FineTune, GradientRegrow
-from pl_fedsparse.execution import FitMeter
+from pl_fedsparse.executors import FitMeter
 from pl_fedsparse.models import MLP
 
 

@@ -209,15 +209,15 @@ class FederatedCallback(pl.Callback):
 
     def vectorized_fit(self) -> Any:
         """What this callback does inside a local fit, in the form the
-        :class:`~pl_fedsparse.vectorized.VectorizedExecutor` applies to a stacked group of fits: a
-        :class:`~pl_fedsparse.vectorized.VectorizedFitHooks`, or ``None`` when it does nothing inside a fit.
+        :class:`~pl_fedsparse.executors.VectorizedExecutor` applies to a stacked group of fits: a
+        :class:`~pl_fedsparse.executors.VectorizedFitHooks`, or ``None`` when it does nothing inside a fit.
 
         The default is ``None`` for a callback that overrides none of Lightning's in-fit hooks
-        (:data:`~pl_fedsparse.vectorized.IN_FIT_HOOKS`) and ``NotImplemented`` otherwise: the executor then refuses
+        (:data:`~pl_fedsparse.executors.IN_FIT_HOOKS`) and ``NotImplemented`` otherwise: the executor then refuses
         the run in one line naming the callback. Override it to make a callback with in-fit hooks vectorisable
         (``docs/extending.md``).
         """
-        from pl_fedsparse.vectorized import in_fit_hooks
+        from pl_fedsparse.executors.hooks import in_fit_hooks
 
         return NotImplemented if in_fit_hooks(self) else None
 

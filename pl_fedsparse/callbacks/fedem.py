@@ -65,7 +65,7 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.execution import load_state
+from pl_fedsparse.executors.base import load_state
 from pl_fedsparse.functional.mixture import component_log_likelihood, e_step, weighted_nll
 from pl_fedsparse.models.mixture import Mixture
 

@@ -134,7 +134,7 @@ class MaskedTraining:
 
 
 class _VectorizedMaskedTraining:
-    """:class:`MaskedTraining` over a stacked group of fits (:class:`~pl_fedsparse.vectorized.VectorizedExecutor`):
+    """:class:`MaskedTraining` over a stacked group of fits (:class:`~pl_fedsparse.executors.VectorizedExecutor`):
     each client's trainable masks and frozen values, captured after its ``begin``, stacked; the same two edits per
     step — gradients times the masks before the optimizer step, weights times the masks plus the frozen part after
     it. A client without a mask for a tensor gets ones (times 1 and plus 0 are exact)."""

@@ -57,7 +57,7 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.execution import load_state
+from pl_fedsparse.executors.base import load_state
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop

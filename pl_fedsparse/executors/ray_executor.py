@@ -12,7 +12,7 @@ messages, aggregation, gossip, the client store, accounting, checkpoints, metric
   store once and shared by all of that run's fits (``sync_state``). The start tensors of a request that *are* the
   global state's tensors are not sent again: the request names them and the worker takes them from the synced
   global state.
-* **Per fit**: the :class:`~pl_fedsparse.execution.FitRequest` (context, start tensors not in the global state, the
+* **Per fit**: the :class:`~pl_fedsparse.executors.FitRequest` (context, start tensors not in the global state, the
   client's declared state); back comes the :class:`~pl_fedsparse.client.ClientUpdate` with the client's state
   entries that the fit changed. Boolean masks travel bit-packed (:func:`pack_tree`).
 
@@ -52,13 +52,14 @@ from pl_fedsparse.client import ClientStateStore, ClientUpdate
 from pl_fedsparse.contract import CallbackContractError
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import Evaluator
-from pl_fedsparse.execution import ClientExecutor, FitRequest, InProcessExecutor
-from pl_fedsparse.vectorized import VectorizedExecutor
+from pl_fedsparse.executors.base import ClientExecutor, FitRequest
+from pl_fedsparse.executors.in_process import InProcessExecutor
+from pl_fedsparse.executors.vectorized import VectorizedExecutor
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
-__all__ = ["FitWorker", "RayExecutor", "VectorizedExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree",
+__all__ = ["FitWorker", "RayExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree",
            "worker_spec"]
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ def _for_workers(callback: Any) -> Any:
 
 @dataclass
 class _WireRequest:
-    """A :class:`~pl_fedsparse.execution.FitRequest` whose start tensors that are the synced global state's tensors
+    """A :class:`~pl_fedsparse.executors.FitRequest` whose start tensors that are the synced global state's tensors
     are sent by name only."""
 
     request: FitRequest
@@ -290,7 +291,7 @@ class FitWorker:
     def run_many(self, key: Any, state: Mapping[str, Any], wires: Sequence[_WireRequest]
                  ) -> tuple[list[ClientUpdate] | CallbackContractError, float]:
         """Run fits (of different clients) through this worker's executor — together, when it is a
-        :class:`~pl_fedsparse.vectorized.VectorizedExecutor` — and return their updates as :meth:`run` does."""
+        :class:`~pl_fedsparse.executors.VectorizedExecutor` — and return their updates as :meth:`run` does."""
         self.sync(key, state)
         loop = self.loop
         requests = []
@@ -447,7 +448,7 @@ class RayExecutor(ClientExecutor):
             the client is reported as faulty (``trainer.on_client_fault``) and the run goes on.
         object_store_memory: bytes for the object store of a local instance (``None``: Ray's default).
         vectorize: each worker trains its share of a stage's fits together
-            (:class:`~pl_fedsparse.vectorized.VectorizedExecutor`): the fits are dealt out as one contiguous chunk per
+            (:class:`~pl_fedsparse.executors.VectorizedExecutor`): the fits are dealt out as one contiguous chunk per
             worker instead of one at a time; a worker that dies loses (and retries) its whole chunk.
 
     Example:
@@ -709,7 +710,7 @@ class RayExecutor(ClientExecutor):
         assert loop is not None
         ctx = request.context
         if loop.on_client_fault == "raise":
-            from pl_fedsparse.execution import ClientFaultError
+            from pl_fedsparse.executors.base import ClientFaultError
 
             raise ClientFaultError(f"round {ctx.round_idx}: client {ctx.client_idx}'s {ctx.kind} fit failed "
                                    f"(worker_lost: {detail}); trainer.on_client_fault=raise")

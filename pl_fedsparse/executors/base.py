@@ -1,0 +1,294 @@
+"""Client execution's common base: the seam between the federation's orchestration and the local fits.
+
+The loop hands every fit of a stage to a :class:`ClientExecutor` as a list of :class:`FitRequest` s and gets one
+:class:`~pl_fedsparse.client.ClientUpdate` per request back. Everything a fit needs travels in the request — the
+:class:`~pl_fedsparse.context.FitContext` (client, round, kind, stream and seed, learning-rate round, epochs), the
+start tensors and that client's declared state — and everything it produces comes back in the update (trained
+state, upload, masks, metrics, FLOPs, the client's state after the fit). An out-of-process executor (Ray workers,
+one process per GPU) is therefore a second implementation of :meth:`ClientExecutor.run` that ships the requests to
+workers holding a replica of the module and the callbacks; :class:`InProcessExecutor` runs them here, in order, on
+the loop's working module.
+
+Fits are order-independent: each seeds the torch RNG, the shuffling and the augmentation from its own stream, so
+running the requests in another order or in parallel gives the same updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
+from pl_fedsparse.context import FitContext
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.protocol import check_model, training_loss
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = [
+    "ClientExecutor",
+    "ClientFaultError",
+    "FitMeter",
+    "FitRequest",
+    "begin_fit",
+    "check_environment",
+    "end_fit",
+    "find_fault",
+    "fit_update",
+    "load_state",
+    "local_gradients",
+    "quiet_lightning",
+    "seed_fit",
+]
+
+
+@dataclass
+class FitRequest:
+    """One local fit to run.
+
+    Attributes:
+        context: client, round, kind, stream/seed, learning-rate round, epochs.
+        start: the full state dict the fit starts from.
+        client_state: the client's declared state (``ClientStateStore.export_client``).
+    """
+
+    context: FitContext
+    start: Mapping[str, Tensor]
+    client_state: dict[str, TensorTree]
+
+
+class ClientFaultError(RuntimeError):
+    """A client's fit failed and ``trainer.on_client_fault`` is ``"raise"``."""
+
+
+class ClientExecutor(ABC):
+    """Runs local fits: ``run(requests) -> updates`` (one update per request, same order)."""
+
+    def setup(self, loop: FederatedLoop) -> None:
+        """Called once when the federation is set up (the loop's module, data and callbacks are ready)."""
+
+    @abstractmethod
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        """Run ``requests`` and return their updates, in the order of ``requests``."""
+
+    def teardown(self) -> None:
+        """Called when the federation ends (also when it stops with an error)."""
+
+    def forward_clients(self, clients: Sequence[int], split: str, views: Mapping[str, Any], has_global: bool
+                        ) -> list[tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]] | None:
+        """Evaluation's forward passes (:meth:`pl_fedsparse.evaluation.Evaluator.forward` of every client in
+        ``clients``, in that order) run elsewhere, or ``None`` to let the evaluator run them in this process (the
+        default)."""
+        return None
+
+    def round_metrics(self) -> dict[str, Any]:
+        """Figures of the round that just ended for its metrics row (e.g. ``worker_retries``); then reset."""
+        return {}
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Silence Lightning's per-Trainer info lines and per-fit warnings (one Trainer per client fit)."""
+    names = ["lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
+             "lightning.pytorch.accelerators.cuda"]
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"lightning\..*")
+        warnings.filterwarnings("ignore", message=r".*(num_workers|log_every_n_steps|does not have many workers).*")
+        try:
+            yield
+        finally:
+            for n, lv in levels.items():
+                logging.getLogger(n).setLevel(lv)
+
+
+def load_state(module: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Copy a (full or partial) state dict into ``module`` in place (no re-allocation, any device/dtype)."""
+    with torch.no_grad():
+        own = module.state_dict(keep_vars=True)
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: Iterable[str], device: torch.device,
+                    max_batches: int) -> tuple[dict[str, Tensor], int]:
+    """Sum of the dense gradients of ``names`` over the first ``max_batches`` batches, at the module's current
+    weights, in training mode; returns the gradients (on ``device``) and the number of samples used.
+
+    The loss is the module's optional ``loss(logits, y)`` (:mod:`pl_fedsparse.protocol`), else cross-entropy.
+    Gradients of other parameters are discarded; the module's ``.grad`` fields are left empty.
+    """
+    module.to(device).train()
+    params = dict(module.named_parameters())
+    grads = {n: torch.zeros_like(params[n]) for n in names if n in params}
+    seen = 0
+    for i, (x, y) in enumerate(batches):
+        if i >= max_batches:
+            break
+        x, y = x.to(device), y.to(device)
+        module.zero_grad(set_to_none=True)
+        loss = training_loss(module, module(x), y)
+        loss.backward()
+        for n, g in grads.items():
+            grad = params[n].grad
+            if grad is not None:
+                g.add_(grad)
+        seen += int(y.shape[0])
+    module.zero_grad(set_to_none=True)
+    return grads, seen
+
+
+class FitMeter(pl.Callback):
+    """Mean training loss and samples seen of one fit, for a module without ``fit_metrics`` (the optional protocol
+    method, :mod:`pl_fedsparse.protocol`): the loss each ``training_step`` returned, weighted by the number of labels
+    in its batch (the batch's last element, or its ``"y"``/``"label"``/``"labels"`` entry), summed on the device
+    (no host sync per step)."""
+
+    def __init__(self) -> None:
+        self._loss_sum: Tensor | None = None
+        self._samples = 0
+
+    @staticmethod
+    def batch_size(batch: Any) -> int:
+        """Number of samples in a batch: the length of its labels (or of its first tensor)."""
+        if isinstance(batch, Mapping):
+            for key in ("y", "label", "labels", "target", "targets"):
+                if isinstance(batch.get(key), Tensor):
+                    return int(batch[key].shape[0])
+            batch = list(batch.values())
+        if isinstance(batch, (list, tuple)) and batch:
+            last = batch[-1]
+            if isinstance(last, Tensor) and last.ndim >= 1:
+                return int(last.shape[0])
+            batch = batch[0]
+        return int(batch.shape[0]) if isinstance(batch, Tensor) and batch.ndim >= 1 else 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if not isinstance(loss, Tensor):
+            return  # a manual-optimisation step that returned nothing: no loss to record
+        n = self.batch_size(batch)
+        value = loss.detach().float() * n
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._samples += n
+
+    def metrics(self) -> dict[str, float]:
+        """``{"train_loss", "samples_seen"}`` of the fit."""
+        n = self._samples
+        loss = float(self._loss_sum) / n if (self._loss_sum is not None and n) else float("nan")
+        return {"train_loss": loss, "samples_seen": float(n)}
+
+
+def begin_fit(loop: FederatedLoop, request: FitRequest, load: bool = True) -> tuple[Any, int]:
+    """The start of every local fit, whatever runs it: the client's state in the store, the start weights in the
+    working module (unless ``load`` is false: the caller takes them from the request itself), the torch RNG seeded
+    from the fit's stream, the callback contract's watch begun. Returns the watch and the client's number of
+    training samples."""
+    assert loop.model is not None
+    ctx, k = request.context, request.context.client_idx
+    loop.client_store.import_client(k, request.client_state)  # no-op in process: the same objects
+    if load:
+        load_state(loop.model, request.start)
+    seed_fit(ctx.seed)
+    n_samples = int(loop.datamodule.num_samples(k, "train"))
+    # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the
+    # client's stored state (exported before the fit, by reference) is never written in place — a fit reads private
+    # copies and replaces entries — so a failed fit is rolled back by putting those objects back
+    return loop.contract.watch(loop.callbacks, request.client_state), n_samples
+
+
+def seed_fit(seed: int) -> None:
+    """Seed torch's global RNG for one fit: the CPU generator, and the accelerator's when it is in use.
+
+    ``torch.manual_seed`` also queues a seed for every device type not initialised yet, with a formatted stack trace
+    each time (about 1 ms per call here, and the queue grows with every fit); a run on the CPU needs none of it.
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():  # (is_available() would query the driver through NVML at every fit)
+        torch.cuda.manual_seed_all(seed)
+    if torch.backends.mps.is_built() and torch.backends.mps.is_available():
+        torch.mps.manual_seed(seed)
+
+
+def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, metrics: dict[str, float],
+               state: Mapping[str, Tensor] | None = None) -> ClientUpdate:
+    """The update of a finished fit: the module's trained state (or ``state``), copied to the CPU, uploaded whole
+    until a callback's ``on_client_fit_end`` says otherwise."""
+    state = to_cpu_state(module.state_dict() if state is None else state)  # type: ignore[union-attr]
+    return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
+                        message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+
+
+def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
+            error: Exception | None, finite: Iterable[int] = ()) -> ClientUpdate:
+    """The end of every local fit: the contract checked, the compute charged, faults found and rolled back (the
+    client keeps its previous state), the client's state exported into the update. ``finite``: ids of tensors the
+    caller has already found finite (:func:`find_fault`)."""
+    ctx, k = request.context, request.context.client_idx
+    if error is not None or update is None:
+        update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
+                              kind=ctx.kind, context=ctx, fault="exception",
+                              fault_detail=f"{type(error).__name__}: {error}")
+    else:
+        loop.contract.check_fit(watch, ctx)  # the user's error, not a client fault
+        samples = update.metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
+        loop.accounting.charge_training(update, samples)
+        update.fault, update.fault_detail = find_fault(update, finite)
+    if update.fault:  # the client keeps its previous state: every entry the fit set is put back
+        loop.client_store.restore_client(k, request.client_state)
+    loop.contract.check_client_state(watch, ctx)
+    update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
+    return update
+
+def find_fault(update: ClientUpdate, finite: Iterable[int] = ()) -> tuple[str | None, str | None]:
+    """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_data`` (it
+    trained on no sample), ``nonfinite_loss``, ``nonfinite_weights`` (also what NaN gradients lead to) or
+    ``nonfinite_upload``.
+
+    Example:
+        >>> u = ClientUpdate(0, 0, 1, {"w": torch.tensor([1.0, float("nan")])}, metrics={"train_loss": 0.5})
+        >>> find_fault(u)
+        ('nonfinite_weights', 'w')
+    """
+    seen = update.metrics.get("samples_seen")
+    if seen is not None and seen == 0:
+        return "no_data", "no training sample"
+    loss = update.metrics.get("train_loss")
+    if loss is not None and not math.isfinite(loss):
+        return "nonfinite_loss", f"train_loss={loss}"
+    known = set(finite)  # tensors the executor has already checked (e.g. all clients' weights at once)
+    for name, t in update.state.items():
+        if id(t) not in known and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return "nonfinite_weights", name
+    checked = {id(t) for t in update.state.values()}  # an upload of the trained weights is checked once
+    for name, t in (update.message.tensors.items() if update.message is not None else []):
+        if id(t) not in checked and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return "nonfinite_upload", name
+    return None, None
+
+
+def check_environment(loop: FederatedLoop) -> None:
+    """Validate the device, the precision and the model protocol on the data
+    (:func:`~pl_fedsparse.protocol.check_model`; one-line ConfigErrors)."""
+    if loop.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={loop.accelerator!r} is invalid: expected cpu or auto "
+                          "(no CUDA device is available)")
+    if loop.device.type == "cpu" and loop.precision == "16-mixed":
+        raise ConfigError("trainer.precision='16-mixed' is invalid on CPU: expected 32-true or bf16-mixed")
+    assert loop.model is not None
+    dm = loop.datamodule
+    check_model(loop.model, dm.example_input(2), int(dm.num_classes), dm.source_label())

@@ -1,0 +1,85 @@
+"""The in-fit hook protocol: which Lightning hooks run inside a local fit, and the vectorised form
+(:class:`VectorizedFitHooks` over a :class:`StackedFit`) a callback gives for them so that
+:class:`~pl_fedsparse.executors.vectorized.VectorizedExecutor` can train many clients at once.
+
+A small, low module: callbacks import it without importing any executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from pl_fedsparse.context import FitContext
+
+__all__ = ["IN_FIT_HOOKS", "StackedFit", "VectorizedFitHooks", "in_fit_hooks"]
+
+#: Lightning callback hooks that run inside a local fit: a callback overriding any of them must say what it does to a
+#: stacked fit (``vectorized_fit``)
+IN_FIT_HOOKS: tuple[str, ...] = (
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
+    "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+)
+
+
+def in_fit_hooks(callback: Any) -> list[str]:
+    """The in-fit Lightning hooks (:data:`IN_FIT_HOOKS`) ``callback``'s class overrides.
+
+    Example:
+        >>> class Clip(pl.Callback):
+        ...     def on_before_optimizer_step(self, trainer, pl_module, optimizer): ...
+        >>> in_fit_hooks(Clip())
+        ['on_before_optimizer_step']
+    """
+    return [h for h in IN_FIT_HOOKS if getattr(type(callback), h, None) is not getattr(pl.Callback, h, None)]
+
+
+@dataclass
+class StackedFit:
+    """A group of fits trained together, as the vectorised hooks see it.
+
+    Attributes:
+        contexts: the fits' contexts, in stacking order (row ``i`` of every tensor is ``contexts[i]``'s client).
+        params: trainable parameters by name, stacked ``[K, *shape]`` on the device (updated in place).
+        grads: their gradients, same shapes (valid in ``before_optimizer_step``).
+        device: where the stacked tensors live.
+        rows: during a step, which clients ``params`` and ``grads`` hold — ``None``: all of them, in order; else
+            the indices (into ``contexts``) of the clients that still have a batch, ``params`` and ``grads`` holding
+            only their rows, in that order. A hook's own per-client tensors are indexed with it
+            (``mask.index_select(0, fit.rows)``).
+    """
+
+    contexts: list[FitContext]
+    params: dict[str, Tensor]
+    grads: dict[str, Tensor] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rows: Tensor | None = None
+
+
+class VectorizedFitHooks:
+    """What a callback does inside a fit, over a stacked group of fits (all of one kind and one requester).
+
+    A callback whose Lightning in-fit hooks matter returns one of these from ``vectorized_fit()``. The executor calls
+    :meth:`capture` right after each client's ``on_client_fit_start`` (the callback's per-fit attributes are that
+    client's then), :meth:`start` once the group is stacked, and per step :meth:`before_optimizer_step` (Lightning's
+    ``on_before_optimizer_step``: gradients unscaled, before clipping) and :meth:`after_optimizer_step` (Lightning's
+    ``on_train_batch_end``). Every method edits the stacked tensors in place, row ``i`` for client ``i`` — or, once
+    some clients have stopped, only the rows of those still training (:attr:`StackedFit.rows`).
+    """
+
+    def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        """Client ``index``'s fit has started (its start weights are in ``module``)."""
+
+    def start(self, fit: StackedFit) -> None:
+        """The group is stacked (``fit.params`` hold every client's start weights)."""
+
+    def before_optimizer_step(self, fit: StackedFit) -> None:
+        """Edit ``fit.grads`` (e.g. mask them, add a proximal term)."""
+
+    def after_optimizer_step(self, fit: StackedFit) -> None:
+        """Edit ``fit.params`` after the optimizer step (e.g. re-apply masks)."""

@@ -1,0 +1,101 @@
+"""The in-process executor: a round's fits one after another in this process, on the loop's working module.
+
+Each fit runs on a persistent :class:`~pl_fedsparse.executors.runner.FitRunner` (the default, ``trainer.fit_runner:
+auto``) or, as the reference, through a fresh Lightning ``Trainer`` (``trainer.fit_runner: trainer``).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+from pl_fedsparse.client import ClientUpdate
+from pl_fedsparse.context import fit_scope
+from pl_fedsparse.executors.base import (
+    ClientExecutor,
+    FitMeter,
+    FitRequest,
+    begin_fit,
+    end_fit,
+    fit_update,
+    quiet_lightning,
+)
+from pl_fedsparse.signals import interrupt_in
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["InProcessExecutor"]
+
+
+class InProcessExecutor(ClientExecutor):
+    """Run fits one after another in this process, each through a fresh Lightning ``Trainer`` on the loop's working
+    module (``docs/design-notes.md``: a fresh Trainer cannot leak state between clients; its cost is measured by
+    ``benchmarks/overhead.py``)."""
+
+    def __init__(self) -> None:
+        self.loop: FederatedLoop | None = None
+
+    def setup(self, loop: FederatedLoop) -> None:
+        self.loop = loop
+
+    def make_trainer(self, epochs: int | None) -> pl.Trainer:
+        loop = self.loop
+        assert loop is not None
+        steps = loop.local_steps if epochs is None else None
+        return pl.Trainer(
+            accelerator=loop.accelerator, devices=1, precision=loop.precision,  # type: ignore[arg-type]
+            max_epochs=-1 if steps else (epochs or loop.local_epochs), max_steps=steps or -1,
+            callbacks=loop.callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+            gradient_clip_val=loop.gradient_clip_val, default_root_dir=str(loop.run_dir or "."),
+        )
+
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        return [self.run_one(r) for r in requests]
+
+    def run_one(self, request: FitRequest) -> ClientUpdate:
+        """Run one fit. A fit that raises (with ``trainer.on_client_fault: skip``) or produces a non-finite loss,
+        weight or upload comes back with ``update.fault`` set and the client's state as it was before the fit."""
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        ctx, module, k = request.context, loop.model, request.context.client_idx
+        watch, n_samples = begin_fit(loop, request)
+        update, error = None, None
+        try:
+            with fit_scope(ctx):
+                loop.call("on_client_fit_start", module, ctx)
+                loader = loop.datamodule.train_loader(k, seed=ctx.seed)
+                meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
+                self._fit(ctx.epochs, module, loader, meter)
+                metrics = module.fit_metrics() if meter is None else meter.metrics()
+                update = fit_update(module, ctx, n_samples, metrics)
+                loop.call("on_client_fit_end", module, update)
+        except Exception as e:  # a failing client must not stop the federation (KeyboardInterrupt is not caught)
+            if loop.on_client_fault == "raise":
+                raise
+            error = e
+        return end_fit(loop, request, watch, n_samples, update, error)
+
+    def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any,
+             meter: FitMeter | None = None) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        with quiet_lightning():
+            trainer = self.make_trainer(epochs)
+            if meter is not None:  # last: it reads what training_step returned
+                trainer.callbacks.append(meter)
+        try:
+            with quiet_lightning():
+                trainer.fit(module, train_dataloaders=loader)
+        except SystemExit as e:
+            # Lightning turns Ctrl-C (and SIGTERM, pl_fedsparse.signals) during a fit into a graceful shutdown and
+            # sys.exit(1), ignoring further SIGINTs: give the interrupt back (and the handler), so that the run stops
+            # with its resume message and exit status
+            if trainer.interrupted:
+                signal.signal(signal.SIGINT, handler)
+                interrupt = interrupt_in(e)
+                raise (interrupt if interrupt is not None else KeyboardInterrupt()) from None
+            raise

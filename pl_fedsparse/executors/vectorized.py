@@ -1,0 +1,611 @@
+"""Many clients per step: :class:`VectorizedExecutor` trains a round's clients together, one stacked step at a time.
+
+Clients in federated simulation hold a few hundred samples, so one client's step is a handful of tiny kernels and
+framework calls; run one client after the other and the per-fit and per-step costs dominate (an idle accelerator, a
+CPU busy with bookkeeping). ``torch.func`` removes them: the fits of a stage that share a module and an optimizer
+are stacked along a leading client dimension and trained as one — the module's own ``forward`` under
+:func:`torch.func.functional_call` and :func:`torch.func.vmap`, gradients from :func:`torch.func.grad_and_value`, and
+the optimizer's update (SGD with momentum, dampening, Nesterov and weight decay; Adam) applied element-wise to the
+stacked tensors. Everything a fit is made of stays per client:
+
+* **data**: each client iterates its own loader (``datamodule.train_loader(client, seed)``: its own batches,
+  shuffling and augmentation). The torch RNG each client's data draws from is its own, seeded as
+  :class:`~pl_fedsparse.executors.InProcessExecutor` seeds it and swapped in around every batch it takes. Clients
+  whose batches differ in shape at a step (the last, smaller batch) are stepped in sub-groups; a client with fewer
+  steps stops, and its weights and optimizer state are untouched from then on;
+* **optimizer**: the one the module's ``configure_optimizers`` returns for that client (per-client learning rate by
+  round: :func:`~pl_fedsparse.context.current_fit` is that client's context while it is called);
+* **gradient clipping** (``trainer.gradient_clip_val``): each client's total gradient norm, as Lightning clips it;
+* **mixed precision**: ``bf16-mixed`` autocasts the forward and the loss as Lightning's precision plugin does;
+  ``16-mixed`` (a loss scale per client) is refused;
+* **callbacks**: every federation hook runs per client, in order, as in process (``on_client_fit_start`` of each
+  client with its start weights loaded, ``on_client_fit_end`` with its trained weights loaded); what a callback does
+  *inside* a fit (Lightning's ``on_before_optimizer_step``, ``on_train_batch_end``, …) it declares in a vectorised
+  form, :meth:`VectorizedFitHooks` returned by ``vectorized_fit()`` — the library's masks
+  (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term and the FedProx example do.
+  A callback with in-fit hooks and no vectorised form is refused when the federation starts, in one line naming it
+  (or its clients are run in process, ``unsupported: sequential``);
+* **faults**: a client whose loss or weights become non-finite is rolled back and left out, the others of its group
+  are unaffected (the maths of one client never reads another's); an exception inside a stacked step re-runs that
+  group's clients one by one in process, so a failing client is contained as before.
+
+What can be vectorised (checked when the federation starts, one-line :class:`~pl_fedsparse.errors.ConfigError`
+otherwise): a module whose ``training_step`` is ``loss(forward(x), y)`` on ``(x, y)`` batches — the shipped
+:class:`~pl_fedsparse.module.FederatedModule` (not overriding it), or any module that says so with the class
+attribute ``vectorizable = True`` — with no batch-statistics buffers (BatchNorm; GroupNorm is fine: all the library's
+backbones) and no dropout (its random mask could not follow each client's stream); an optimizer that is element-wise
+(``torch.optim.SGD``, ``torch.optim.Adam`` without AMSGrad) and no learning-rate scheduler. The per-step training
+loss (``train_loss``, ``samples_seen``) is measured by the executor as
+:class:`~pl_fedsparse.executors.FitMeter` does. Results equal the in-process executor's up to float rounding
+(batched matrix products round differently in the last bits); bytes and FLOPs are identical (tested for every
+supported method's synthetic config).
+
+Example::
+
+    pl-fed fit --config configs/quickstart.yaml --trainer.executor pl_fedsparse.executors.VectorizedExecutor
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from pl_fedsparse.allocator import heap_only, tune_malloc
+from pl_fedsparse.client import ClientUpdate
+from pl_fedsparse.context import FitContext, fit_scope
+from pl_fedsparse.data.loaders import TensorBatchLoader
+from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.executors.base import ClientExecutor, FitRequest, begin_fit, end_fit, fit_update, load_state
+from pl_fedsparse.executors.hooks import IN_FIT_HOOKS, StackedFit, VectorizedFitHooks, in_fit_hooks
+from pl_fedsparse.executors.in_process import InProcessExecutor
+from pl_fedsparse.executors.stacked import (
+    ElementwiseOptim,
+    adam_step,
+    clip_per_client,
+    exact_linear,
+    rows_like,
+    sgd_step,
+)
+from pl_fedsparse.protocol import training_loss
+
+if TYPE_CHECKING:
+    from pl_fedsparse.loop import FederatedLoop
+
+__all__ = ["IN_FIT_HOOKS", "StackedFit", "VectorizedExecutor", "VectorizedFitHooks", "in_fit_hooks"]
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------------ per-client parts
+class _Snapshot:
+    """A callback's attributes (and those of helper objects it holds, one level down), to put back later: the
+    per-fit state ``on_client_fit_start`` leaves for ``on_client_fit_end`` is each client's own, although all the
+    group's fits start before the first one ends."""
+
+    def __init__(self, callbacks: Sequence[Any]) -> None:
+        self.items: list[tuple[Any, dict[str, Any]]] = []
+        for cb in callbacks:
+            attrs = getattr(cb, "__dict__", None)
+            if attrs is None:
+                continue
+            self.items.append((cb, dict(attrs)))
+            for value in attrs.values():
+                if _is_helper(value):
+                    self.items.append((value, dict(vars(value))))
+
+    def restore(self) -> None:
+        for obj, attrs in self.items:
+            vars(obj).clear()
+            vars(obj).update(attrs)
+
+
+def _is_helper(value: Any) -> bool:
+    """A plain helper object a callback keeps its per-fit state in (e.g. ``MaskedTraining``), not a framework part."""
+    if isinstance(value, (Tensor, torch.nn.Module, type)) or not hasattr(value, "__dict__"):
+        return False
+    module = type(value).__module__
+    return not module.startswith(("lightning", "pytorch_lightning", "torch", "builtins", "pl_fedsparse.loop"))
+
+
+class _Stream:
+    """One client's batches for one fit: its loader, its epochs (or steps), its own torch RNG state.
+
+    From a :class:`~pl_fedsparse.data.loaders.TensorBatchLoader` without augmentation it yields each batch's *rows*
+    (``bulk``): the executor then gathers and normalises the rows of all the clients of a step at once (the same
+    values: the normalisation is element-wise), instead of one small gather per client and a stack."""
+
+    def __init__(self, loader: Any, epochs: int | None, steps: int | None) -> None:
+        self.loader, self.epochs, self.steps = loader, epochs, steps
+        self.bulk = isinstance(loader, TensorBatchLoader) and not loader.augment
+        self.rng = torch.get_rng_state()
+        self.it: Iterator[Any] | None = None
+        self.epoch = self.taken = 0
+        self.done = False
+
+    def next(self) -> Any:
+        """The next batch, or ``None`` when the fit has no more steps."""
+        if self.done:
+            return None
+        if self.bulk:  # a TensorBatchLoader draws from its own generator, never from torch's global one
+            return self._next()
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.rng)
+        try:
+            return self._next()
+        finally:
+            self.rng = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+    def _next(self) -> Any:
+        """The next batch of the current epoch, starting the next epoch when one ends (as Lightning's loop)."""
+        while True:
+            if self.steps is not None and self.taken >= self.steps:
+                break
+            if self.it is None:
+                if self.epochs is not None and self.epoch >= self.epochs:
+                    break
+                self.it = iter(self.loader.epoch_batches()[1] if self.bulk else self.loader)
+            try:
+                batch = next(self.it)
+            except StopIteration:
+                self.it, self.epoch = None, self.epoch + 1
+                if self.steps is not None and self.epoch > 0 and self.taken == 0:
+                    break  # an empty loader: max_steps would never be reached
+                continue
+            self.taken += 1
+            return batch
+        self.done = True
+        return None
+
+
+def _optimizer_of(module: pl.LightningModule, names: Mapping[int, str]) -> ElementwiseOptim:
+    """The element-wise form of what ``configure_optimizers`` returns (one optimizer, no scheduler)."""
+    out: Any = module.configure_optimizers()
+    where = f"model={type(module).__name__}.configure_optimizers()"
+    if isinstance(out, dict):
+        if out.get("lr_scheduler") is not None:
+            raise ConfigError(f"{where} returns a learning-rate scheduler: the VectorizedExecutor supports none "
+                              "(use the learning rate by round, FederatedModule.lr_decay, or the in-process executor)")
+        out = out.get("optimizer")
+    if isinstance(out, (list, tuple)):
+        if len(out) != 1 or isinstance(out[0], (list, tuple)):
+            raise ConfigError(f"{where} returns {len(out)} optimizers or schedulers: the VectorizedExecutor "
+                              "supports exactly one optimizer")
+        out = out[0]
+    if isinstance(out, torch.optim.SGD):
+        kind: Literal["sgd", "adam"] = "sgd"
+    elif isinstance(out, torch.optim.Adam) and type(out) is torch.optim.Adam:
+        kind = "adam"
+    else:
+        raise ConfigError(f"{where} returns {type(out).__name__}: the VectorizedExecutor supports torch.optim.SGD "
+                          "and torch.optim.Adam (element-wise updates)")
+    lr, hyper = {}, {}
+    for group in out.param_groups:
+        if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
+            raise ConfigError(f"{where}: maximize, amsgrad and differentiable are not supported by the "
+                              "VectorizedExecutor")
+        if kind == "sgd":
+            h: tuple[Any, ...] = (float(group["momentum"]), float(group["dampening"]), bool(group["nesterov"]),
+                                  float(group["weight_decay"]))
+        else:
+            b1, b2 = group["betas"]
+            h = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            name = names.get(id(p))
+            if name is None:
+                raise ConfigError(f"{where} optimizes a tensor that is not one of the module's parameters")
+            lr[name], hyper[name] = float(group["lr"]), h
+    return ElementwiseOptim(kind, lr, hyper)
+
+
+def _check_module(module: pl.LightningModule) -> None:
+    """Refuse, in one line, a module the VectorizedExecutor cannot train exactly."""
+    from pl_fedsparse.module import FederatedModule
+
+    name = type(module).__name__
+    own_step = getattr(type(module), "training_step", None) is not FederatedModule.training_step
+    if own_step and not getattr(module, "vectorizable", False):
+        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: its training_step is its "
+                          "own (set the class attribute vectorizable = True if it is loss(forward(x), y) on (x, y) "
+                          "batches, or use the in-process executor)")
+    for sub_name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.track_running_stats:
+            raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: {sub_name} "
+                              f"({type(sub).__name__}) keeps batch statistics (use GroupNorm, or the in-process "
+                              "executor)")
+        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
+            raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: {sub_name} is a "
+                              "dropout layer (its random masks cannot follow each client's stream; use the in-process "
+                              "executor)")
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: it uses manual "
+                          "optimization")
+
+
+# ------------------------------------------------------------------------------------------------ the executor
+#: on the CPU, the default group holds at most this many bytes of stacked weights (its gradients, optimizer state and
+#: step temporaries come on top: about 4x in all with momentum)
+_CPU_GROUP_BYTES = 256 << 20
+
+
+class VectorizedExecutor(ClientExecutor):
+    """Train a stage's fits together, stacked along a client dimension (module docstring).
+
+    Args:
+        max_group_size: most clients stacked in one group (memory: each client adds its weights, gradients,
+            optimizer state and one batch of activations); a larger stage runs as several groups of equal size.
+            ``None``: on the CPU, as many as keep the group's stacked weights within 256 MiB (1 GiB or so with
+            gradients, optimizer state and step temporaries; the stacked tensors are kept in the heap,
+            :func:`~pl_fedsparse.allocator.heap_only`, instead of being mapped afresh at every step — measured, a
+            quarter of a 100-client MLP round went to page faults); on a GPU, all of the stage's fits.
+        unsupported: what to do with fits a callback cannot vectorise (it has in-fit hooks and no
+            ``vectorized_fit``): ``"error"`` refuses the run when the federation starts, naming the callback;
+            ``"sequential"`` runs those fits one by one in process (every fit, when such a callback is configured).
+
+    Example (YAML)::
+
+        trainer:
+          executor: {class_path: pl_fedsparse.executors.VectorizedExecutor, init_args: {max_group_size: 100}}
+    """
+
+    def __init__(self, *, max_group_size: int | None = None,
+                 unsupported: Literal["error", "sequential"] = "error") -> None:
+        check(max_group_size is None or (isinstance(max_group_size, int) and not isinstance(max_group_size, bool)
+                                         and max_group_size >= 1),
+              "VectorizedExecutor.max_group_size", max_group_size, "an int >= 1 or null")
+        check(unsupported in ("error", "sequential"), "VectorizedExecutor.unsupported", unsupported,
+              "one of error, sequential")
+        self.max_group_size, self.unsupported = max_group_size, unsupported
+        self.loop: FederatedLoop | None = None
+        self.sequential = InProcessExecutor()
+        self.hooks: list[tuple[Any, VectorizedFitHooks]] = []
+        self._all_sequential = False
+        self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
+        self._optimizers: dict[tuple[Any, ...], ElementwiseOptim] = {}
+        self._params: list[Tensor] = []  # the working module's parameters (the optimizer cache's key reads them)
+
+    def setup(self, loop: FederatedLoop) -> None:
+        self.loop = loop
+        self.sequential.setup(loop)
+        assert loop.model is not None
+        tune_malloc()  # (as pl-fed does): freed step buffers stay in the heap instead of going back to the kernel
+        if loop.precision == "16-mixed":
+            raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
+                              "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
+        _check_module(loop.model)
+        refused = self._collect_hooks()
+        if refused:
+            cb, hooks = refused[0]
+            if self.unsupported == "error":
+                raise ConfigError(f"trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: "
+                                  f"{type(cb).__name__} has in-fit hooks ({', '.join(hooks)}) and no vectorized_fit "
+                                  "(give it one, docs/extending.md, or set VectorizedExecutor.unsupported: "
+                                  "sequential)")
+            log.warning("VectorizedExecutor: %s has in-fit hooks and no vectorized_fit; every fit runs in process",
+                        type(cb).__name__)
+            self._all_sequential = True
+
+    def _group_cap(self) -> int:
+        """Most fits per group: ``max_group_size``, or its automatic value (see the class docstring)."""
+        if self.max_group_size is not None:
+            return self.max_group_size
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        if loop.device.type != "cpu":
+            return 1 << 30
+        client = sum(t.numel() * t.element_size() for t in loop.model.state_dict().values())
+        return max(1, _CPU_GROUP_BYTES // max(1, client))
+
+    def _collect_hooks(self) -> list[tuple[Any, list[str]]]:
+        """The callbacks' vectorised forms, in callback order, into :attr:`hooks`; returns the callbacks that have
+        in-fit hooks and no such form (with those hooks). Done again at every :meth:`run`: an out-of-process worker
+        receives the driver's callbacks anew for every stage."""
+        assert self.loop is not None
+        self.hooks, refused = [], []
+        for cb in self.loop.callbacks:
+            declare = getattr(cb, "vectorized_fit", None)
+            declares = callable(declare)
+            form = declare() if declares else None  # type: ignore[misc]
+            hooks = in_fit_hooks(cb)
+            if form is NotImplemented or (form is None and hooks and not declares):
+                refused.append((cb, hooks))
+            elif form is not None:
+                self.hooks.append((cb, form))
+        return refused
+
+    def _optimizer(self, module: pl.LightningModule, names: Mapping[int, str], ctx: FitContext) -> ElementwiseOptim:
+        """The fit's optimizer (``configure_optimizers`` under its context). The shipped module's depends on the
+        fit's ``lr_round`` and on which parameters train only, so it is built once per both."""
+        from pl_fedsparse.module import FederatedModule
+
+        kind = type(module)
+        if (kind.configure_optimizers is not FederatedModule.configure_optimizers
+                or getattr(kind, "current_lr", None) is not FederatedModule.current_lr):
+            return _optimizer_of(module, names)
+        key = (ctx.lr_round, tuple(p.requires_grad for p in self._params))
+        if key not in self._optimizers:
+            self._optimizers = {key: _optimizer_of(module, names)}  # one round's: no growth over a run
+        return self._optimizers[key]
+
+    def round_metrics(self) -> dict[str, Any]:
+        out = {}
+        if self._stats["sequential_fits"] and not self._all_sequential:
+            out = {"sequential_fits": self._stats["sequential_fits"]}  # a group fell back: say so in the row
+        self._stats = {"vectorized_fits": 0, "sequential_fits": 0}
+        return out
+
+    def run(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
+        if self._all_sequential:
+            self._stats["sequential_fits"] += len(requests)
+            return self.sequential.run(requests)
+        if self._collect_hooks():  # (a worker's callbacks changed since setup: never silently drop an in-fit hook)
+            raise ConfigError("trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: a callback "
+                              "with in-fit hooks and no vectorized_fit appeared after the federation started")
+        out: list[ClientUpdate | None] = [None] * len(requests)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, r in enumerate(requests):  # one kind of fit per group: the callbacks' in-fit forms may rely on it
+            c = r.context
+            groups.setdefault((c.kind, c.requester, c.epochs), []).append(i)
+        cap = self._group_cap()
+        with heap_only():  # a group's stacked tensors exceed the mmap threshold: keep them in the heap (see there)
+            for members in groups.values():
+                parts = -(-len(members) // cap)
+                base, extra = divmod(len(members), parts)  # equal groups: 100 fits, at most 64 per group -> 50 + 50
+                at = 0
+                for part in range(parts):
+                    size = base + (part < extra)
+                    chunk, at = members[at:at + size], at + size
+                    for i, u in zip(chunk, self._run_group([requests[i] for i in chunk]), strict=True):
+                        out[i] = u
+        return [u for u in out if u is not None]
+
+    # ---------------------------------------------------------------------------------------- one group
+    def _run_group(self, requests: list[FitRequest]) -> list[ClientUpdate]:
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        module = loop.model
+        callbacks = list(loop.callbacks)
+        before = _Snapshot(callbacks)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._params = list(module.parameters())
+        full = list(module.state_dict())
+        # the working module matters to a fit's start and end only where a callback reads or edits it there
+        fed = loop.fed_callbacks
+        at_start = bool(self.hooks) or any(_overrides(cb, "on_client_fit_start") for cb in fed)
+        at_end = any(_overrides(cb, "on_client_fit_end") for cb in fed)
+        started: list[dict[str, Any]] = []
+        stacked: dict[str, Tensor] = {}
+        pending: dict[str, list[tuple[int, Tensor]]] = {}  # name -> (row, start tensor) still to copy
+        results: list[ClientUpdate | None] = [None] * len(requests)
+        for i, request in enumerate(requests):
+            ctx = request.context
+            before.restore()  # each fit starts from the callbacks as they were before the stage, as in process
+            direct = not at_start and list(request.start) == full  # the start weights go straight into the rows
+            watch, n_samples = begin_fit(loop, request, load=not direct)
+            item: dict[str, Any] = {"index": i, "request": request, "watch": watch, "n_samples": n_samples}
+            try:
+                with fit_scope(ctx):
+                    loop.call("on_client_fit_start", module, ctx)
+                    loader = loop.datamodule.train_loader(ctx.client_idx, seed=ctx.seed)
+                    item["optim"] = self._optimizer(module, names, ctx)
+                    for _, hooks in self.hooks:
+                        hooks.capture(len(started), module, ctx)
+            except ConfigError:
+                raise
+            except Exception as e:
+                if loop.on_client_fault == "raise":
+                    raise
+                results[i] = end_fit(loop, request, watch, n_samples, None, e)
+                continue
+            steps = loop.local_steps if ctx.epochs is None else None
+            epochs = None if steps else (ctx.epochs or loop.local_epochs)
+            item["stream"] = _Stream(loader, epochs, steps)
+            item["snapshot"] = _Snapshot(callbacks)
+            with torch.no_grad():  # the start weights (after on_client_fit_start) into the stacked rows
+                for name, t in (request.start if direct else module.state_dict()).items():
+                    if name not in stacked:
+                        stacked[name] = torch.empty((len(requests), *t.shape), dtype=t.dtype, device=loop.device)
+                    if direct:  # the request's own tensors: copied below, one copy per run of rows sharing them
+                        pending.setdefault(name, []).append((len(started), t))
+                    else:  # the working module's: the next client's start overwrites them
+                        stacked[name][len(started)].copy_(t)
+            started.append(item)
+        with torch.no_grad():
+            for name, rows in pending.items():
+                _copy_runs(stacked[name], rows)
+        stacked = {n: t[:len(started)] for n, t in stacked.items()}
+        # one optimizer configuration per stacked group (the same module and kind: in practice always one)
+        by_signature: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for item in started:
+            by_signature.setdefault(item["optim"].signature(), []).append(item)
+        for items in by_signature.values():
+            try:
+                if len(by_signature) > 1:  # the hooks were captured for the whole group: it cannot be split
+                    raise RuntimeError("clients of one group configured different optimizers")
+                trained = self._train(items, stacked)
+            except (ConfigError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # contain it: this group's clients run one by one, as in process
+                if loop.on_client_fault == "raise":
+                    raise
+                log.warning("VectorizedExecutor: a stacked step failed (%s: %s); its %d fits run in process",
+                            type(e).__name__, e, len(items))
+                for item in items:
+                    request = item["request"]
+                    loop.client_store.restore_client(request.context.client_idx, request.client_state)
+                    before.restore()
+                    results[item["index"]] = self.sequential.run_one(request)
+                    self._stats["sequential_fits"] += 1
+                continue
+            finite = _finite_rows(stacked)  # every client's weights checked at once (find_fault skips them)
+            for i, (item, (state, metrics)) in enumerate(zip(items, trained, strict=True)):
+                request, ctx = item["request"], item["request"].context
+                item["snapshot"].restore()
+                update, error, known = None, None, []
+                try:
+                    with fit_scope(ctx):
+                        if at_end:
+                            load_state(module, state)
+                        update = fit_update(module, ctx, item["n_samples"], metrics, None if at_end else state)
+                        if finite[i]:
+                            known = [id(t) for t in update.state.values()]
+                        loop.call("on_client_fit_end", module, update)
+                except Exception as e:
+                    if loop.on_client_fault == "raise":
+                        raise
+                    error = e
+                results[item["index"]] = end_fit(loop, request, item["watch"], item["n_samples"], update, error,
+                                                 known)
+                self._stats["vectorized_fits"] += 1
+        return [u for u in results if u is not None]
+
+    def _train(self, items: list[dict[str, Any]], stacked: dict[str, Tensor]
+               ) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
+        """Train ``items`` (started fits, their start states the rows of ``stacked``) together; return each one's
+        trained state and fit metrics."""
+        loop = self.loop
+        assert loop is not None and loop.model is not None
+        module, device = loop.model, loop.device
+        optims: list[ElementwiseOptim] = [it["optim"] for it in items]
+        trainable = list(optims[0].lr)
+        K = len(items)
+        P = {n: t for n, t in stacked.items() if n in optims[0].lr}  # trained in place
+        F = {n: t for n, t in stacked.items() if n not in optims[0].lr}  # buffers, frozen parameters
+        fit = StackedFit([it["request"].context for it in items], P, {}, device)
+        for _, hooks in self.hooks:
+            hooks.start(fit)
+        lrs = {n: [o.lr[n] for o in optims] for n in trainable}
+        step_fn = sgd_step if optims[0].kind == "sgd" else adam_step
+        opt_state: dict[str, dict[str, Tensor]] = {n: {} for n in trainable}
+        steps_done = torch.zeros(K, dtype=torch.long)
+        loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
+        seen = [0] * K
+        streams: list[_Stream] = [it["stream"] for it in items]
+        module.to(device).train()
+        autocast = loop.precision == "bf16-mixed"
+        grad_fn = torch.func.vmap(torch.func.grad_and_value(_loss_of(module, device.type, autocast)))
+        clip = loop.gradient_clip_val
+        first = streams[0].loader
+        bulk = all(st.bulk and first.same_inputs(st.loader) for st in streams)  # all rows gathered at once
+        while True:
+            batches = [s.next() for s in streams]
+            live = [i for i, b in enumerate(batches) if b is not None]
+            if not live:
+                break
+            # the step runs on the rows of the clients that still have a batch (all of them, until the smaller
+            # clients stop): compact copies of those rows, written back after the step — the others are untouched
+            everyone = len(live) == K
+            at = None if everyone else torch.tensor(live, device=device)
+            sP = P if at is None else {n: p.index_select(0, at) for n, p in P.items()}
+            sF = F if at is None else {n: f.index_select(0, at) for n, f in F.items()}
+            sS = opt_state if at is None else {n: {k: v.index_select(0, at) for k, v in st.items()}
+                                               for n, st in opt_state.items()}
+            G: dict[str, Tensor] = {}
+            shapes: dict[tuple[Any, ...], list[int]] = {}  # batch shape -> positions in ``live``
+            for pos, i in enumerate(live):
+                if bulk:
+                    shapes.setdefault((len(batches[i]),), []).append(pos)
+                else:
+                    x, y = batches[i]
+                    shapes.setdefault((tuple(x.shape), tuple(y.shape)), []).append(pos)
+            for positions in shapes.values():
+                if bulk:
+                    rows_cat = torch.cat([batches[live[q]] for q in positions])
+                    per = len(batches[live[positions[0]]])
+                    xs = first.inputs(rows_cat)
+                    xs = xs.view(len(positions), per, *xs.shape[1:]).to(device)
+                    ys = first.labels.index_select(0, rows_cat).view(len(positions), per).to(device)
+                else:
+                    xs = torch.stack([batches[live[q]][0] for q in positions]).to(device)
+                    ys = torch.stack([batches[live[q]][1] for q in positions]).to(device)
+                whole = len(positions) == len(live)
+                idx = None if whole else torch.tensor(positions, device=device)
+                sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
+                sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
+                with exact_linear(not autocast):
+                    grads, losses = grad_fn(sub_p, sub_f, xs, ys)
+                for n, g in grads.items():
+                    if idx is None:
+                        G[n] = g
+                    else:
+                        G.setdefault(n, torch.empty_like(sP[n])).index_copy_(0, idx, g)
+                n_b = ys.shape[1]
+                rows = [live[q] for q in positions]
+                loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * n_b)
+                for i in rows:
+                    seen[i] += n_b
+            fit.params, fit.grads, fit.rows = sP, G, at
+            for _, hooks in self.hooks:
+                hooks.before_optimizer_step(fit)
+            if clip is not None:
+                clip_per_client(G, float(clip))
+            steps_done[live] += 1
+            step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()},
+                    steps_done[live])
+            for _, hooks in self.hooks:
+                hooks.after_optimizer_step(fit)
+            if at is not None:
+                for n, p in P.items():
+                    p.index_copy_(0, at, sP[n])
+                    for k, v in sS[n].items():
+                        if k not in opt_state[n]:  # created at this step: rows of clients that never stepped stay 0
+                            opt_state[n][k] = torch.zeros((K, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                        opt_state[n][k].index_copy_(0, at, v)
+            fit.params, fit.grads, fit.rows = P, {}, None
+        out = []
+        for i in range(K):
+            state = {n: t[i] for n, t in stacked.items()}  # views: loaded into the module, then copied out
+            n = seen[i]
+            loss = float(loss_sum[i]) / n if n else float("nan")
+            out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
+        return out
+
+
+def _copy_runs(out: Tensor, rows: list[tuple[int, Tensor]]) -> None:
+    """``out[row] = tensor`` for every ``(row, tensor)``, consecutive rows holding the same tensor (FedAvg: every
+    client starts from the global weights) in one broadcast copy."""
+    at = 0
+    while at < len(rows):
+        first, t = rows[at]
+        end = at + 1
+        while end < len(rows) and rows[end][1] is t and rows[end][0] == first + (end - at):
+            end += 1
+        out[first:first + end - at].copy_(t.unsqueeze(0).expand(end - at, *t.shape))
+        at = end
+
+
+def _finite_rows(stacked: dict[str, Tensor]) -> list[bool]:
+    """Per row (client): whether all its floating-point tensors are certainly finite — their sum is (a NaN or an
+    infinity makes it non-finite; a sum that overflows only sends that client to the one-by-one check)."""
+    ok: Tensor | None = None
+    for t in stacked.values():
+        if t.is_floating_point():
+            rows = torch.isfinite(t.reshape(t.shape[0], -1).sum(dim=1))
+            ok = rows if ok is None else ok & rows
+    return ok.tolist() if ok is not None else [True] * (next(iter(stacked.values())).shape[0] if stacked else 0)
+
+
+def _overrides(callback: Any, hook: str) -> bool:
+    """Whether ``callback``'s class overrides the federation hook ``hook`` of ``FederatedCallback``."""
+    from pl_fedsparse.callbacks.base import FederatedCallback
+
+    return getattr(type(callback), hook, None) is not getattr(FederatedCallback, hook)
+
+
+def _loss_of(module: pl.LightningModule, device_type: str, autocast: bool) -> Any:
+    """``(params, fixed, x, y) -> loss`` of one client, for ``grad_and_value`` (gradients w.r.t. ``params``). Under
+    ``bf16-mixed`` the forward and the loss run under autocast, the backward outside it (as Lightning does); in full
+    precision ``F.linear`` is :class:`_StackedLinear` (the same bits as one client's)."""
+
+    def loss(params: dict[str, Tensor], fixed: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+            logits = torch.func.functional_call(module, {**params, **fixed}, (x,))
+            return training_loss(module, logits, y)
+
+    return loss
