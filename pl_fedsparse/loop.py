@@ -50,6 +50,7 @@ from pl_fedsparse.executors.base import (
     quiet_lightning,
 )
 from pl_fedsparse.executors.in_process import InProcessExecutor
+from pl_fedsparse.executors.runner import FIT_RUNNERS
 from pl_fedsparse.metrics import EVAL_METRICS, SERVER, Accounting, TrainFlops
 from pl_fedsparse.protocol import check_datamodule
 from pl_fedsparse.reporting import RunReporter, results_table
@@ -112,6 +113,12 @@ class FederatedLoop:
             bytes (``benchmarks/flush_denormal.sh``). Off by default so that results stay bit
             for bit those of earlier runs; numbers move at most in their last bits when it is on, so a resume may
             change it. No effect on GPUs' own arithmetic.
+        fit_runner: what drives each local fit of the in-process executor (and of Ray workers): ``"auto"`` (default)
+            one persistent :class:`~pl_fedsparse.executors.runner.FitRunner` wherever it applies (modules with
+            automatic optimisation that keep Lightning's optimiser, backward and batch-transfer hooks; one optimizer),
+            else a ``Trainer`` per fit; ``"fast"`` the runner or a one-line error; ``"trainer"`` a fresh
+            ``lightning.Trainer`` per fit, the reference. The same numbers either way (bit for bit on the CPU); the
+            runner saves the Trainer's milliseconds per fit.
 
     Example:
         .. code-block:: yaml
@@ -138,6 +145,7 @@ class FederatedLoop:
         on_client_fault: Literal["skip", "raise"] = "skip", keep_checkpoints: int = 2, seed: int = 0,
         client_state_codec: Literal["none", "lossless"] = "none",
         callback_contract: Literal["error", "warn"] = "error", flush_denormal: bool = False,
+        fit_runner: Literal["auto", "fast", "trainer"] = "auto",
     ) -> None:
         check(isinstance(num_rounds, int) and num_rounds >= 1, "trainer.num_rounds", num_rounds, "an int >= 1")
         check(0 < join_ratio <= 1, "trainer.join_ratio", join_ratio, "a number in (0, 1]")
@@ -161,7 +169,9 @@ class FederatedLoop:
               keep_checkpoints, "an int >= 1")
         check(callback_contract in CONTRACT_MODES, "trainer.callback_contract", callback_contract,
               "one of " + ", ".join(CONTRACT_MODES))
+        check(fit_runner in FIT_RUNNERS, "trainer.fit_runner", fit_runner, "one of " + ", ".join(FIT_RUNNERS))
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
+        self.fit_runner = fit_runner
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global
         self.eval_metrics: list[str] = list(dict.fromkeys(eval_metrics or []))

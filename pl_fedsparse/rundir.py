@@ -83,6 +83,7 @@ RESUME_MAY_CHANGE = (
     "trainer.callback_contract",  # (error or warn: checks, no number changes)
     "data.eval_batch_size",  # (evaluation batches only: a sample's logits move at most in their last bits)
     "trainer.flush_denormal",  # (subnormals as zero: numbers move at most in their last bits; a speed setting)
+    "trainer.fit_runner",  # (the same fits, bit for bit on the CPU: tests/test_fit_runner.py; a speed setting)
 )
 #: the attribute by which a callback class lists the ``init_args`` a resume may change (``when`` of an evaluation-only
 #: callback, say): ``trainer.callbacks.<i>.init_args.<arg>`` of a callback of the same class in both configurations

@@ -1,11 +1,15 @@
 """The in-process executor: a round's fits one after another in this process, on the loop's working module.
 
-Each fit runs on a persistent :class:`~pl_fedsparse.executors.runner.FitRunner` (the default, ``trainer.fit_runner:
-auto``) or, as the reference, through a fresh Lightning ``Trainer`` (``trainer.fit_runner: trainer``).
+Each fit runs on the executor's persistent :class:`~pl_fedsparse.executors.runner.FitRunner` (``trainer.fit_runner:
+auto``, the default, wherever the runner applies; ``fast`` insists on it) or, as the reference, through a fresh
+Lightning ``Trainer`` per fit (``trainer.fit_runner: trainer``). Both give the same numbers (bit for bit on the CPU:
+``tests/test_fit_runner.py``, ``benchmarks/parity.py``); the runner saves the ``Trainer``'s build and teardown per fit
+(``benchmarks/fit_overhead.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +27,8 @@ from pl_fedsparse.executors.base import (
     fit_update,
     quiet_lightning,
 )
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.executors.runner import FitRunner, RunnerUnsupported, runner_support
 from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
@@ -30,17 +36,49 @@ if TYPE_CHECKING:
 
 __all__ = ["InProcessExecutor"]
 
+log = logging.getLogger(__name__)
+
 
 class InProcessExecutor(ClientExecutor):
-    """Run fits one after another in this process, each through a fresh Lightning ``Trainer`` on the loop's working
-    module (``docs/design-notes.md``: a fresh Trainer cannot leak state between clients; its cost is measured by
-    ``benchmarks/overhead.py``)."""
+    """Run fits one after another in this process on the loop's working module: on one persistent
+    :class:`~pl_fedsparse.executors.runner.FitRunner`, or each through a fresh Lightning ``Trainer``
+    (``trainer.fit_runner``; see the module docstring)."""
 
     def __init__(self) -> None:
         self.loop: FederatedLoop | None = None
+        self.runner: FitRunner | None = None
+        #: why the runner does not apply to this federation (``None``: it does, or it has not been asked yet)
+        self.runner_off: str | None = None
 
     def setup(self, loop: FederatedLoop) -> None:
         self.loop = loop
+        self.runner, self.runner_off = None, None
+        mode = getattr(loop, "fit_runner", "auto")
+        if mode == "trainer":
+            return
+        why = runner_support(loop.model, loop.callbacks) if loop.model is not None else None
+        if why is not None:
+            self._runner_unsupported(why)
+
+    def _runner_unsupported(self, why: str) -> None:
+        loop = self.loop
+        assert loop is not None
+        if getattr(loop, "fit_runner", "auto") == "fast":
+            raise ConfigError(f"trainer.fit_runner='fast' is invalid here: {why}; expected auto or trainer (a "
+                              "lightning.Trainer per fit)")
+        if self.runner_off is None:
+            log.info("client fits run through a lightning.Trainer each (trainer.fit_runner=auto): %s", why)
+        self.runner_off = why
+
+    def _runner(self) -> FitRunner | None:
+        """The persistent runner, when this federation's fits use it."""
+        loop = self.loop
+        assert loop is not None
+        if getattr(loop, "fit_runner", "auto") == "trainer" or self.runner_off is not None:
+            return None
+        if self.runner is None:
+            self.runner = FitRunner(loop.device, loop.precision, loop.gradient_clip_val)
+        return self.runner
 
     def make_trainer(self, epochs: int | None) -> pl.Trainer:
         loop = self.loop
@@ -74,6 +112,8 @@ class InProcessExecutor(ClientExecutor):
                 metrics = module.fit_metrics() if meter is None else meter.metrics()
                 update = fit_update(module, ctx, n_samples, metrics)
                 loop.call("on_client_fit_end", module, update)
+        except ConfigError:  # the configuration, not the client (e.g. trainer.fit_runner=fast where it cannot)
+            raise
         except Exception as e:  # a failing client must not stop the federation (KeyboardInterrupt is not caught)
             if loop.on_client_fault == "raise":
                 raise
@@ -82,6 +122,18 @@ class InProcessExecutor(ClientExecutor):
 
     def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any,
              meter: FitMeter | None = None) -> None:
+        loop = self.loop
+        assert loop is not None
+        runner = self._runner()
+        if runner is not None:
+            steps = loop.local_steps if epochs is None else None
+            callbacks = [*loop.callbacks, meter] if meter is not None else loop.callbacks
+            try:
+                runner.fit(module, loader, callbacks, max_epochs=-1 if steps else (epochs or loop.local_epochs),
+                           max_steps=steps or -1)
+                return
+            except RunnerUnsupported as e:  # raised before any step: this fit (and the next) on a Trainer
+                self._runner_unsupported(str(e))
         handler = signal.getsignal(signal.SIGINT)
         with quiet_lightning():
             trainer = self.make_trainer(epochs)

@@ -1,0 +1,434 @@
+"""One persistent fit loop per worker: a client's local fit without building a Lightning ``Trainer``.
+
+A federation runs thousands of short fits (a few hundred samples each). Lightning's ``Trainer`` costs several
+milliseconds to build, connect and tear down per fit (and on a GPU its teardown empties the allocator cache and
+moves the module back to the host), which is most of a small model's fit. :class:`FitRunner` lives as long as its
+executor and drives the user's ``LightningModule`` through the same sequence of hooks as ``Trainer.fit`` with
+automatic optimisation does, so that the module, the callbacks and the numbers are those of the reference path
+(``trainer.fit_runner: trainer``), bit for bit on the CPU (``tests/test_fit_runner.py`` compares hook sequences,
+weights and optimizer state; ``benchmarks/parity.py`` every shipped synthetic config):
+
+* hooks, callbacks then module, in Lightning's order: ``setup``, ``configure_optimizers``, ``on_fit_start``,
+  ``on_train_start``; per epoch ``on_train_epoch_start``; per batch ``on_train_batch_start`` (``-1`` from the
+  module's ends the epoch), ``training_step`` (under the precision's autocast), ``on_before_zero_grad``,
+  ``optimizer.zero_grad()``, ``on_before_backward``, backward, ``on_after_backward``, ``on_before_optimizer_step``
+  (gradients unscaled under ``16-mixed``), gradient clipping by norm (``trainer.gradient_clip_val``),
+  ``optimizer.step()``, the learning-rate schedulers due (``interval: step``; ``interval: epoch`` after the epoch's
+  last batch), ``on_train_batch_end``; ``on_train_epoch_end``; ``on_train_end``, ``on_fit_end``, ``teardown``;
+  ``on_exception`` when the fit raises;
+* limits as the loop sets them: ``local_epochs`` epochs, or ``local_steps`` optimizer steps over as many epochs as
+  it takes (each a new pass over the loader, ``set_epoch`` called on its sampler as Lightning does);
+* precision from Lightning Fabric's own plugins (``32-true``, ``bf16-mixed``, ``16-mixed`` with its gradient
+  scaler);
+* ``self.log`` works (values kept in :attr:`FitTrainer.callback_metrics`), ``self.trainer`` / the callbacks'
+  ``trainer`` argument is a :class:`FitTrainer` with what a fit's hooks read (``optimizers``, ``current_epoch``,
+  ``global_step``, ``max_epochs``, ``max_steps``, ``should_stop``, ``lr_scheduler_configs``, ``strategy.
+  precision_plugin``, ``precision``, ``lightning_module``, ``callbacks``, ...). Anything else raises an
+  ``AttributeError`` that names the attribute and the way back to the reference path.
+
+Only what is cheap happens per step: each hook is called only on the callbacks that override it (resolved once per
+fit), and a batch already on the module's device is not copied. The module stays on its device between fits.
+
+The runner applies to modules with automatic optimisation that leave Lightning's optimiser, backward, batch-transfer
+and callback-configuration hooks alone, and to ``configure_optimizers`` results with one optimizer and schedulers
+without a ``monitor``; :func:`runner_support` says why not otherwise, and the executor then uses the ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from torch import Tensor
+
+__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "runner_support"]
+
+#: ``trainer.fit_runner``: ``auto`` (the persistent runner where it applies, else a ``Trainer`` per fit), ``fast``
+#: (the runner, a one-line error where it does not apply), ``trainer`` (a ``Trainer`` per fit: the reference)
+FIT_RUNNERS = ("auto", "fast", "trainer")
+
+#: the callback hooks a fit calls, in no particular order (all of Lightning's that fire in a fit without validation)
+_CALLBACK_HOOKS = (
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
+    "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad", "on_exception",
+)
+#: module hooks the runner calls (when overridden)
+_MODULE_HOOKS = (
+    "setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
+    "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+    "on_before_optimizer_step", "on_before_zero_grad",
+)
+#: module hooks whose override makes the runner step aside (it would have to reproduce their Trainer-side defaults)
+_UNSUPPORTED_MODULE_HOOKS = (
+    "optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "lr_scheduler_step",
+    "configure_callbacks", "configure_model", "configure_sharded_model", "on_before_batch_transfer",
+    "transfer_batch_to_device", "on_after_batch_transfer", "on_train_batch_end_legacy",
+)
+
+
+class RunnerUnsupported(Exception):
+    """The persistent runner cannot run this fit as ``Trainer.fit`` would; the message says why."""
+
+
+def _overrides(obj: Any, base: type, name: str) -> bool:
+    return getattr(type(obj), name, None) is not getattr(base, name, None)
+
+
+def runner_support(module: pl.LightningModule, callbacks: Sequence[Any] = ()) -> str | None:
+    """``None`` when :class:`FitRunner` can fit ``module`` with ``callbacks`` as ``Trainer.fit`` would, else why not.
+
+    Example:
+        >>> class Manual(pl.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.automatic_optimization = False
+        >>> runner_support(Manual())
+        'Manual uses manual optimization'
+    """
+    name = type(module).__name__
+    if not module.automatic_optimization:
+        return f"{name} uses manual optimization"
+    for hook in _UNSUPPORTED_MODULE_HOOKS:
+        if hasattr(pl.LightningModule, hook) and _overrides(module, pl.LightningModule, hook):
+            return f"{name} overrides {hook}"
+    for cb in callbacks:
+        if not isinstance(cb, pl.Callback):
+            return f"{type(cb).__name__} is not a lightning Callback"
+    return None
+
+
+class FitTrainer:
+    """What a fit's hooks see as ``trainer`` (and the module as ``self.trainer``) on the persistent runner.
+
+    Attributes mirror ``lightning.Trainer``'s of the same name during a fit. Reading one it does not have raises an
+    ``AttributeError`` naming the attribute and ``trainer.fit_runner: trainer`` (the reference path, a real
+    ``Trainer``)."""
+
+    #: (read by the module's ``self.log`` through Lightning's Fabric path: no logger on a client fit)
+    logger = None
+    loggers: list[Any] = []
+    global_rank = local_rank = node_rank = 0
+    world_size = num_nodes = num_devices = 1
+    is_global_zero = True
+    training = True
+    sanity_checking = validating = testing = predicting = False
+    accumulate_grad_batches = 1
+    gradient_clip_algorithm = "norm"
+    num_sanity_val_steps = 0
+    limit_val_batches = 0
+    fast_dev_run = False
+
+    def __init__(self, runner: FitRunner) -> None:
+        self._runner = runner
+        self.strategy = SimpleNamespace(precision_plugin=None, root_device=runner.device, lightning_module=None)
+        self.precision = runner.precision
+        self.gradient_clip_val = runner.gradient_clip_val
+        self.reset(None, [], -1, -1, None)
+
+    def reset(self, module: pl.LightningModule | None, callbacks: list[Any], max_epochs: int, max_steps: int,
+              loader: Any) -> None:
+        """Fresh per-fit state (as a new ``Trainer`` would have)."""
+        self.lightning_module = self.model = module
+        self.strategy.lightning_module = module
+        self.callbacks = callbacks
+        self.max_epochs, self.max_steps = max_epochs, max_steps
+        self.train_dataloader = loader
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[Any] = []
+        self.current_epoch = 0
+        self.global_step = 0
+        self.should_stop = False
+        self.callback_metrics: dict[str, Any] = {}
+        self.num_training_batches = _sized_len(loader)
+
+    @property
+    def device(self) -> torch.device:
+        return self._runner.device
+
+    @property
+    def lr_schedulers(self) -> list[Any]:
+        return [c.scheduler for c in self.lr_scheduler_configs]
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """The module's ``self.log`` / ``self.log_dict`` (Lightning's Fabric path): the last value of each name,
+        as given (no host sync)."""
+        self.callback_metrics.update(metrics)
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        self.callback_metrics[name] = value
+
+    def __getattr__(self, item: str) -> Any:
+        if item.startswith("__"):
+            raise AttributeError(item)
+        raise AttributeError(
+            f"trainer.{item} is not available on the persistent fit runner (trainer.fit_runner); "
+            "run with --trainer.fit_runner trainer for a full lightning.Trainer per fit")
+
+
+def _sized_len(loader: Any) -> float:
+    try:
+        return float(len(loader))
+    except TypeError:
+        return math.inf
+
+
+def _set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Lightning's ``_set_sampler_epoch``: ``set_epoch`` on the loader's sampler and batch sampler's sampler."""
+    objects: dict[int, Any] = {}
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None:
+        objects[id(sampler)] = sampler
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    if inner is not None:
+        objects[id(inner)] = inner
+    for obj in objects.values():
+        set_epoch = getattr(obj, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def _optimizers(module: pl.LightningModule) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """``configure_optimizers`` parsed as ``Trainer.fit`` parses it (Lightning's own helpers)."""
+    from lightning.pytorch.core.optimizer import (
+        _configure_optimizers,
+        _configure_schedulers_automatic_opt,
+        _MockOptimizer,
+        _validate_optimizers_attached,
+        _validate_scheduler_api,
+    )
+
+    conf = module.configure_optimizers()
+    if conf is None:
+        conf = _MockOptimizer()
+    optimizers, schedulers, monitor = _configure_optimizers(conf)
+    configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+    if len(optimizers) != 1:
+        raise RunnerUnsupported(f"configure_optimizers returned {len(optimizers)} optimizers")
+    _validate_optimizers_attached(optimizers, configs)
+    _validate_scheduler_api(configs, module)
+    for c in configs:
+        if c.reduce_on_plateau or c.monitor is not None:
+            raise RunnerUnsupported("a learning-rate scheduler monitors a metric")
+        if c.interval not in ("step", "epoch"):
+            raise RunnerUnsupported(f"a learning-rate scheduler has interval {c.interval!r}")
+    return optimizers, configs
+
+
+class FitRunner:
+    """Runs local fits of a ``LightningModule`` as ``Trainer.fit`` would (see the module docstring), reusing itself
+    for every fit of its worker.
+
+    Args:
+        device: where the module trains (the loop's device).
+        precision: ``32-true`` (or ``32``), ``bf16-mixed``, ``16-mixed``.
+        gradient_clip_val: clip each step's gradients to this total norm (``None``: no clipping).
+    """
+
+    def __init__(self, device: torch.device, precision: str = "32-true",
+                 gradient_clip_val: float | None = None) -> None:
+        self.device = torch.device(device)
+        self.precision = precision
+        self.gradient_clip_val = gradient_clip_val
+        self.trainer = FitTrainer(self)
+        self._hook_cache: dict[tuple[int, ...], dict[str, list[Any]]] = {}
+
+    def _plugin(self) -> FabricPrecision:
+        """Fabric's precision plugin for this fit (a fresh gradient scaler per fit under ``16-mixed``, as a fresh
+        ``Trainer`` has)."""
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            return FabricMixedPrecision(self.precision, device=self.device.type)  # type: ignore[arg-type]
+        if self.precision in ("32-true", "32", 32):
+            return FabricPrecision()
+        raise RunnerUnsupported(f"precision {self.precision!r}")
+
+    def _callback_hooks(self, callbacks: Sequence[Any]) -> dict[str, list[Any]]:
+        """Per hook, the bound methods of the callbacks that override it, in order (cached per callback list)."""
+        key = tuple(id(cb) for cb in callbacks)
+        table = self._hook_cache.get(key)
+        if table is None:
+            table = {h: [getattr(cb, h) for cb in callbacks if _overrides(cb, pl.Callback, h)] for h in _CALLBACK_HOOKS}
+            if len(self._hook_cache) > 64:
+                self._hook_cache.clear()
+            self._hook_cache[key] = table
+        return table
+
+    def fit(self, module: pl.LightningModule, loader: Any, callbacks: Sequence[Any], *, max_epochs: int,
+            max_steps: int) -> None:
+        """One local fit: ``max_epochs`` epochs (``-1``: unbounded) or ``max_steps`` optimizer steps (``-1``:
+        unbounded) over ``loader``, as ``Trainer.fit(module, train_dataloaders=loader)`` with those limits.
+
+        Raises:
+            RunnerUnsupported: before anything ran (``configure_optimizers`` aside), when this fit needs a
+                ``Trainer``.
+        """
+        why = runner_support(module, callbacks)
+        if why is not None:
+            raise RunnerUnsupported(why)
+        trainer = self.trainer
+        cbs = list(callbacks)
+        trainer.reset(module, cbs, max_epochs, max_steps, loader)
+        plugin = self._plugin()
+        trainer.strategy.precision_plugin = plugin
+        hooks = self._callback_hooks(cbs)
+        mod = {h: getattr(module, h) for h in _MODULE_HOOKS if _overrides(module, pl.LightningModule, h)}
+        saved = module._trainer, module._fabric
+        # self.log goes through Lightning's Fabric path to FitTrainer.log_dict; self.trainer is FitTrainer (through
+        # Lightning's shim); current_epoch / global_step read it too
+        module._fabric = trainer  # type: ignore[assignment]
+        module._trainer = trainer  # type: ignore[assignment]
+        try:
+            if module.device != self.device:
+                module.to(self.device)
+            torch.set_grad_enabled(True)  # (Lightning 2.x leaves the module's train/eval mode as it finds it)
+            self._call(hooks, mod, "setup", module, stage="fit")
+            trainer.optimizers, trainer.lr_scheduler_configs = _optimizers(module)
+        except BaseException:
+            module._trainer, module._fabric = saved
+            raise
+        try:
+            self._run(module, loader, trainer, plugin, hooks, mod)
+        except BaseException as e:
+            for fn in hooks["on_exception"]:
+                fn(trainer, module, e)
+            raise
+        finally:
+            module._trainer, module._fabric = saved
+
+    @staticmethod
+    def _call(hooks: Mapping[str, list[Any]], mod: Mapping[str, Any], name: str, module: pl.LightningModule,
+              *args: Any, **kwargs: Any) -> Any:
+        trainer = module._trainer
+        for fn in hooks[name]:
+            fn(trainer, module, *args, **kwargs)
+        fn = mod.get(name)
+        return fn(*args, **kwargs) if fn is not None else None
+
+    def _run(self, module: pl.LightningModule, loader: Any, trainer: FitTrainer, plugin: FabricPrecision,
+             hooks: Mapping[str, list[Any]], mod: Mapping[str, Any]) -> None:
+        call = self._call
+        optimizer = trainer.optimizers[0]
+        scaler = getattr(plugin, "scaler", None)
+        clip = self.gradient_clip_val
+        params = [p for group in optimizer.param_groups for p in group["params"]] if clip else []
+        step_scheds = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
+        epoch_scheds = [c for c in trainer.lr_scheduler_configs if c.interval == "epoch"]
+        n_batches = trainer.num_training_batches
+        device = self.device
+        call(hooks, mod, "on_fit_start", module)
+        module.zero_grad()
+        call(hooks, mod, "on_train_start", module)
+        max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+        epoch, stop = 0, False
+        while not stop and (max_epochs < 0 or epoch < max_epochs) and not trainer.should_stop:
+            trainer.current_epoch = epoch
+            _set_sampler_epoch(loader, epoch)
+            call(hooks, mod, "on_train_epoch_start", module)
+            batch_idx = -1
+            for batch_idx, batch in enumerate(loader):
+                batch = _to_device(batch, device)
+                for fn in hooks["on_train_batch_start"]:
+                    fn(trainer, module, batch, batch_idx)
+                fn = mod.get("on_train_batch_start")
+                skip_rest = fn is not None and fn(batch, batch_idx) == -1
+                outputs: Any = None
+                if not skip_rest:
+                    outputs = self._step(module, optimizer, plugin, scaler, params, batch, batch_idx, hooks, mod)
+                    trainer.global_step += 1
+                for c in step_scheds:
+                    if (batch_idx + 1) % c.frequency == 0:
+                        c.scheduler.step()
+                if batch_idx + 1 >= n_batches or skip_rest:
+                    for c in epoch_scheds:
+                        if (epoch + 1) % c.frequency == 0:
+                            c.scheduler.step()
+                if skip_rest:
+                    break
+                for fn in hooks["on_train_batch_end"]:
+                    fn(trainer, module, outputs, batch, batch_idx)
+                fn = mod.get("on_train_batch_end")
+                if fn is not None:
+                    fn(outputs, batch, batch_idx)
+                if 0 <= max_steps <= trainer.global_step:
+                    stop = True
+                    break
+                if trainer.should_stop:
+                    break
+            if batch_idx < 0 and max_epochs < 0:
+                stop = True  # an empty loader under a step limit: Lightning runs no step either
+            call(hooks, mod, "on_train_epoch_end", module)
+            epoch += 1
+        trainer.current_epoch = epoch
+        call(hooks, mod, "on_train_end", module)
+        call(hooks, mod, "on_fit_end", module)
+        call(hooks, mod, "teardown", module, stage="fit")
+
+    @staticmethod
+    def _step(module: pl.LightningModule, optimizer: torch.optim.Optimizer, plugin: FabricPrecision, scaler: Any,
+              params: list[Tensor], batch: Any, batch_idx: int, hooks: Mapping[str, list[Any]],
+              mod: Mapping[str, Any]) -> dict[str, Any]:
+        """One automatic-optimisation step, in ``Trainer.fit``'s order; returns what ``on_train_batch_end`` gets."""
+        trainer = module._trainer
+        with plugin.forward_context():
+            out = module.training_step(batch, batch_idx)
+        if isinstance(out, Mapping):
+            loss = out.get("loss")
+            extra = {k: v for k, v in out.items() if k != "loss"}
+        else:
+            loss, extra = out, {}
+        for fn in hooks["on_before_zero_grad"]:
+            fn(trainer, module, optimizer)
+        fn = mod.get("on_before_zero_grad")
+        if fn is not None:
+            fn(optimizer)
+        optimizer.zero_grad()
+        if loss is not None:
+            scaled = scaler.scale(loss) if scaler is not None else loss
+            for fn in hooks["on_before_backward"]:
+                fn(trainer, module, scaled)
+            fn = mod.get("on_before_backward")
+            if fn is not None:
+                fn(scaled)
+            scaled.backward()
+            for fn in hooks["on_after_backward"]:
+                fn(trainer, module)
+            fn = mod.get("on_after_backward")
+            if fn is not None:
+                fn()
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+        for fn in hooks["on_before_optimizer_step"]:
+            fn(trainer, module, optimizer)
+        fn = mod.get("on_before_optimizer_step")
+        if fn is not None:
+            fn(optimizer)
+        if params:
+            torch.nn.utils.clip_grad_norm_(params, trainer.gradient_clip_val)
+        if scaler is not None:
+            if loss is not None:
+                scaler.step(optimizer)
+                scaler.update()
+        else:
+            optimizer.step()
+        if loss is None:
+            return {"loss": None, **extra}
+        return {"loss": loss.detach().clone(), **extra}
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` on ``device``: as it is when every tensor is there already (no copy, no traversal cost beyond a
+    check), else Lightning's ``move_data_to_device``."""
+    if isinstance(batch, (tuple, list)) and all(not isinstance(t, Tensor) or t.device == device for t in batch):
+        return batch
+    if isinstance(batch, Tensor) and batch.device == device:
+        return batch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    return move_data_to_device(batch, device)
