@@ -11,7 +11,7 @@ import torch
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional import (
     cosine_prune_rate, drop_and_grow, erk_densities, layer_densities, mask_density, masks_from_densities, pack_mask,
-    pack_masks, prune_regrow_count, stable_top_k, unpack_mask, unpack_masks,
+    pack_masks, prune_regrow_count, sorted_top_k, stable_top_k, unpack_mask, unpack_masks,
 )
 from pl_fedsparse.models import VGG11GN, ResNet18GN
 
@@ -264,3 +264,33 @@ def test_stable_top_k_bad_k():
         stable_top_k(torch.zeros(3), 4, largest=True)
     with pytest.raises(ConfigError, match="k"):
         stable_top_k(torch.zeros(3), -1, largest=False)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+def test_the_device_path_selects_what_the_counting_path_selects(largest, dtype):
+    """``sorted_top_k`` (used for scores off the CPU: no host sync) against ``stable_top_k``'s counting path (the
+    CPU's), on the same ties, NaN, ±0 and ±inf cases: the same entries."""
+    g = torch.Generator().manual_seed(2)
+    for trial in range(30):
+        n = int(torch.randint(1, 50, (1,), generator=g))
+        values = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
+        pool = values[:5] if (trial % 2 or dtype == torch.int64) else values
+        scores = pool[torch.randint(0, len(pool), (n,), generator=g)].to(dtype)
+        for k in range(n + 1):
+            assert torch.equal(sorted_top_k(scores, k, largest=largest), stable_top_k(scores, k, largest=largest)), \
+                (trial, k, scores.tolist())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_prune_regrow_runs_on_the_weights_device_without_a_host_copy_of_the_scores():
+    from pl_fedsparse.callbacks.prune_regrow import prune_regrow
+
+    g = torch.Generator().manual_seed(0)
+    masks = {"w": torch.rand(64, 64, generator=g) < 0.5}
+    drop, grow = torch.rand(64, 64, generator=g), torch.rand(64, 64, generator=g)
+    on_cpu = prune_regrow(masks, {"w": drop}, {"w": grow}, 0.3)
+    on_gpu = prune_regrow(masks, {"w": drop.cuda()}, {"w": grow.cuda()}, 0.3)
+    assert on_gpu["w"].device.type == "cuda"
+    assert torch.equal(on_gpu["w"].cpu(), on_cpu["w"])

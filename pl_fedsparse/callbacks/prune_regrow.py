@@ -69,9 +69,15 @@ class PruneRegrowSchedule:
 def prune_regrow(masks: dict[str, Tensor], drop: dict[str, Tensor], grow: dict[str, Tensor],
                  rate: float) -> dict[str, Tensor]:
     """Every mask drops its ``α``-share of active entries with the lowest ``drop`` score and regrows as many by the
-    highest ``grow`` score (:func:`~pl_fedsparse.functional.sparse.drop_and_grow`); counts are kept exactly."""
-    return {name: drop_and_grow(m, drop[name].cpu(), grow[name].cpu(), prune_regrow_count(m, rate))
-            for name, m in masks.items()}
+    highest ``grow`` score (:func:`~pl_fedsparse.functional.sparse.drop_and_grow`); counts are kept exactly.
+
+    Runs where the ``drop`` scores are (the trained weights' device): the scores are not copied to the host, only the
+    bool mask travels to them; the new masks are on that device."""
+    out = {}
+    for name, m in masks.items():
+        d = drop[name]
+        out[name] = drop_and_grow(m.to(d.device), d, grow[name].to(d.device), prune_regrow_count(m, rate))
+    return out
 
 
 def gradient_scores(loop: FederatedLoop, update: ClientUpdate, names: list[str], batches: int) -> dict[str, Tensor]:

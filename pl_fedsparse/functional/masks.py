@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pl_fedsparse.errors import check
 
-__all__ = ["topk_mask", "stable_top_k", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
+__all__ = ["topk_mask", "stable_top_k", "sorted_top_k", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
            "masks_from_densities", "mask_density"]
 
 
@@ -245,6 +245,8 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
         s = s.double()
     elif s.dtype in (torch.float16, torch.bfloat16):
         s = s.float()
+    if s.device.type != "cpu":
+        return sorted_top_k(s, k, largest=largest)
     selected = torch.zeros(n, dtype=torch.bool, device=s.device)
     nan = torch.isnan(s)
     n_nan = int(nan.sum())
@@ -263,6 +265,26 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
     return selected
 
 
+def sorted_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
+    """:func:`stable_top_k` by a stable sort on the scores' own device: no host synchronisation (``k`` is known on
+    the host), so an accelerator's prune-and-regrow never waits for a copy back. Used for scores off the CPU, where
+    a sort is cheap and :func:`stable_top_k`'s counting would stop the device; the same entries
+    (``tests/test_functional_masks.py`` compares the two on the CPU).
+
+    Example:
+        >>> sorted_top_k(torch.tensor([0.5, 0.9, 0.5, 0.1]), 2, largest=True).tolist()
+        [True, True, False, False]
+    """
+    s = scores.detach().reshape(-1)
+    if not s.is_floating_point():
+        s = s.double()
+    elif s.dtype in (torch.float16, torch.bfloat16):
+        s = s.float()
+    selected = torch.zeros(s.numel(), dtype=torch.bool, device=s.device)
+    selected[torch.sort(s, descending=largest, stable=True).indices[:k]] = True
+    return selected
+
+
 def topk_mask(scores: Tensor, k: int) -> Tensor:
     """A bool mask of ``scores``' shape with exactly ``k`` ones at the ``k`` highest scores (ties: lower flat index
     first, so the result is deterministic).
@@ -271,7 +293,7 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
         >>> topk_mask(torch.tensor([[0.1, 0.9], [0.5, 0.5]]), 2).tolist()
         [[False, True], [True, False]]
     """
-    return stable_top_k(scores.detach().flatten().cpu(), k, largest=True).view(scores.shape)
+    return stable_top_k(scores.detach().flatten(), k, largest=True).view(scores.shape)
 
 
 def permutation_scores(shape: torch.Size | tuple[int, ...], generator: torch.Generator) -> Tensor:
