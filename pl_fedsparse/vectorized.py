@@ -1,8 +1,4 @@
-"""Old path of :mod:`pl_fedsparse.executors.vectorized` (kept so that existing imports and configs work): the same
-module object."""
+"""Old path of :mod:`pl_fedsparse.executors.vectorized` (kept so that existing imports and configs work)."""
 
-import sys
-
-from pl_fedsparse.executors import vectorized as _vectorized
-
-sys.modules[__name__] = _vectorized
+from pl_fedsparse.executors.vectorized import *  # noqa: F401,F403
+from pl_fedsparse.executors.vectorized import __all__  # noqa: F401
