@@ -131,7 +131,9 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
     The loss is the module's optional ``loss(logits, y)`` (:mod:`pl_fedsparse.protocol`), else cross-entropy.
     Gradients of other parameters are discarded; the module's ``.grad`` fields are left empty.
     """
-    module.to(device).train()
+    if getattr(module, "device", None) != device:  # (a LightningModule knows its device: no move when there)
+        module.to(device)
+    module.train()
     params = dict(module.named_parameters())
     grads = {n: torch.zeros_like(params[n]) for n in names if n in params}
     seen = 0

@@ -76,6 +76,8 @@ class InProcessExecutor(ClientExecutor):
         assert loop is not None
         if getattr(loop, "fit_runner", "auto") == "trainer" or self.runner_off is not None:
             return None
+        if type(self).make_trainer is not InProcessExecutor.make_trainer:  # a subclass builds its own Trainer
+            return None
         if self.runner is None:
             self.runner = FitRunner(loop.device, loop.precision, loop.gradient_clip_val)
         return self.runner

@@ -1,0 +1,234 @@
+"""Device traffic per client fit and per training step, counted on the CPU: what would wait for, or copy across, a
+GPU's link.
+
+A run of a method's config (shrunk onto the synthetic task, as ``benchmarks/parity.py`` does) under a counter that
+sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per phase:
+
+* **Trainers built** (``lightning.Trainer.__init__``) and **module moves** (``.to`` / ``.cuda`` / ``.cpu`` on a
+  ``LightningModule``) inside client fits;
+* **transfers**: ``Tensor.to(<device>)``, ``.cpu()``, ``.cuda()``, ``.pin_memory()`` calls — on a GPU each moves a
+  tensor across the host link unless it is already where it is sent (on the CPU every such call is counted: an
+  upper bound);
+* **synchronising calls**: ``.item()``, ``.tolist()``, ``.numpy()``, ``bool()/int()/float()`` of a tensor,
+  ``nonzero``/``argwhere``, ``masked_select``, ``unique`` and indexing by a bool tensor — each makes the host wait
+  for the device.
+
+Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
+step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
+**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`). A GPU's own profile
+(``torch.profiler``, ``torch.cuda.set_sync_debug_mode``) is the check on a lent device; this one runs anywhere, and
+``tests/test_device_traffic.py`` holds its counts.
+
+    python benchmarks/device_traffic.py                   # every config below, a table
+    python benchmarks/device_traffic.py fedavg fedspa     # some of them
+    python benchmarks/device_traffic.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.overrides import TorchFunctionMode
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: name -> (config, extra arguments); the CIFAR-10 CPU configs run on the synthetic task (benchmarks/parity.py's way)
+_SYNTH = ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients", "6", "--data.max_train_samples",
+          "null", "--data.augment", "false", "--data.batch_size", "32",
+          "--model.backbone", "pl_fedsparse.models.MLP", "--model.backbone.init_args.num_classes", "10",
+          "--model.backbone.init_args.in_channels", "3", "--model.backbone.init_args.input_size", "16",
+          "--trainer.accelerator", "cpu", "--trainer.local_epochs", "1"]
+CONFIGS: dict[str, tuple[str, list[str]]] = {
+    "fedavg": ("configs/synthetic_fedavg.yaml", []),
+    "fedspa": ("configs/cifar10_fedspa_dst_cpu.yaml", _SYNTH),
+    "dispfl": ("configs/cifar10_dispfl_cpu.yaml", _SYNTH),
+    "dmpfl": ("configs/cifar10_dmpfl_plus_cpu.yaml", _SYNTH + ["--trainer.num_rounds", "4"]),
+    "pfedgate": ("configs/synthetic_pfedgate.yaml", []),
+    "fedpse": ("configs/synthetic_fedpse.yaml", []),
+}
+
+_SYNC_NAMES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
+               "masked_select", "unique", "unique_consecutive"}
+_TRANSFER_NAMES = {"cpu", "cuda", "pin_memory"}
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def _is_device(x: Any) -> bool:
+    return isinstance(x, (torch.device, str)) and str(x).split(":")[0] in ("cpu", "cuda", "mps", "meta")
+
+
+class TrafficCounter(TorchFunctionMode):
+    """Counts Trainers, module moves, transfers and synchronising calls by phase (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase: list[str] = ["outside"]
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.samples: dict[tuple[str, str], list[str]] = {}
+
+    def _count(self, kind: str, what: str) -> None:
+        key = (self.phase[-1], kind)
+        self.counts[key] += 1
+        examples = self.samples.setdefault(key, [])
+        if len(examples) < 5 and what not in examples:
+            examples.append(what)
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str) -> Iterator[None]:
+        self.phase.append(name)
+        try:
+            yield
+        finally:
+            self.phase.pop()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        caller = sys._getframe(1).f_code.co_filename
+        if _TORCH_DIR in caller:  # torch's own housekeeping (e.g. clip_grad_norm_'s per-device grouping): not ours
+            return func(*args, **kwargs)
+        if name in _SYNC_NAMES:
+            self._count("syncs", name)
+        elif name in _TRANSFER_NAMES:
+            self._count("transfers", name)
+            if name == "cpu":  # a copy to the host also waits for the device
+                self._count("syncs", name)
+        elif name == "to" and (any(_is_device(a) for a in args[1:]) or _is_device(kwargs.get("device"))):
+            self._count("transfers", "to(device)")
+        elif name in ("__getitem__", "__setitem__") and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                self._count("syncs", f"{name}[bool]")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[TrafficCounter]:
+    """Count everything inside the block; phases marked by patching the engine's fit, step and readjustment."""
+    from pl_fedsparse.callbacks import prune_regrow as pr
+    from pl_fedsparse.executors import runner as runner_mod
+    from pl_fedsparse.executors.in_process import InProcessExecutor
+
+    counter = TrafficCounter()
+    patches: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, attr: str, wrapper: Any) -> None:
+        patches.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, wrapper)
+
+    run_one, step, dag = InProcessExecutor.run_one, runner_mod.FitRunner._step, pr.drop_and_grow
+    trainer_init, to, cuda, cpu = pl.Trainer.__init__, torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.cpu
+
+    def run_one_(self: Any, request: Any) -> Any:
+        counter.counts[("fit", "fits")] += 1
+        with counter.in_phase("fit"):
+            return run_one(self, request)
+
+    def step_(*a: Any, **k: Any) -> Any:
+        counter.counts[("step", "steps")] += 1
+        with counter.in_phase("step"):
+            return step(*a, **k)
+
+    def dag_(*a: Any, **k: Any) -> Any:
+        counter.counts[("readjust", "calls")] += 1
+        with counter.in_phase("readjust"):
+            return dag(*a, **k)
+
+    def init_(self: Any, *a: Any, **k: Any) -> None:
+        counter._count("trainers", "Trainer")
+        trainer_init(self, *a, **k)
+
+    def mover(fn: Any, name: str) -> Any:
+        def moved(self: Any, *a: Any, **k: Any) -> Any:
+            if isinstance(self, pl.LightningModule):
+                counter._count("module_moves", name)
+            return fn(self, *a, **k)
+        return moved
+
+    patch(InProcessExecutor, "run_one", run_one_)
+    patch(runner_mod.FitRunner, "_step", staticmethod(step_))
+    patch(pr, "drop_and_grow", dag_)
+    patch(pl.Trainer, "__init__", init_)
+    patch(torch.nn.Module, "to", mover(to, "to"))
+    patch(torch.nn.Module, "cuda", mover(cuda, "cuda"))
+    patch(torch.nn.Module, "cpu", mover(cpu, "cpu"))
+    try:
+        with counter:
+            yield counter
+    finally:
+        for owner, attr, old in reversed(patches):
+            setattr(owner, attr, old)
+
+
+def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, Any]:
+    """Run config ``name`` for ``rounds`` rounds under the counter; per-fit and per-step figures."""
+    from pl_fedsparse.cli import main
+
+    cfg, extra = CONFIGS[name]
+    args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.num_rounds", str(rounds), "--trainer.eval_every",
+            str(rounds), "--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner]
+    if "--trainer.num_rounds" in extra:
+        args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.eval_every", "100",
+                "--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner]
+    with tempfile.TemporaryDirectory() as tmp:
+        with counting() as c:
+            try:
+                code = main([*args, "--trainer.default_root_dir", str(Path(tmp) / name)])
+            except SystemExit as e:
+                code = int(e.code or 0)
+    if code != 0:
+        raise RuntimeError(f"{name}: pl-fed exited {code}")
+    fits = max(1, c.counts[("fit", "fits")])
+    steps = max(1, c.counts[("step", "steps")])
+    per = {}
+    for kind in ("trainers", "module_moves", "transfers", "syncs"):
+        inside_fit = sum(v for (ph, k), v in c.counts.items() if k == kind and ph in ("fit", "step", "readjust"))
+        per[f"{kind}_per_fit"] = round(inside_fit / fits, 2)
+    per["syncs_per_step"] = round(c.counts[("step", "syncs")] / steps, 3)
+    per["transfers_per_step"] = round(c.counts[("step", "transfers")] / steps, 3)
+    per["readjust_transfers"] = c.counts[("readjust", "transfers")]
+    per["readjust_syncs_per_call"] = round(c.counts[("readjust", "syncs")] / max(1, c.counts[("readjust", "calls")]),
+                                           2)
+    return {"config": name, "fit_runner": fit_runner, "fits": c.counts[("fit", "fits")],
+            "steps": c.counts[("step", "steps")], **per,
+            "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("configs", nargs="*", default=list(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fit-runner", default="auto", choices=["auto", "trainer"])
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    rows = [measure(n, a.rounds, a.fit_runner) for n in a.configs]
+    cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit", "syncs_per_fit",
+            "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call"]
+    print("| config | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for r in rows:
+        print(f"| {r['config']} | " + " | ".join(str(r[c]) for c in cols) + " |")
+    for r in rows:
+        print(f"# {r['config']}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r["examples"].items()))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()

@@ -1,0 +1,68 @@
+"""The device-traffic counter (``benchmarks/device_traffic.py``) on the CPU: no Trainer built and no module moved per
+client fit, no synchronising call and no transfer inside a training step, no transfer in mask readjustment — for the
+configs where that holds today. Each count is planted once below (a Trainer per fit, a sync in the step, a host copy
+in readjustment) to show the test sees it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import device_traffic  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+
+
+@pytest.mark.parametrize("config", ["fedavg", "fedspa", "dmpfl"])
+def test_no_trainer_no_move_no_sync_per_step(config: str) -> None:
+    r = device_traffic.measure(config)
+    assert r["fits"] > 0 and r["steps"] > 0
+    assert r["trainers_per_fit"] == 0 and r["module_moves_per_fit"] == 0, r
+    assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
+    assert r["readjust_transfers"] == 0, r
+
+
+def test_pfedgate_builds_no_trainer_and_moves_no_module() -> None:
+    """(Its gate's knapsack still runs on the host inside each step: ``syncs_per_step`` is not 0 yet.)"""
+    r = device_traffic.measure("pfedgate")
+    assert r["trainers_per_fit"] == 0 and r["module_moves_per_fit"] == 0, r
+
+
+def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: the reference path (a Trainer per fit, which also places the module); a ``.item()`` in every
+    training step; a host copy inside prune-and-regrow."""
+    r = device_traffic.measure("fedavg", fit_runner="trainer")
+    assert r["trainers_per_fit"] == 1 and r["module_moves_per_fit"] >= 1
+    from pl_fedsparse.module import FederatedModule
+
+    step = FederatedModule.training_step
+
+    def syncing(self: Any, batch: Any, batch_idx: int) -> Any:
+        loss = step(self, batch, batch_idx)
+        loss.detach().item()
+        return loss
+
+    monkeypatch.setattr(FederatedModule, "training_step", syncing)
+    assert device_traffic.measure("fedavg")["syncs_per_step"] == 1
+    monkeypatch.undo()
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    from pl_fedsparse.functional import sparse
+
+    dag = sparse.drop_and_grow
+
+    def copying(mask: torch.Tensor, drop: torch.Tensor, grow: torch.Tensor, k: int) -> torch.Tensor:
+        return dag(mask, drop.cpu(), grow, k)
+
+    monkeypatch.setattr(sparse, "drop_and_grow", copying)
+    import pl_fedsparse.callbacks.prune_regrow as pr
+
+    monkeypatch.setattr(pr, "drop_and_grow", copying)
+    assert device_traffic.measure("fedspa")["readjust_transfers"] > 0
