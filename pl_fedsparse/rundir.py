@@ -91,6 +91,13 @@ CALLBACK_RESUME_ATTR = "resume_may_change"
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+#: entries of a run directory the engine opens, writes or removes: none of them may be a symbolic link
+SPECIAL_ENTRIES = (LOCK_FILE, RUN_FILE, "config.yaml", "summary.json", "metrics.jsonl", "results.md", "checkpoints",
+                   "tensorboard", "checkpoints/last.ckpt")
+#: the temporary files the engine's atomic writes make (``.<file>.<8 random characters>.tmp``), and only those are
+#: removed as stale: a user's own ``.*.tmp`` file is left alone
+_ENGINE_TMP = re.compile(r"^\.(run\.json|config\.yaml|summary\.json|metrics\.jsonl|results\.md|last\.ckpt|round-\d{6}\.ckpt)\."
+                         r"[A-Za-z0-9_]{8}\.tmp$")
 RUN_FORMAT = "pl_fedsparse.run/1"
 _ROUND_FILE = re.compile(r"^round-(\d+)\.ckpt$")
 
@@ -394,8 +401,14 @@ class RunDirectory:
         if fcntl is None:  # pragma: no cover - no flock (Windows): no protection against concurrent runs
             return
         lock = self.path(LOCK_FILE)
+        self._refuse_links()
         for _ in range(100):
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            try:  # never through a link: a .lock that is a symlink would make the lock write into its target
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    self._refuse_links()  # (it became a link since the check: the same one line)
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -434,6 +447,18 @@ class RunDirectory:
         except BaseException:
             self._unlock()
             raise
+
+    def _refuse_links(self) -> None:
+        """A run directory owns only its own files: refuse one whose special entries (:data:`SPECIAL_ENTRIES`) are
+        symbolic links, before anything is opened, written or removed there (one line, naming the entry)."""
+        root = self.run_dir
+        assert root is not None
+        for name in SPECIAL_ENTRIES:
+            if (root / name).is_symlink():
+                raise ConfigError(
+                    f"{self._root_param} is invalid: its {name} is a symbolic link ({root / name} -> "
+                    f"{os.readlink(root / name)}); expected a run directory whose own files are not links (the run "
+                    "would write or remove what the link points to): remove the link or choose another directory")
 
     def _check_directory(self, resuming: bool, checkpoint: Mapping[str, Any] | None, ckpt_param: str) -> str:
         """Whether this run may write into the directory (checked while holding it); the run id to use."""
@@ -504,17 +529,19 @@ class RunDirectory:
         events (they would mix with this run's)."""
         root = self.run_dir
         assert root is not None
+        self._refuse_links()  # (checkpoints/ and tensorboard/ are not links: nothing outside is removed)
         for p in round_checkpoints(root / "checkpoints").values():
             p.unlink(missing_ok=True)
         (root / "checkpoints" / "last.ckpt").unlink(missing_ok=True)
         (root / "summary.json").unlink(missing_ok=True)
         for p in (root / "tensorboard").glob("events.out.tfevents.*"):
-            p.unlink(missing_ok=True)
+            p.unlink(missing_ok=True)  # (a link among them is removed itself, never its target)
 
     def _remove_stale_tmp(self) -> None:
         root = self.run_dir
         assert root is not None
-        stale = [p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob(".*.tmp") if p.is_file()]
+        stale = [p for d in (root, root / "checkpoints") if d.is_dir() and not d.is_symlink() for p in d.glob(".*.tmp")
+                 if _ENGINE_TMP.match(p.name) and p.is_file() and not p.is_symlink()]
         for p in stale:
             p.unlink(missing_ok=True)
         if stale:

@@ -388,16 +388,19 @@ def test_a_kill_between_the_round_file_and_last_leaves_a_consistent_pair(tmp_pat
 # ------------------------------------------------------------------------------------------------ hygiene
 def test_stale_temporary_files_are_removed(tmp_path: Path) -> None:
     tiny_loop(tmp_path, num_rounds=1).fit(tiny_module(), tiny_datamodule())
-    stale = [tmp_path / ".metrics.jsonl.abc123.tmp", tmp_path / "checkpoints" / ".round-000002.ckpt.x1y2.tmp",
+    stale = [tmp_path / ".metrics.jsonl.abc12_yz.tmp", tmp_path / "checkpoints" / ".round-000002.ckpt.x1y2z3w4.tmp",
              tmp_path / "checkpoints" / ".last.ckpt.0a1b2c3d.tmp"]
     for p in stale:
         p.write_bytes(b"half a file")
-    (tmp_path / "notes.tmp").write_text("mine")  # not one of ours
+    mine = [tmp_path / "notes.tmp", tmp_path / ".notes.tmp", tmp_path / ".draft.yaml.0a1b2c3d.tmp",
+            tmp_path / "checkpoints" / ".mine.tmp"]  # not the engine's names: the user's files stay
+    for p in mine:
+        p.write_text("mine")
     tiny_loop(tmp_path, num_rounds=2).fit(tiny_module(), tiny_datamodule(),
                                           ckpt_path=str(tmp_path / "checkpoints/last.ckpt"))
     assert not any(p.exists() for p in stale)
-    assert (tmp_path / "notes.tmp").read_text() == "mine"
-    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == ["notes.tmp"]
+    assert all(p.read_text() == "mine" for p in mine)
+    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == sorted(p.name for p in mine)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
@@ -566,3 +569,44 @@ def test_a_crafted_checkpoint_imports_nothing_it_names(tmp_path: Path, monkeypat
     assert not marker.exists(), marker.read_text()
     assert not {"sidefx", "sidefx_data", "sidefx_cb"} & set(sys.modules)
     assert digest(run) == before
+
+
+# ------------------------------------------------------------------------------------------------ links
+@pytest.mark.parametrize("entry", [".lock", "run.json", "config.yaml", "summary.json", "metrics.jsonl", "checkpoints",
+                                   "tensorboard", "checkpoints/last.ckpt"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_run_directory_whose_own_entries_are_links_is_refused_and_nothing_outside_is_touched(
+        tmp_path: Path, entry: str, overwrite: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each special entry as a symlink to the user's files elsewhere: one line naming it, exit 2, the target (a file
+    or a folder with a TensorBoard-looking file and engine-looking temporary files) unchanged to the byte."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "events.out.tfevents.123.host").write_bytes(b"the user's events")
+    (outside / ".last.ckpt.0a1b2c3d.tmp").write_bytes(b"the user's file")
+    (outside / "target.txt").write_text("precious")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    link = run / entry
+    if link.exists():
+        link.rmdir()
+    link.symlink_to(outside if entry in ("checkpoints", "tensorboard") else outside / "target.txt")
+    before = digest(outside)
+    args = cli_fit(run, "--trainer.num_rounds", "1") + (["--trainer.overwrite", "true"] if overwrite else [])
+    code, _, err = run_main(args, capsys)
+    assert code == 2, err
+    line = one_line(err)
+    assert f"its {entry} is a symbolic link" in line
+    assert digest(outside) == before
+    assert link.is_symlink()
+
+
+def test_a_symlinked_tmp_file_and_a_link_to_a_directory_are_never_followed_when_cleaning(tmp_path: Path) -> None:
+    """An engine-named temporary file that is a link is left alone (the link and its target)."""
+    tiny_loop(tmp_path / "r", num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    target = tmp_path / "precious.bin"
+    target.write_bytes(b"keep")
+    link = tmp_path / "r" / ".summary.json.0a1b2c3d.tmp"
+    link.symlink_to(target)
+    tiny_loop(tmp_path / "r", num_rounds=2).fit(tiny_module(), tiny_datamodule(),
+                                                ckpt_path=str(tmp_path / "r" / "checkpoints/last.ckpt"))
+    assert target.read_bytes() == b"keep" and link.is_symlink()
