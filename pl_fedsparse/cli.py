@@ -69,6 +69,7 @@ import importlib.machinery
 import os
 import re
 import secrets
+import shlex
 import signal
 import sys
 import textwrap
@@ -673,8 +674,10 @@ def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
     held = "round 0" if done == 1 else f"rounds 0 to {done - 1}"  # metrics.jsonl's round numbers (from 0)
     at = f" (it continues at round {done}; the checkpoint holds {held})" if done else \
         " (no round had completed)" if done == 0 else ""
-    config = f"--config {rd / 'config.yaml'} " if (rd / "config.yaml").is_file() else ""
-    return f"{word}: resume with `{PROG} fit {config}--trainer.default_root_dir {rd} --ckpt_path {ckpt}`{at}"
+    q = shlex.quote  # a path with a space or a quote still makes a command the shell runs as printed
+    config = f"--config {q(str(rd / 'config.yaml'))} " if (rd / "config.yaml").is_file() else ""
+    return f"{word}: resume with `{PROG} fit {config}--trainer.default_root_dir {q(str(rd))} " \
+           f"--ckpt_path {q(str(ckpt))}`{at}"
 
 
 _OS_HINTS = {

@@ -226,7 +226,13 @@ class FederatedLoop:
 
     @property
     def device(self) -> torch.device:
-        """Device of local fits and evaluation."""
+        """Device of local fits and evaluation (a one-line ConfigError when the accelerator asked for is not there)."""
+        if self.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.accelerator={self.accelerator!r} is invalid: expected cpu or auto (no CUDA "
+                              "device is available on this machine)")
+        if self.accelerator == "mps" and not (torch.backends.mps.is_built() and torch.backends.mps.is_available()):
+            raise ConfigError("trainer.accelerator='mps' is invalid: expected cpu or auto (no MPS device is "
+                              "available on this machine)")
         if self.accelerator in ("gpu", "cuda") or (self.accelerator == "auto" and torch.cuda.is_available()):
             return torch.device("cuda", torch.cuda.current_device())
         if self.accelerator == "mps":

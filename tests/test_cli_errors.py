@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from conftest import TINY_CLI, one_line, run_main
 
@@ -335,6 +336,29 @@ def test_ctrl_c_between_rounds_exits_130_and_the_hint_resumes(project: Path,
     assert code == 0, err
     rows = [yaml.safe_load(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1]
+
+
+def test_the_resume_hint_is_a_shell_command_for_any_path(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run directory with a space and a quote in its name: the printed command, split as a shell splits it,
+    resumes the run."""
+    run = project / "my run's dir"
+    code, _, err = run_main(tiny(run, "--trainer.callbacks+", "faultcb.InterruptAtRound"), capsys)
+    assert code == 130, err
+    line = one_line(err, "interrupted")
+    command = shlex.split(line.split("`")[1])
+    assert command[command.index("--trainer.default_root_dir") + 1] == str(run)
+    code, _, err = run_main(command[1:], capsys)
+    assert code == 0, err
+    assert [yaml.safe_load(x)["round"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_an_accelerator_that_is_not_there_is_one_line_and_nothing_is_written(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main([*tiny(tmp_path / "run", rounds=1), "--trainer.accelerator", "gpu"], capsys)
+    assert code == 2
+    assert "trainer.accelerator='gpu' is invalid: expected cpu or auto (no CUDA device" in one_line(err)
+    assert not (tmp_path / "run").exists()
 
 
 def test_ctrl_c_inside_a_lightning_fit_exits_130(project: Path, capsys: pytest.CaptureFixture[str]) -> None:
