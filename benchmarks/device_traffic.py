@@ -15,7 +15,9 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
-**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`). A GPU's own profile
+**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`). Where the engine takes
+another path on the CPU than on a device (pFedGate's greedy knapsack, a Python scan on the CPU), the counter makes
+it take the device's. A GPU's own profile
 (``torch.profiler``, ``torch.cuda.set_sync_debug_mode``) is the check on a lent device; this one runs anywhere, and
 ``tests/test_device_traffic.py`` holds its counts.
 
@@ -155,6 +157,9 @@ def counting() -> Iterator[TrafficCounter]:
             return fn(self, *a, **k)
         return moved
 
+    from pl_fedsparse.functional import gate
+
+    patch(gate, "HOST_KNAPSACK_ON_CPU", False)  # count the path a GPU takes (pFedGate's knapsack on the device)
     patch(InProcessExecutor, "run_one", run_one_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
     patch(pr, "drop_and_grow", dag_)

@@ -30,10 +30,32 @@ def test_no_trainer_no_move_no_sync_per_step(config: str) -> None:
     assert r["readjust_transfers"] == 0, r
 
 
-def test_pfedgate_builds_no_trainer_and_moves_no_module() -> None:
-    """(Its gate's knapsack still runs on the host inside each step: ``syncs_per_step`` is not 0 yet.)"""
+def test_pfedgate_steps_without_a_host_sync_on_the_device_path() -> None:
+    """The gate's knapsack runs on the device (the path a GPU takes; on the CPU a Python scan is faster)."""
     r = device_traffic.measure("pfedgate")
     assert r["trainers_per_fit"] == 0 and r["module_moves_per_fit"] == 0, r
+    assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
+
+
+def test_pfedgate_gives_the_same_numbers_on_the_device_knapsack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from conftest import run_main
+
+    from pl_fedsparse.functional import gate
+
+    rows = []
+    for host in (True, False):
+        monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", host)
+        run = tmp_path / str(host)
+        code, _, err = run_main(["fit", "--config", "configs/synthetic_pfedgate.yaml", "--trainer.num_rounds", "2",
+                                 "--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false",
+                                 "--trainer.default_root_dir", str(run)], capsys)
+        assert code == 0, err
+        rows.append([{k: v for k, v in json.loads(x).items() if not k.startswith("time")}
+                     for x in (run / "metrics.jsonl").read_text().splitlines()])
+    assert rows[0] == rows[1]
 
 
 def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> None:

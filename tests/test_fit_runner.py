@@ -107,12 +107,14 @@ def _trainer_fit(module: pl.LightningModule, loader: Any, callbacks: list[Any], 
 
 
 def _both(max_epochs: int = 2, max_steps: int = -1, precision: str = "32-true", clip: float | None = None,
-          **net: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+          limit: int | float | None = None, **net: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     torch.manual_seed(0)
     base = Net(**net)
     out = []
     for path in ("trainer", "runner"):
         module, rec, meter = copy.deepcopy(base), Recorder(), FitMeter()
+        if limit is not None:
+            rec = _LimitedRecorder(limit)
         torch.manual_seed(3)  # dropout draws from the global generator on both paths
         if path == "trainer":
             _trainer_fit(module, _loader(), [rec, meter], max_epochs, max_steps, precision, clip)
@@ -124,13 +126,23 @@ def _both(max_epochs: int = 2, max_steps: int = -1, precision: str = "32-true", 
     return tuple(out[0]), tuple(out[1])
 
 
+class _LimitedRecorder(Recorder):
+    def __init__(self, limit: int | float) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        super().setup(trainer, module, stage=stage)
+        trainer.limit_train_batches = self.limit
+
+
 def _assert_same(ref: tuple[Any, ...], fast: tuple[Any, ...]) -> None:
     assert fast[0] == ref[0]  # every callback hook, in order, with the trainer's epoch, step and learning rate
     assert fast[1] == ref[1]  # the module's own hooks and what it reads of its trainer
     assert fast[2].keys() == ref[2].keys()
     for k in ref[2]:
         assert torch.equal(fast[2][k], ref[2][k]), k  # bit for bit
-    assert fast[3] == ref[3]
+    assert {k: repr(v) for k, v in fast[3].items()} == {k: repr(v) for k, v in ref[3].items()}  # (NaN == NaN)
     assert fast[4] == ref[4]  # the global RNG is where the reference leaves it
 
 
@@ -144,8 +156,11 @@ def _assert_same(ref: tuple[Any, ...], fast: tuple[Any, ...]) -> None:
     dict(max_epochs=2, skip_at=2),  # on_train_batch_start returns -1: the rest of the epoch is skipped
     dict(max_epochs=2, dropout=0.3),
     dict(max_epochs=2, precision="bf16-mixed"),
+    dict(max_epochs=2, limit=0),  # no training batch (a client without data): the train hooks do not run
+    dict(max_epochs=2, limit=2, sched="epoch"),
+    dict(max_epochs=2, limit=0.5),
 ], ids=["epochs", "epoch-scheduler", "step-scheduler-freq2", "max-steps", "clip", "dict-output", "skip-rest",
-        "dropout", "bf16-mixed"])
+        "dropout", "bf16-mixed", "limit-0", "limit-2", "limit-half"])
 def test_runner_equals_trainer_fit(case: dict[str, Any]) -> None:
     ref, fast = _both(**case)
     _assert_same(ref, fast)

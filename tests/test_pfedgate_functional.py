@@ -484,3 +484,38 @@ def test_one_backward_reaches_theta_and_the_gate_and_dropped_blocks_get_zero_gra
     b, _ = table.spans[table.names.index("fc1.weight")]
     assert keep[b:b + 5].tolist() == [True, False, False, False, False]  # at s = 0.3 fc1 keeps its first 20 %
     assert w[:38_400].abs().sum() > 0 and w[38_400:].abs().sum() == 0
+
+
+# ------------------------------------------------------------------------------------------ the greedy on the device
+def test_the_device_knapsack_takes_what_the_scan_takes() -> None:
+    """:func:`knapsack_greedy_tensor` (no host sync) against the code's scan, on random instances with many ties
+    and repeated weights."""
+    from pl_fedsparse.functional.gate import knapsack_greedy, knapsack_greedy_tensor
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(0, 30)
+        weights = [rng.choice([1, 2, 3, 5, 8, 40]) for _ in range(n)]
+        values = [float(rng.randint(0, 10)) for _ in range(n)]
+        capacity = rng.randint(0, 100)
+        got = knapsack_greedy_tensor(torch.tensor(values, dtype=torch.float64), torch.tensor(weights, dtype=torch.int64),
+                                     capacity, len(set(weights)))
+        assert got.tolist() == knapsack_greedy(values, weights, capacity), (values, weights, capacity)
+
+
+@pytest.mark.parametrize("factory", [lambda: LeNetCIFAR(), lambda: CNNFEMNIST()], ids=["lenet", "cnn-femnist"])
+@pytest.mark.parametrize("budget", ["group", "global"])
+def test_select_blocks_on_the_device_path_equals_the_host_path(factory: object, budget: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from pl_fedsparse.functional import gate
+
+    table = block_table(factory(), 5)  # type: ignore[operator]
+    g = torch.Generator().manual_seed(0)
+    for density in (0.3, 0.5, 0.8, 0.95):
+        for _ in range(5):
+            importance = torch.rand(table.num_blocks, generator=g)
+            host = select_blocks(importance, table, density, budget=budget)
+            monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", False)
+            device = select_blocks(importance, table, density, budget=budget)
+            monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", True)
+            assert torch.equal(host, device), (density, budget)

@@ -107,6 +107,7 @@ from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.gate import (
     BlockTable,
     adapt_gated_weights,
+    block_span_tensors,
     block_table,
     code_s_min,
     personalized_params,
@@ -428,16 +429,20 @@ class PFedGate(FederatedCallback):
         return out
 
     def _record(self, keep: Tensor, n: int) -> None:
+        """A batch's kept blocks into the fit's (or evaluation's) statistics, accumulated where ``keep`` is: no host
+        sync per step; read once, at the end (the same numbers as Python sums: integer counts, the density's
+        float64 terms added in the same order)."""
         table, s = self.table, self._stats
         assert table is not None
-        flags = keep.tolist()
-        kept = [sum(w for w, k in zip(table.sizes[b:e], flags[b:e]) if k) for b, e in table.spans]
+        owner, sizes = block_span_tensors(table, keep.device)
+        kept = torch.zeros(len(table.spans), dtype=torch.int64, device=keep.device).index_add_(0, owner, sizes * keep)
         s["n"] = s.get("n", 0) + n
-        s["density"] = s.get("density", 0.0) + n * sum(kept) / table.numel
+        density = (kept.sum() * n).double() / table.numel
+        s["density"] = density if "density" not in s else s["density"] + density
         if s.get("fit"):
             s["gate_trained"] = s.get("gate_trained", 0) + (n if self._step_gate else 0)
-            s["kept"] = [a + n * k for a, k in zip(s.get("kept", [0] * len(kept)), kept)]
-            s["union"] = [u or bool(f) for u, f in zip(s.get("union", [False] * len(flags)), flags)]
+            s["kept"] = kept * n if "kept" not in s else s["kept"] + kept * n
+            s["union"] = keep.clone() if "union" not in s else s["union"] | keep
 
     # ---- a local fit ------------------------------------------------------------------------------------------
     def _load_gate(self, loop: FederatedLoop, client_idx: int) -> None:
@@ -550,13 +555,14 @@ class PFedGate(FederatedCallback):
         n = int(stats.get("n", 0))
         if n == 0:
             return
-        union = torch.tensor(stats["union"], dtype=torch.bool)
+        union = stats["union"].to("cpu", torch.bool)  # (the fit's statistics, read once)
+        flags, kept_sums = union.tolist(), stats["kept"].tolist()
         update.extras[UNION] = union
-        update.metrics["gate_density"] = stats["density"] / n
-        update.metrics["gate_upload_ratio"] = sum(w for w, u in zip(table.sizes, stats["union"]) if u) / table.numel
+        update.metrics["gate_density"] = float(stats["density"]) / n
+        update.metrics["gate_upload_ratio"] = sum(w for w, u in zip(table.sizes, flags) if u) / table.numel
         # FLOPs at the achieved per-batch density: per tensor, a mask of its batch-averaged kept share
         update.masks = {name: torch.arange(math.prod(shape)).view(shape) < round(kept / n)
-                        for name, shape, kept in zip(table.names, table.shapes, stats["kept"])}
+                        for name, shape, kept in zip(table.names, table.shapes, kept_sums)}
         fwd, train = self.gate_flops  # the gate's own compute: a forward on every batch, a backward when it trains
         loop.accounting.charge_flops(k, n * fwd + stats.get("gate_trained", 0) * (train - fwd), update)
         if ctx.kind != "train" or update.message is None:
@@ -603,7 +609,7 @@ class PFedGate(FederatedCallback):
         self.gate.train()
         n = int(self._stats.get("n", 0))
         if n:
-            self._eval_density[client_idx] = self._stats["density"] / n
+            self._eval_density[client_idx] = float(self._stats["density"]) / n
         self._stats = {}
 
     @override

@@ -147,6 +147,9 @@ class FitTrainer:
         self.should_stop = False
         self.callback_metrics: dict[str, Any] = {}
         self.num_training_batches = _sized_len(loader)
+        #: as ``Trainer(limit_train_batches=...)``, settable by a hook before training starts (``setup``): an int
+        #: caps the batches of every epoch, a float in ``[0, 1]`` is a share of them; 0 skips training
+        self.limit_train_batches: int | float = 1.0
 
     @property
     def device(self) -> torch.device:
@@ -320,10 +323,21 @@ class FitRunner:
         params = [p for group in optimizer.param_groups for p in group["params"]] if clip else []
         step_scheds = [c for c in trainer.lr_scheduler_configs if c.interval == "step"]
         epoch_scheds = [c for c in trainer.lr_scheduler_configs if c.interval == "epoch"]
+        limit = trainer.limit_train_batches
+        if isinstance(limit, float) and not (0.0 <= limit <= 1.0) or isinstance(limit, int) and limit < 0:
+            raise RunnerUnsupported(f"limit_train_batches={limit!r}")
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            trainer.num_training_batches = min(trainer.num_training_batches, limit)
+        elif limit != 1.0:
+            trainer.num_training_batches = float(int(trainer.num_training_batches * limit))
         n_batches = trainer.num_training_batches
         device = self.device
         call(hooks, mod, "on_fit_start", module)
         module.zero_grad()
+        if n_batches == 0:  # Lightning's fit loop skips: no train start, epoch or end hooks
+            call(hooks, mod, "on_fit_end", module)
+            call(hooks, mod, "teardown", module, stage="fit")
+            return
         call(hooks, mod, "on_train_start", module)
         max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
         epoch, stop = 0, False
@@ -359,7 +373,7 @@ class FitRunner:
                 if 0 <= max_steps <= trainer.global_step:
                     stop = True
                     break
-                if trainer.should_stop:
+                if trainer.should_stop or batch_idx + 1 >= n_batches:  # (a limit_train_batches below the length)
                     break
             if batch_idx < 0 and max_epochs < 0:
                 stop = True  # an empty loader under a step limit: Lightning runs no step either

@@ -36,11 +36,13 @@ distinct block sizes (ResNet-18-GN, 310 blocks: ~0.2 s per batch on one CPU core
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -56,6 +58,8 @@ __all__ = [
     "expand_block_weights",
     "knapsack_exact",
     "knapsack_greedy",
+    "knapsack_greedy_tensor",
+    "block_span_tensors",
     "make_block_table",
     "personalized_params",
     "select_blocks",
@@ -277,6 +281,56 @@ def knapsack_greedy(values: Sequence[float], weights: Sequence[int], capacity: i
     return taken
 
 
+def knapsack_greedy_tensor(values: Tensor, weights: Tensor, capacity: int, distinct_weights: int) -> Tensor:
+    """:func:`knapsack_greedy` on tensors where they are, with no host synchronisation: the same selection.
+
+    The scan "take the next item by value if it still fits" is sequential, but its failures are few: once an item
+    of weight ``w`` does not fit, no later item of weight ``>= w`` can (the room left only shrinks), so each failure
+    lowers a weight threshold to a smaller distinct weight, and there are at most ``distinct_weights`` of them.
+    Each round takes, after the last failure, every item under the threshold up to the next one that does not fit
+    (a cumulative sum and a first-index search); ``distinct_weights + 1`` rounds of a few vector operations, a fixed
+    number known on the host, so the device never waits.
+
+    Args:
+        values: ``[n]`` values (ranked largest first, ties by lower index: a stable sort).
+        weights: ``[n]`` integer weights on the same device.
+        capacity: the knapsack's capacity.
+        distinct_weights: the number of distinct values in ``weights`` (or any upper bound).
+
+    Returns:
+        A bool tensor ``[n]``: which items are taken.
+
+    Example:
+        >>> knapsack_greedy_tensor(torch.tensor([9., 8., 8.]), torch.tensor([6, 5, 4]), 10, 3).tolist()
+        [True, False, True]
+    """
+    n = values.numel()
+    dev = values.device
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=dev)
+    order = torch.sort(values, descending=True, stable=True).indices
+    w = weights.to(torch.int64)[order]
+    pos = torch.arange(n, device=dev)
+    taken = torch.zeros(n, dtype=torch.bool, device=dev)
+    last = torch.full((), -1, dtype=torch.int64, device=dev)  # position of the last failure (decided up to there)
+    room_used = torch.zeros((), dtype=torch.int64, device=dev)
+    threshold = torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
+    none = torch.full((), n, dtype=torch.int64, device=dev)
+    for _ in range(distinct_weights + 1):
+        candidate = (pos > last) & (w < threshold)
+        used = room_used + torch.cumsum(w * candidate, 0)
+        fails = candidate & (used > capacity)
+        first = torch.where(fails.any(), fails.to(torch.uint8).argmax(), none)  # n when every candidate fits
+        take = candidate & (pos < first)
+        taken |= take
+        room_used = room_used + (w * take).sum()
+        threshold = torch.where(first < n, w[first.clamp(max=n - 1)], threshold)
+        last = first
+    out = torch.zeros(n, dtype=torch.bool, device=dev)
+    out[order] = taken
+    return out
+
+
 def knapsack_exact(values: Sequence[float], weights: Sequence[int], capacity: int) -> list[bool]:
     """An exact 0/1 knapsack, ``max Σ v_j I_j s.t. Σ w_j I_j ≤ capacity`` (the paper's Eq. 6), by dynamic
     programming over the Pareto front of (weight, value) selections (Nemhauser–Ullmann). Blocks of one tensor share
@@ -359,6 +413,8 @@ def select_blocks(importance: Tensor, table: BlockTable, density: float, *, solv
     keep = list(table.first)
     if density >= 1.0:
         return torch.ones(table.num_blocks, dtype=torch.bool, device=importance.device)
+    if solver == "greedy" and (importance.device.type != "cpu" or not HOST_KNAPSACK_ON_CPU):
+        return _select_blocks_on_device(importance, table, density, budget, s_min)
     g = importance.detach().double().cpu()
     values: list[float] = (torch.round(g * IMPORTANCE_LEVELS).tolist() if solver == "greedy" else g.tolist())
     solve = knapsack_greedy if solver == "greedy" else knapsack_exact
@@ -371,8 +427,7 @@ def select_blocks(importance: Tensor, table: BlockTable, density: float, *, solv
                   for lin in (True, False)]
         for items in groups:
             # the code: torch.round(int32_sum * (s - s_min)) in float32
-            total = torch.tensor(sum(table.sizes[j] for j in items), dtype=torch.int32)
-            capacity = int(torch.round(total * (density - s_min)))
+            capacity = _group_capacity(sum(table.sizes[j] for j in items), density, s_min)
             taken = solve([values[j] for j in items], [table.sizes[j] for j in items], capacity)
             for j, t in zip(items, taken):
                 keep[j] = t
@@ -385,6 +440,77 @@ def select_blocks(importance: Tensor, table: BlockTable, density: float, *, solv
         for j, t in zip(items, taken):
             keep[j] = t
     return torch.tensor(keep, dtype=torch.bool, device=importance.device)
+
+
+#: on the CPU, :func:`select_blocks`' greedy runs as a Python scan (faster there than a few dozen tiny tensor ops);
+#: off the CPU it always runs on the device (:func:`knapsack_greedy_tensor`). ``False`` takes the device path on the
+#: CPU too (the device-traffic counter and the tests do, to count and check what a GPU runs)
+HOST_KNAPSACK_ON_CPU = True
+
+
+def _group_capacity(total: int, density: float, s_min: float) -> int:
+    """The code's ``torch.round(int32_sum * (s - s_min))`` in float32 (half to even), without a tensor."""
+    return int(np.round(np.float32(np.int32(total)) * np.float32(density - s_min)))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_groups(table: BlockTable, budget: str, device: torch.device
+                   ) -> tuple[Tensor, tuple[tuple[Tensor, Tensor, int, int], ...]]:
+    """Per knapsack group: its block indices and weights on ``device``, the sum of its weights and its number of
+    distinct weights (the tensors made once per table and device)."""
+    if budget == "group":
+        groups = [[j for j in range(table.num_blocks) if not table.first[j] and table.linear[j] == lin]
+                  for lin in (True, False)]
+    else:
+        groups = [[j for j in range(table.num_blocks) if not table.first[j]]]
+    first = torch.tensor(table.first, dtype=torch.bool, device=device)
+    out = []
+    for items in groups:
+        sizes = [table.sizes[j] for j in items]
+        out.append((torch.tensor(items, dtype=torch.int64, device=device),
+                    torch.tensor(sizes, dtype=torch.int64, device=device), sum(sizes), len(set(sizes))))
+    return first, tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def block_span_tensors(table: BlockTable, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(tensor_of_block, sizes)`` on ``device``: per block, the index of its tensor in ``table.names`` and its number
+    of elements (int64) — to sum kept elements per tensor where the index is (``index_add_``), made once per table
+    and device.
+
+    Example:
+        >>> t = make_block_table([("a", (4,), True), ("b", (2,), False)], num_splits=2)
+        >>> [x.tolist() for x in block_span_tensors(t, torch.device("cpu"))]
+        [[0, 0, 1, 1], [2, 2, 1, 1]]
+    """
+    owner = [i for i, (b, e) in enumerate(table.spans) for _ in range(b, e)]
+    return (torch.tensor(owner, dtype=torch.int64, device=device),
+            torch.tensor(table.sizes, dtype=torch.int64, device=device))
+
+
+def _select_blocks_on_device(importance: Tensor, table: BlockTable, density: float, budget: str,
+                             s_min: float | None) -> Tensor:
+    """:func:`select_blocks`' greedy on ``importance``'s device (see :func:`knapsack_greedy_tensor`)."""
+    g = importance.detach().double()
+    values = torch.round(g * IMPORTANCE_LEVELS)
+    first, groups = _device_groups(table, budget, importance.device)
+    keep = first.clone()
+    if budget == "group":
+        if s_min is None:
+            s_min = table.s_min if table.s_min is not None else code_s_min(table.num_splits, density)
+        _check_s_min(s_min)
+        check(s_min <= density, "s_min", s_min, f"a number <= density={density}")
+    for idx, sizes, total, distinct in groups:
+        if idx.numel() == 0:
+            continue
+        if budget == "group":
+            capacity = _group_capacity(total, density, s_min)  # type: ignore[arg-type]
+        else:
+            capacity = math.floor(density * table.numel) - table.kept_numel
+            check(capacity >= 0, "density", density,
+                  f"a density >= {table.kept_numel / table.numel:.6g}, the share of the always-kept first blocks")
+        keep[idx] = knapsack_greedy_tensor(values[idx], sizes, capacity, distinct)
+    return keep
 
 
 def straight_through(keep: Tensor, importance: Tensor, *, variant: Variant = "paper") -> Tensor:
