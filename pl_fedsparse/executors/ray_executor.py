@@ -387,7 +387,9 @@ def _start_sentinel(ray: Any) -> subprocess.Popen[bytes] | None:
         session_dir = ray._private.worker._global_node.get_session_dir_path()
     except AttributeError:
         return None
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ray_sentinel.py")
+    from pl_fedsparse import _ray_sentinel  # (its file is run as a script; found by import, wherever it lives)
+
+    script = os.path.abspath(_ray_sentinel.__file__)
     return subprocess.Popen([sys.executable, "-S", script, session_dir], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True)
