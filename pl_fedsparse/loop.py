@@ -87,7 +87,9 @@ class FederatedLoop:
         overwrite: allow writing into a directory that holds another run.
         checkpoint_every: write ``checkpoints/last.ckpt`` every this many rounds (0: only at the end).
         logger: write TensorBoard event files.
-        enable_progress_bar: progress bar over rounds (default: only on a terminal).
+        enable_progress_bar: progress bar over rounds (default ``null``: a bar on a terminal; elsewhere — a log file,
+            ``nohup``, SLURM — a line per round on stdout, with its seconds, accuracy when evaluated and ETA, and a
+            line every 30 s of a long evaluation); ``false``: neither.
         topology: communication graph (default :class:`~pl_fedsparse.topology.Star`).
         callbacks: the method, as a list of (federated) callbacks.
         executor: runs the client fits (default :class:`~pl_fedsparse.executors.InProcessExecutor`).
@@ -426,9 +428,11 @@ class FederatedLoop:
                 self.save_checkpoint()  # "no round completed yet": a kill from here on is resumable
             rounds = self.reporter.progress(range(self.round_idx, self.num_rounds), "rounds", leave=True)
             for r in rounds:
+                started = time.perf_counter()
                 row = self.run_round(r)
                 self.history.append(row)
                 self.reporter.log_row(row)
+                self.reporter.round_line(row, time.perf_counter() - started)
                 if hasattr(rounds, "set_postfix") and row.get("acc_mean") is not None:
                     rounds.set_postfix(acc=f"{row['acc_mean']:.3f}")
                 self.round_idx = r + 1

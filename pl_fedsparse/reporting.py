@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,6 +176,36 @@ class RunReporter:
         self.loop = loop
         self.directory = RunDirectory(loop)
         self._writer: Any = None
+        self._round_times: list[float] = []
+        self._last_line = -math.inf
+
+    def progress_as_lines(self) -> bool:
+        """Whether progress is printed as lines (on stdout): the output is not a terminal (a log file, ``nohup``,
+        SLURM) and ``trainer.enable_progress_bar`` is left to decide (``null``)."""
+        return self.loop.enable_progress_bar is None and not sys.stderr.isatty()
+
+    def round_line(self, row: Mapping[str, Any], seconds: float) -> None:
+        """One line per round when progress goes to a log (:meth:`progress_as_lines`): the round, its seconds, the
+        accuracy when it was evaluated, the time so far and the estimate to the end; rounds shorter than a second
+        are printed at most every 5 s (the evaluated and the last ones always)."""
+        if not self.progress_as_lines():
+            return
+        self._round_times.append(seconds)
+        loop, r = self.loop, int(row["round"])
+        last = r + 1 == loop.num_rounds
+        now = time.monotonic()
+        acc = row.get("acc_mean")
+        if not (last or acc is not None or now - self._last_line >= 5.0):
+            return
+        self._last_line = now
+        mean = sum(self._round_times) / len(self._round_times)
+        left = (loop.num_rounds - r - 1) * mean
+        parts = [f"round {r + 1}/{loop.num_rounds}: {seconds:.2f} s"]
+        if acc is not None:
+            parts.append(f"acc_mean {acc:.4f}")
+        parts.append(f"elapsed {sum(self._round_times):.1f} s")
+        parts.append("done" if last else f"ETA {_duration(left)}")
+        print(", ".join(parts), flush=True)
 
     @property
     def run_dir(self) -> Path | None:
@@ -323,9 +354,32 @@ class RunReporter:
             self.directory.release()
 
     def progress(self, it: Any, desc: str, leave: bool) -> Any:
+        if self.progress_as_lines() and desc != "rounds":  # (rounds: round_line)
+            return _lines(it, desc)
         show = self.loop.enable_progress_bar if self.loop.enable_progress_bar is not None else sys.stderr.isatty()
         if not show:
             return it
         from tqdm.auto import tqdm
 
         return tqdm(it, desc=desc, leave=leave, dynamic_ncols=True)
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3.5 min``, ``2.1 h``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _lines(it: Any, desc: str, every: float = 30.0) -> Any:
+    """``it``, with a line on stdout every ``every`` seconds while it runs (a long evaluation in a log file)."""
+    items = list(it)
+    start = last = time.monotonic()
+    for i, x in enumerate(items):
+        now = time.monotonic()
+        if now - last >= every:
+            last = now
+            print(f"{desc}: {i}/{len(items)} ({now - start:.0f} s)", flush=True)
+        yield x
