@@ -63,6 +63,7 @@ _SYNC_NAMES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "_
                "masked_select", "unique", "unique_consecutive"}
 _TRANSFER_NAMES = {"cpu", "cuda", "pin_memory"}
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_INHERITED = object()
 
 
 def _is_device(x: Any) -> bool:
@@ -125,7 +126,9 @@ def counting() -> Iterator[TrafficCounter]:
     patches: list[tuple[Any, str, Any]] = []
 
     def patch(owner: Any, attr: str, wrapper: Any) -> None:
-        patches.append((owner, attr, getattr(owner, attr)))
+        # the raw attribute (a staticmethod stays one when it is put back), or a note that it was inherited
+        raw = vars(owner)[attr] if attr in vars(owner) else _INHERITED
+        patches.append((owner, attr, raw))
         setattr(owner, attr, wrapper)
 
     run_one, step, dag = InProcessExecutor.run_one, runner_mod.FitRunner._step, pr.drop_and_grow
@@ -172,7 +175,10 @@ def counting() -> Iterator[TrafficCounter]:
             yield counter
     finally:
         for owner, attr, old in reversed(patches):
-            setattr(owner, attr, old)
+            if old is _INHERITED:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
 
 
 def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, Any]:

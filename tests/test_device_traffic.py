@@ -88,3 +88,17 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(pr, "drop_and_grow", copying)
     assert device_traffic.measure("fedspa")["readjust_transfers"] > 0
+
+
+def test_counting_leaves_the_engine_as_it_found_it() -> None:
+    """Everything the counter patches is put back as it was (a staticmethod stays one): a fit after counting runs."""
+    from pl_fedsparse.executors import runner
+    from pl_fedsparse.executors.in_process import InProcessExecutor
+
+    before = {name: vars(owner).get(name) for owner, name in [(runner.FitRunner, "_step"),
+                                                              (InProcessExecutor, "run_one")]}
+    device_traffic.measure("fedavg")
+    assert isinstance(vars(runner.FitRunner)["_step"], staticmethod)
+    assert {name: vars(owner).get(name) for owner, name in [(runner.FitRunner, "_step"),
+                                                            (InProcessExecutor, "run_one")]} == before
+    assert device_traffic.measure("fedavg")["trainers_per_fit"] == 0  # and it still fits
