@@ -73,6 +73,7 @@ import shlex
 import signal
 import sys
 import textwrap
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from copy import deepcopy
@@ -90,7 +91,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from pl_fedsparse import shipped
 from pl_fedsparse.data import FederatedDataModule
-from pl_fedsparse.errors import STORAGE_ADVICE, STORAGE_ERRNOS, ConfigError, StorageError, check
+from pl_fedsparse.errors import (
+    STORAGE_ADVICE,
+    STORAGE_ERRNOS,
+    ConfigError,
+    RunStoppedError,
+    StorageError,
+    UserCodeError,
+    check,
+)
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
 from pl_fedsparse.signals import Terminated, exit_status, interrupt_in, stop_on_signals
@@ -616,6 +625,16 @@ def _config_error_in(exc: BaseException) -> BaseException:
         m = _OUR_FORMAT.search(line.strip().lstrip("- ").strip())
         if m:
             return ConfigError(m.group(1))
+    # a class of the user's whose __init__ raised: jsonargparse lists the message among the union's errors and names
+    # the class in the value it was given
+    text = str(exc)
+    path = re.search(r"class_path='([^']+)'", text)
+    errors = re.search(r"\nErrors:\n\s*- (.+)", text)
+    if path and errors and not errors.group(1).startswith(("Expected a", "Not a valid", "Import path", "Problem with")):
+        err = UserCodeError(f"{path.group(1)}.__init__ raised: {' '.join(errors.group(1).split())} (while building "
+                            "the configured classes)")
+        err.__cause__ = exc  # (PL_FED_DEBUG=1: jsonargparse's account, which lists every type it tried)
+        return err
     return exc
 
 
@@ -793,6 +812,14 @@ def main(argv: list[str] | None = None) -> int:
         interrupt = _as_received(interrupt, received)
         sys.stderr.write(_interrupted_message(_current_run, interrupt) + "\n")
         return exit_status(interrupt)
+    except RunStoppedError as e:  # the federation cannot go on (its last checkpoint is intact)
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    except UserCodeError as e:  # the user's code raised: one line; its traceback on PL_FED_DEBUG=1
+        if os.environ.get("PL_FED_DEBUG", "") not in ("", "0"):
+            traceback.print_exception(e.__cause__ or e)
+        sys.stderr.write(f"error: {e} (PL_FED_DEBUG=1 prints its traceback)\n")
+        return 1
     except StorageError as e:
         sys.stderr.write(f"error: {e}\n")
         return EXIT_STORAGE

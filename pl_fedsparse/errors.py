@@ -7,8 +7,10 @@ traceback. Messages name the parameter, the value received and what is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -17,9 +19,12 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataNotFoundError",
+    "RunStoppedError",
     "StorageError",
+    "UserCodeError",
     "cause_of",
     "check",
+    "user_code",
     "storage_error",
     "with_path",
 ]
@@ -35,6 +40,51 @@ STORAGE_ADVICE = {
     errno.EROFS: "the file system is read-only: move the run (--trainer.default_root_dir)",
     errno.EFBIG: "the file is larger than the file system allows: move the run (--trainer.default_root_dir)",
 }
+
+
+class RunStoppedError(Exception):
+    """The federation cannot go on (e.g. every participant's fit failed in a round): one line, exit status 1; the
+    last checkpoint is intact."""
+
+
+class UserCodeError(Exception):
+    """The user's code (their module, data module or callback) raised: one line naming the class, the hook, where
+    in the federation (client, round) and the exception's own message. ``pl-fed`` prints it as ``error: ...`` and
+    exits 1; the traceback of the user's exception is printed too when ``PL_FED_DEBUG=1`` (it is the ``__cause__``).
+    """
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def user_code(owner: Any, hook: str, where: str = "") -> Iterator[None]:
+    """Run a call into the user's code: an exception it raises becomes one :class:`UserCodeError` line naming
+    ``owner``'s class, ``hook``, ``where`` (e.g. ``"client 3, round 7, personal model"``) and the message.
+
+    The engine's own one-line errors (:class:`ConfigError`, :class:`StorageError`, :class:`UserCodeError`), file
+    errors (``OSError``: the CLI names the file in one line) and interrupts pass through unchanged.
+
+    Example:
+        >>> class Net:
+        ...     pass
+        >>> try:
+        ...     with user_code(Net(), "forward", "client 0, round 1"):
+        ...         raise KeyError("x")
+        ... except UserCodeError as e:
+        ...     print(e)
+        Net.forward raised KeyError: 'x' (client 0, round 1)
+    """
+    try:
+        yield
+    except (ConfigError, OSError, UserCodeError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes the one line
+        name = owner if isinstance(owner, str) else type(owner).__qualname__
+        context = f" ({where})" if where else ""
+        raise UserCodeError(f"{name}.{hook} raised {type(e).__name__}: {_one_line(str(e))}{context}") from e
 
 
 class ConfigError(ValueError):

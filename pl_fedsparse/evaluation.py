@@ -47,7 +47,7 @@ from torch import Tensor
 
 from pl_fedsparse.data.corruptions import CORRUPTIONS
 from pl_fedsparse.data.loaders import TensorBatchLoader
-from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.errors import ConfigError, UserCodeError, check, user_code
 from pl_fedsparse.executors.base import load_state
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 
@@ -255,8 +255,11 @@ class Evaluator:
                                            seed=loop.streams.seed("eval", client_idx), corruption=corruption,
                                            severity=severity)
 
-    def logits(self, loader: Any) -> tuple[Tensor, Tensor]:
-        """CPU float logits and labels of the working module over an evaluation loader (autocast as in training)."""
+    def logits(self, loader: Any, where: str = "") -> tuple[Tensor, Tensor]:
+        """CPU float logits and labels of the working module over an evaluation loader (autocast as in training).
+
+        The module's forward is the user's code: what it raises, or logits that are not one row per input, end in one
+        :class:`~pl_fedsparse.errors.UserCodeError` line naming ``where`` (client, round, model kind)."""
         loop = self.loop
         assert loop.model is not None
         device = loop.device
@@ -267,11 +270,17 @@ class Evaluator:
         dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(loop.precision)
         autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         logits, labels = [], []
+        where = f"{where}, " if where else ""
+        where += f"round {loop.round_idx}, evaluation"
         with torch.inference_mode():
             for x, y in loader:
                 x = x.to(device, non_blocking=True)
-                with autocast:
+                with autocast, user_code(module, "forward", where):
                     out = module(x)
+                if not isinstance(out, Tensor) or out.ndim != 2 or out.shape[0] != x.shape[0]:
+                    shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                    raise UserCodeError(f"{type(module).__qualname__}.forward returned {shape} for a batch of "
+                                        f"{x.shape[0]} inputs ({where}); expected logits [batch, classes]")
                 logits.append(out.float().cpu())
                 labels.append(y.cpu())
         module.train()
@@ -334,7 +343,8 @@ class Evaluator:
                         and _same_state(evaluated, current) and all(key in personal_results for key in todo[kind])):
                     results.update({key: personal_results[key] for key in todo[kind]})  # same weights, same logits
                 else:
-                    results.update({key: self.logits(loaders[key]) for key in todo[kind]})
+                    results.update({key: self.logits(loaders[key], f"client {k}, {kind} model")
+                                    for key in todo[kind]})
                 if kind == "personal":
                     evaluated, personal_results = current, results
                 if kind not in streamed:
@@ -411,7 +421,7 @@ class Evaluator:
             if per_client is None:
                 per_client = {}
                 for key, (loader, counts) in streams.items():
-                    logits, labels = self.logits(loader)
+                    logits, labels = self.logits(loader, f"clients {clients[0]}-{clients[-1]}, {kind} model")
                     per_client[key] = list(zip(logits.split(counts), labels.split(counts)))
                 done.append((weights, per_client))
             for i, k in enumerate(clients):

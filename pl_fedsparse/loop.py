@@ -38,7 +38,7 @@ from pl_fedsparse.checkpoint import federation_state, load_checkpoint, restore_f
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CONTRACT_MODES, CallbackContract
-from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.errors import ConfigError, RunStoppedError, check
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.executors.base import (
     ClientExecutor,
@@ -94,8 +94,10 @@ class FederatedLoop:
         callbacks: the method, as a list of (federated) callbacks.
         executor: runs the client fits (default :class:`~pl_fedsparse.executors.InProcessExecutor`).
         on_client_fault: ``"skip"``: a fit that raises or yields a non-finite loss, gradient, weight or upload is
-            left out of aggregation and gossip, the client keeps its previous state and the fault is reported;
-            ``"raise"``: stop the run with the fault.
+            left out of aggregation and gossip, the client keeps its previous state and the fault is reported — but
+            a round in which every participant's training fit failed stops the run with one line (exit 1; the last
+            checkpoint is intact), since nothing of it could be used; ``"continue"``: skip faulty fits also then
+            (the round leaves the global state unchanged); ``"raise"``: stop the run at the first fault.
         keep_checkpoints: keep the last this many round checkpoints (``checkpoints/round-<r>.ckpt``, besides
             ``last.ckpt``) so a run can be restarted from before a problem.
         seed: federation seed (``pl-fed`` sets it from ``--seed_everything``).
@@ -144,7 +146,7 @@ class FederatedLoop:
         default_root_dir: str | None = None, overwrite: bool = False, checkpoint_every: int = 1, logger: bool = True,
         enable_progress_bar: bool | None = None, topology: Topology | None = None,
         callbacks: list[pl.Callback] | None = None, executor: ClientExecutor | None = None,
-        on_client_fault: Literal["skip", "raise"] = "skip", keep_checkpoints: int = 2, seed: int = 0,
+        on_client_fault: Literal["skip", "continue", "raise"] = "skip", keep_checkpoints: int = 2, seed: int = 0,
         client_state_codec: Literal["none", "lossless"] = "none",
         callback_contract: Literal["error", "warn"] = "error", flush_denormal: bool = False,
         fit_runner: Literal["auto", "fast", "trainer"] = "auto",
@@ -166,7 +168,8 @@ class FederatedLoop:
         check(gradient_clip_val is None or gradient_clip_val > 0, "trainer.gradient_clip_val", gradient_clip_val,
               "a number > 0 or null")
         check(checkpoint_every >= 0, "trainer.checkpoint_every", checkpoint_every, "an int >= 0")
-        check(on_client_fault in ("skip", "raise"), "trainer.on_client_fault", on_client_fault, "one of skip, raise")
+        check(on_client_fault in ("skip", "continue", "raise"), "trainer.on_client_fault", on_client_fault,
+              "one of skip, continue, raise")
         check(isinstance(keep_checkpoints, int) and keep_checkpoints >= 1, "trainer.keep_checkpoints",
               keep_checkpoints, "an int >= 1")
         check(callback_contract in CONTRACT_MODES, "trainer.callback_contract", callback_contract,
@@ -210,6 +213,7 @@ class FederatedLoop:
         self.server_update: dict[str, Tensor] | None = None
         #: the current round's failed fits: ``{"client", "kind", "fit"}`` each
         self.round_faults: list[dict[str, Any]] = []
+        self._first_fault_detail = ""
         self.time_cum = 0.0
         self.model: pl.LightningModule | None = None
         self.datamodule: Any = None
@@ -320,6 +324,8 @@ class FederatedLoop:
             if u.fault is None:
                 healthy.append(u)
                 continue
+            if not self.round_faults:
+                self._first_fault_detail = f"client {u.client_idx}: {u.fault}: {u.fault_detail}"
             self.round_faults.append({"client": u.client_idx, "kind": u.fault, "fit": u.kind})
             log.warning("round %d: client %d's %s fit failed (%s: %s); it is left out and keeps its previous state",
                         u.round_idx, u.client_idx, u.kind, u.fault, u.fault_detail)
@@ -382,6 +388,14 @@ class FederatedLoop:
                 start = self.personal_state(k)
             requests.append(self.fit_request(k, start))
         updates = self.run_fits(requests)
+        if participants and not updates and self.on_client_fault == "skip":
+            kinds: dict[str, int] = {}
+            for f in self.round_faults:
+                kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+            seen = ", ".join(f"{kind} x{n}" for kind, n in kinds.items())
+            raise RunStoppedError(f"round {round_idx}: every participant's fit failed ({seen}; the first: "
+                                  f"{self._first_fault_detail}); the run stops with its last checkpoint intact "
+                                  "(trainer.on_client_fault: continue goes on without them)")
         for u in updates:
             if u.message is not None and self.topology.has_server:
                 self.accounting.send(u.client_idx, SERVER, u.message)

@@ -40,7 +40,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.errors import ConfigError, user_code
 
 __all__ = ["check_model", "check_datamodule", "model_name", "training_loss"]
 
@@ -95,6 +95,7 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_label: str) 
     for opt in ("fit_metrics", "loss"):
         if hasattr(model, opt) and not callable(getattr(model, opt)):
             raise ConfigError(f"model={name}.{opt} is invalid: expected a method (see docs/your-own-model.md)")
+    where = f"the model check: a batch of {example.shape[0]} from {data_label}"
     try:
         with torch.no_grad():
             out = model(example)
@@ -103,15 +104,34 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_label: str) 
         raise ConfigError(f"{detail} is invalid: expected a network accepting inputs of shape "
                           f"{tuple(example.shape[1:])} ({example.dtype}) from {data_label} "
                           f"({' '.join(str(e).split())})") from None
+    except Exception as e:  # noqa: BLE001 - the user's forward: its own exception, named as such
+        with user_code(model, "forward", where):
+            raise e
+    _check_logits(out, name, num_classes, data_label, example.shape[0], "", _has_backbone(model))
+    was_training = model.training
+    model.eval()  # evaluation runs the module in eval mode: check that forward too (no random draw, no update)
+    try:
+        with torch.no_grad(), user_code(model, "forward", where + ", eval mode"):
+            out = model(example)
+    finally:
+        model.train(was_training)
+    _check_logits(out, name, num_classes, data_label, example.shape[0], " in eval mode", _has_backbone(model))
+
+
+def _check_logits(out: Any, name: str, num_classes: int, data_label: str, rows: int, mode: str,
+                  has_backbone: bool) -> None:
     if not isinstance(out, Tensor) or not out.is_floating_point():
         raise ConfigError(f"model={name} is invalid: expected forward(x) to return a float tensor of logits "
                           f"[batch, {num_classes}], got {type(out).__name__}"
                           f"{'' if not isinstance(out, Tensor) else ' of dtype ' + str(out.dtype)}")
     if out.ndim != 2 or out.shape[1] != num_classes:
-        where = "model.backbone.init_args.num_classes" if _has_backbone(model) else f"model={name}: its logits' width"
+        where = "model.backbone.init_args.num_classes" if has_backbone else f"model={name}: its logits' width"
         raise ConfigError(f"{where}={out.shape[-1] if out.ndim else out.shape} is invalid: expected {num_classes} "
-                          f"(the number of classes of {data_label}; forward(x) returned shape "
+                          f"(the number of classes of {data_label}; forward(x){mode} returned shape "
                           f"{tuple(out.shape)})")
+    if out.shape[0] != rows:
+        raise ConfigError(f"model={name} is invalid: expected forward(x){mode} to return one row of logits per "
+                          f"input, got {out.shape[0]} rows for a batch of {rows} from {data_label}")
 
 
 def _has_backbone(model: Any) -> bool:

@@ -113,12 +113,12 @@ def test_raise_policy_stops_the_run(tmp_path: Path) -> None:
         loop.fit(tiny_module(), tiny_datamodule())
 
 
-def test_every_participant_failing_leaves_the_global_model_unchanged(tmp_path: Path,
+def test_every_participant_failing_leaves_the_global_model_unchanged_with_continue(tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     probe = tiny_loop(tmp_path / "a", num_rounds=2, clients_per_round=1, seed=3)
     probe.setup(tiny_module(), tiny_datamodule())
     picked = probe.select_clients(1)
-    loop2 = tiny_loop(tmp_path / "b", num_rounds=2, clients_per_round=1, seed=3,
+    loop2 = tiny_loop(tmp_path / "b", num_rounds=2, clients_per_round=1, seed=3, on_client_fault="continue",
                       callbacks=[FaultInjection(client=picked[0], rounds=[1], kind="exception")])
     seen: dict[str, Any] = {}
 

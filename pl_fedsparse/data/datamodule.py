@@ -73,7 +73,7 @@ from pl_fedsparse.data.partition import (
 )
 from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
 from pl_fedsparse.data.sources import image_size_pair, resolve_torchvision_class, validate_base_dataset
-from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.errors import ConfigError, check, user_code
 
 __all__ = ["AUTO_EVAL_BATCH_SIZE", "FederatedDataModule"]
 
@@ -322,7 +322,12 @@ class FederatedDataModule(lightning.LightningDataModule):
         """:meth:`load_base_dataset`'s result, validated, and checked against the image-only options."""
         owner = (f"{type(self).__name__}.load_base_dataset()" if self._custom_source
                  else f"data.name={self.name!r}")
-        base = validate_base_dataset(self.load_base_dataset(), owner)
+        if self._custom_source:  # the user's code: what it raises is one line naming it
+            with user_code(self, "load_base_dataset", "setting up the data"):
+                loaded = self.load_base_dataset()
+        else:
+            loaded = self.load_base_dataset()
+        base = validate_base_dataset(loaded, owner)
         if self.augment and base.kind != "image":
             raise ConfigError(f"data.augment=True is invalid: expected false for {self.source_label()} "
                               f"({self._not_images(base)})")

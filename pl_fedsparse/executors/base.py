@@ -30,13 +30,14 @@ from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.errors import ConfigError, RunStoppedError
 from pl_fedsparse.protocol import check_model, training_loss
 
 if TYPE_CHECKING:
     from pl_fedsparse.loop import FederatedLoop
 
 __all__ = [
+    "NO_LOSS_STEPS",
     "ClientExecutor",
     "ClientFaultError",
     "FitMeter",
@@ -68,7 +69,11 @@ class FitRequest:
     client_state: dict[str, TensorTree]
 
 
-class ClientFaultError(RuntimeError):
+#: ``update.extras`` key: a fit whose every step had no loss (``training_step`` returned ``None``), by step count
+NO_LOSS_STEPS = "no_loss_steps"
+
+
+class ClientFaultError(RunStoppedError, RuntimeError):
     """A client's fit failed and ``trainer.on_client_fault`` is ``"raise"``."""
 
 
@@ -257,15 +262,18 @@ def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int
     return update
 
 def find_fault(update: ClientUpdate, finite: Iterable[int] = ()) -> tuple[str | None, str | None]:
-    """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_data`` (it
-    trained on no sample), ``nonfinite_loss``, ``nonfinite_weights`` (also what NaN gradients lead to) or
-    ``nonfinite_upload``.
+    """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_loss``
+    (``training_step`` returned ``None`` at every step, seen by the fit runner), ``no_data`` (it trained on no
+    sample), ``nonfinite_loss``, ``nonfinite_weights`` (also what NaN gradients lead to) or ``nonfinite_upload``.
 
     Example:
         >>> u = ClientUpdate(0, 0, 1, {"w": torch.tensor([1.0, float("nan")])}, metrics={"train_loss": 0.5})
         >>> find_fault(u)
         ('nonfinite_weights', 'w')
     """
+    no_loss = update.extras.get(NO_LOSS_STEPS)
+    if no_loss:
+        return "no_loss", f"training_step returned None for all {no_loss} batches (no loss to optimise)"
     seen = update.metrics.get("samples_seen")
     if seen is not None and seen == 0:
         return "no_data", "no training sample"

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import fit_scope
 from pl_fedsparse.executors.base import (
+    NO_LOSS_STEPS,
     ClientExecutor,
     FitMeter,
     FitRequest,
@@ -110,9 +111,11 @@ class InProcessExecutor(ClientExecutor):
                 loop.call("on_client_fit_start", module, ctx)
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
                 meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
-                self._fit(ctx.epochs, module, loader, meter)
+                runner = self._fit(ctx.epochs, module, loader, meter)
                 metrics = module.fit_metrics() if meter is None else meter.metrics()
                 update = fit_update(module, ctx, n_samples, metrics)
+                if runner is not None and runner.steps_run and runner.steps_without_loss == runner.steps_run:
+                    update.extras[NO_LOSS_STEPS] = runner.steps_run  # (find_fault names it)
                 loop.call("on_client_fit_end", module, update)
         except ConfigError:  # the configuration, not the client (e.g. trainer.fit_runner=fast where it cannot)
             raise
@@ -123,7 +126,8 @@ class InProcessExecutor(ClientExecutor):
         return end_fit(loop, request, watch, n_samples, update, error)
 
     def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any,
-             meter: FitMeter | None = None) -> None:
+             meter: FitMeter | None = None) -> FitRunner | None:
+        """Run one fit on the runner (returned) or a fresh Trainer (``None`` returned)."""
         loop = self.loop
         assert loop is not None
         runner = self._runner()
@@ -133,7 +137,7 @@ class InProcessExecutor(ClientExecutor):
             try:
                 runner.fit(module, loader, callbacks, max_epochs=-1 if steps else (epochs or loop.local_epochs),
                            max_steps=steps or -1)
-                return
+                return runner
             except RunnerUnsupported as e:  # raised before any step: this fit (and the next) on a Trainer
                 self._runner_unsupported(str(e))
         handler = signal.getsignal(signal.SIGINT)
@@ -153,3 +157,4 @@ class InProcessExecutor(ClientExecutor):
                 interrupt = interrupt_in(e)
                 raise (interrupt if interrupt is not None else KeyboardInterrupt()) from None
             raise
+        return None

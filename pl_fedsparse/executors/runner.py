@@ -242,6 +242,9 @@ class FitRunner:
         self.gradient_clip_val = gradient_clip_val
         self.trainer = FitTrainer(self)
         self._hook_cache: dict[tuple[int, ...], dict[str, list[Any]]] = {}
+        #: of the last fit: optimisation steps run, and how many of them had no loss (``training_step`` -> None)
+        self.steps_run = 0
+        self.steps_without_loss = 0
 
     def _plugin(self) -> FabricPrecision:
         """Fabric's precision plugin for this fit (a fresh gradient scaler per fit under ``16-mixed``, as a fresh
@@ -276,6 +279,7 @@ class FitRunner:
         if why is not None:
             raise RunnerUnsupported(why)
         trainer = self.trainer
+        self.steps_run = self.steps_without_loss = 0
         cbs = list(callbacks)
         trainer.reset(module, cbs, max_epochs, max_steps, loader)
         plugin = self._plugin()
@@ -356,6 +360,8 @@ class FitRunner:
                 if not skip_rest:
                     outputs = self._step(module, optimizer, plugin, scaler, params, batch, batch_idx, hooks, mod)
                     trainer.global_step += 1
+                    self.steps_run += 1
+                    self.steps_without_loss += outputs.get("loss") is None
                 for c in step_scheds:
                     if (batch_idx + 1) % c.frequency == 0:
                         c.scheduler.step()
