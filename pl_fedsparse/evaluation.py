@@ -476,6 +476,8 @@ class Evaluator:
                     if name == CLEAN.name:
                         out["loss_mean"] = (float(np.mean([pc[name][kind]["loss"] for pc in with_data])) if with_data
                                             else None)
+                        if len(with_data) < len(per_client):  # the client metrics average those with data only
+                            out["eval_clients"] = len(with_data)
                 else:
                     out[f"{prefix}{kind_metric(kind)}"] = s["acc_mean"]
                     out[f"{prefix}{kind}_acc_weighted"] = s["acc_weighted"]

@@ -245,6 +245,31 @@ class FederatedLoop:
             return torch.device("mps")
         return torch.device("cpu")
 
+    def _check_client_data(self, datamodule: Any) -> None:
+        """Before anything is written: every client should have training data, and data for evaluation; say which
+        do not (a client without training data faults at every fit; the client metrics average the clients that
+        have evaluation data, and the rows' ``eval_clients`` says how many when some have none)."""
+        n = self.num_clients
+
+        def ids(clients: list[int]) -> str:
+            return ", ".join(map(str, clients[:10])) + (f", ... ({len(clients)} in all)" if len(clients) > 10 else "")
+
+        no_train = [k for k in range(n) if int(datamodule.num_samples(k, "train")) == 0]
+        if len(no_train) == n:
+            raise ConfigError(f"data is invalid: none of its {n} clients has a training sample; expected training "
+                              "data for the clients (check the partition and data.max_train_samples)")
+        if no_train:
+            log.warning("client(s) %s have no training sample: each of their fits is left out as a 'no_data' fault",
+                        ids(no_train))
+        no_eval = [k for k in range(n) if int(datamodule.num_samples(k, self.eval_split)) == 0]
+        if len(no_eval) == n:
+            raise ConfigError(f"data is invalid: none of its {n} clients has a {self.eval_split} sample; expected "
+                              f"{self.eval_split} data to evaluate on (data.split_ratios / data.test_mode)")
+        if no_eval:
+            log.warning("client(s) %s have no %s sample: acc_mean and the other client metrics average the %d "
+                        "clients that have (each row's eval_clients says so)", ids(no_eval), self.eval_split,
+                        n - len(no_eval))
+
     def call(self, hook: str, *args: Any) -> None:
         """Call a broadcast hook on every federated callback, in list order."""
         for cb in self.fed_callbacks:
@@ -521,6 +546,7 @@ class FederatedLoop:
         datamodule.setup("fit")
         datamodule.eval_device = self.device.type  # data.eval_batch_size: null is chosen for this device
         check_environment(self)
+        self._check_client_data(datamodule)
         self._resolve_policies()
         self.streams = Streams(self.seed)
         self.client_store = ClientStateStore(self.client_state_codec)

@@ -43,6 +43,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import logging
 import os
 import pickle
 import zipfile
@@ -72,6 +73,8 @@ from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
 __all__ = ["load_source", "source_key", "image_size_pair", "resolve_torchvision_class", "held_out_split",
            "validate_base_dataset", "LEAF_LETTERS", "TENSOR_KEYS"]
+
+log = logging.getLogger(__name__)
 
 #: LEAF's Shakespeare alphabet (``models/utils/language_utils.py``): a character's id is its index here
 LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
@@ -193,6 +196,7 @@ def _load_folder(root: str | None, test_fraction: float, seed: int, size: tuple[
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
         files, labels = _list_images(Path(root), classes)
         check(len(files) > 0, "data.root", root, f"image files ({', '.join(_IMAGE_SUFFIXES)}) in {layouts}")
+        _warn_empty_classes(root, classes, labels)
         empty = torch.zeros(0, dtype=torch.int64)
 
         def build() -> dict[str, torch.Tensor]:  # the whole folder; split below (the split is cheap, and seeded)
@@ -205,6 +209,16 @@ def _load_folder(root: str | None, test_fraction: float, seed: int, size: tuple[
         x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
     mean, std = channel_stats(x_train)
     return BaseDataset("image_folder", x_train, y_train.long(), x_test, y_test.long(), len(classes), mean, std)
+
+
+def _warn_empty_classes(root: str, classes: list[str], labels: list[int]) -> None:
+    """A class folder without an image is a class no client can learn: say which (it still counts as a class)."""
+    seen = set(labels)
+    empty = [c for i, c in enumerate(classes) if i not in seen]
+    if empty:
+        log.warning("data.root=%r: class folder(s) %s hold no image (.%s); they stay classes of the task (labels "
+                    "and logits keep their places) but no client has a sample of them", root,
+                    ", ".join(repr(c) for c in empty), "/.".join(s.lstrip(".") for s in _IMAGE_SUFFIXES))
 
 
 def _size_extra(classes: list[str], size: tuple[int, int] | None) -> str:
@@ -249,6 +263,9 @@ def _load_tensors(root: str | None, test_fraction: float, seed: int) -> BaseData
         check(len(blob["x"]) == len(blob["y"]), "data.root", root,
               f"x and y of one length (got {len(blob['x'])} and {len(blob['y'])})")
         client = blob.pop("client", None)
+        check(client is None or len(client) == len(blob["x"]), "data.root", root,
+              f"one client id per sample: client of length {len(client) if client is not None else 0} and x, y "
+              f"of length {len(blob['x'])}")
         groups = (client if client is not None else blob["y"]).numpy()
         train, test = held_out_split(groups, test_fraction, seed)
         x, y = blob.pop("x"), blob.pop("y")
@@ -547,6 +564,12 @@ def validate_base_dataset(base: Any, owner: str) -> BaseDataset:
             changes[f"{split}_y"] = y = y.long()
         if len(x) != len(y):
             raise fail(f"{split}_x of length {len(x)} and {split}_y of length {len(y)}", "one label per input")
+        if kind == "features" and isinstance(x, torch.Tensor):
+            finite = torch.isfinite(x.reshape(len(x), -1)).all(dim=1) if len(x) else torch.ones(0, dtype=torch.bool)
+            if not bool(finite.all()):
+                bad = (~finite).nonzero().reshape(-1)
+                raise fail(f"{split}_x with non-finite values (NaN or inf) in {len(bad)} row(s), the first row "
+                           f"{int(bad[0])}", "finite features (drop or impute those rows)")
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= nc:
             raise fail(f"{split}_y with a label {lo if lo < 0 else hi}", f"labels in [0, {nc}) (num_classes={nc})")
