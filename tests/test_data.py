@@ -579,3 +579,24 @@ def test_partition_test_mode_builds_test_sets_like_the_training_sets() -> None:
         test_labels = set(np.nonzero(dm.client_label_counts(k, "test"))[0].tolist())
         assert test_labels <= train_labels | {min(train_labels) - 1, max(train_labels) + 1}  # chunk borders
     assert dm.fingerprint()["test_mode"] == "partition"
+
+
+def test_augmentation_drawn_up_front_gives_the_batches_drawn_one_by_one() -> None:
+    """The epoch's crops and flips are drawn before its first batch (one copy to the device, none per step): the same
+    generator numbers in the same order, so every batch equals the one-by-one draw's, last partial batch included."""
+    from pl_fedsparse.data.loaders import TensorBatchLoader
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (37, 3, 8, 8), dtype=torch.uint8, generator=g)
+    labels = torch.arange(37) % 5
+    loader = TensorBatchLoader(images, labels, 8, shuffle=True, generator_seed=3, mean=[0.5] * 3, std=[0.25] * 3,
+                               augment=True)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        got = list(loader)
+        loader.set_epoch(epoch)
+        gen, batches = loader.epoch_batches()
+        want = [(loader._augment(loader.inputs(rows), gen), labels.index_select(0, rows)) for rows in batches]
+        assert len(got) == len(want) == 5
+        for (x, y), (wx, wy) in zip(got, want):
+            assert torch.equal(x, wx) and torch.equal(y, wy)

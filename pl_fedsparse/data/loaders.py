@@ -189,11 +189,33 @@ class TensorBatchLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gen, batches = self.epoch_batches()
-        for rows in batches:
+        draws = self._augment_draws(gen, [len(r) for r in batches]) if self.augment else None
+        for i, rows in enumerate(batches):
             x = self.inputs(rows)
-            if self.augment:
-                x = self._augment(x, gen)
+            if draws is not None:
+                x = self._augment(x, gen, draws=draws[i])
             yield x, self.labels.index_select(0, rows)
+
+    def _augment_draws(self, gen: torch.Generator, sizes: list[int], pad: int = 4
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every batch's crop offsets and flips of the epoch, drawn up front from ``gen`` in the order the batches
+        would draw them one by one (the same numbers), and moved to the batches' device in one copy: no transfer
+        per step."""
+        offsets, flips = [], []
+        for b in sizes:
+            offsets.append(torch.randint(0, 2 * pad + 1, (2, b), generator=gen))
+            flips.append(torch.rand(b, generator=gen) < 0.5)
+        if not sizes:
+            return []
+        flat = torch.cat([torch.cat([o.reshape(-1), f.to(torch.int64)]) for o, f in zip(offsets, flips)])
+        flat = flat.to(self.device)
+        out, at = [], 0
+        for b in sizes:
+            o = flat[at:at + 2 * b].view(2, b)
+            f = flat[at + 2 * b:at + 3 * b].bool()
+            out.append((o, f))
+            at += 3 * b
+        return out
 
     def epoch_batches(self) -> tuple[torch.Generator, list[torch.Tensor]]:
         """Start the next epoch: its generator (as it stands after the permutation, for the augmentation) and the
@@ -225,11 +247,16 @@ class TensorBatchLoader:
                 and other.kind == self.kind and other._normalize_features == self._normalize_features
                 and torch.equal(other._scale, self._scale) and torch.equal(other._shift, self._shift))
 
-    def _augment(self, x: torch.Tensor, gen: torch.Generator, pad: int = 4) -> torch.Tensor:
-        """Random crop (zero padding ``pad``) + horizontal flip of a float batch with one gather."""
+    def _augment(self, x: torch.Tensor, gen: torch.Generator, pad: int = 4,
+                 draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Random crop (zero padding ``pad``) + horizontal flip of a float batch with one gather (the offsets and
+        flips drawn from ``gen`` now, or given as ``draws``, already on the batch's device)."""
         b, c, h, w = x.shape
-        offsets = torch.randint(0, 2 * pad + 1, (2, b), generator=gen).to(x.device)
-        flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
+        if draws is None:
+            offsets = torch.randint(0, 2 * pad + 1, (2, b), generator=gen).to(x.device)
+            flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
+        else:
+            offsets, flip = draws
         padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))
         ar_h = torch.arange(h, device=x.device)
         ar_w = torch.arange(w, device=x.device)
