@@ -40,12 +40,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import importlib
 import inspect
 import json
 import logging
 import os
 import pickle
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -372,6 +374,47 @@ def _tv_split(ds: Any, spec: str, size: tuple[int, int] | None) -> tuple[torch.T
     return (torch.stack(imgs) if imgs else torch.zeros(0, 1, 1, 1, dtype=torch.uint8)), y
 
 
+def _mnist_files(cls: type) -> list[str]:
+    """The files an MNIST-family class of torchvision (MNIST, FashionMNIST, KMNIST) reads from
+    ``root/<Class>/raw/``, as distributed (``.gz``); empty for any other class."""
+    import torchvision.datasets as tvd
+
+    if not issubclass(cls, tvd.MNIST) or issubclass(cls, (tvd.EMNIST, tvd.QMNIST)):
+        return []
+    resources = getattr(cls, "resources", None)
+    if not isinstance(resources, list):
+        return []
+    return [os.path.basename(name) for name, _ in resources if str(name).endswith(".gz")]
+
+
+def _unpack_distributed_files(cls: type, where: str) -> None:
+    """Without a download, torchvision's MNIST-family classes read only uncompressed files: unpack the ``.gz``
+    files as distributed (e.g. Debian's ``dataset-fashion-mnist``) next to them, once, atomically."""
+    raw = Path(where) / cls.__name__ / "raw"
+    for name in _mnist_files(cls):
+        packed, target = raw / name, raw / name[:-3]
+        if packed.is_file() and not target.exists():
+            try:
+                with gzip.open(packed, "rb") as f:
+                    data = f.read()
+            except (OSError, EOFError) as exc:
+                raise ConfigError(f"data.root={where!r} is invalid: {packed} cannot be unpacked "
+                                  f"({' '.join(str(exc).split())}); expected the gzip file as distributed") from None
+            tmp = None
+            try:  # atomically: a half-written file would be read as the dataset
+                fd, tmp = tempfile.mkstemp(dir=raw, prefix=f".{target.name}.", suffix=".tmp")
+                with os.fdopen(fd, "wb") as out:
+                    out.write(data)
+                os.replace(tmp, target)
+            except OSError as exc:
+                if tmp is not None and os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise ConfigError(f"data.root={where!r} is invalid: {packed} cannot be unpacked next to itself "
+                                  f"({exc.strerror or exc}); expected a writable folder, or the files unpacked "
+                                  f"(gunzip -k {raw}/*.gz)") from None
+            log.info("unpacked %s for torchvision.datasets.%s", packed, cls.__name__)
+
+
 def _load_torchvision(root: str | None, download: bool, spec: str | None, args: dict | None,
                       size: tuple[int, int] | None) -> BaseDataset:
     cls = resolve_torchvision_class(spec)
@@ -385,6 +428,8 @@ def _load_torchvision(root: str | None, download: bool, spec: str | None, args: 
     def cache_path() -> Path:
         return cache_dir() / f"torchvision-{cls.__name__}-{_signature('torchvision', where, _walk(where), extra)}.pt"
 
+    if os.path.isdir(where):
+        _unpack_distributed_files(cls, where)
     blob = _cache_load(cache_path()) if os.path.isdir(where) and _walk(where) else None
     if blob is None:
         try:
@@ -395,6 +440,10 @@ def _load_torchvision(root: str | None, download: bool, spec: str | None, args: 
             why = " ".join(str(exc).split())[:200] or type(exc).__name__
             how = (f"the download into {where} failed (it needs network); put a copy there" if download else
                    f"pass --data.download true (needs network) or put a copy in {where}")
+            files = _mnist_files(cls)
+            if files:  # say where torchvision looks, and for what
+                how += (f" ({cls.__name__} reads {os.path.join(where, cls.__name__, 'raw')}/ holding "
+                        f"{', '.join(files)}: the files as distributed, .gz, or uncompressed)")
             what = spec if "." in spec else f"torchvision.datasets.{spec}"
             raise DataNotFoundError(f"data.root={root!r} has no {what} ({why}): {how}") from None
         blob = {}
