@@ -150,6 +150,8 @@ Override one callback's argument from the command line by class name or position
   {PROG} fit --config synthetic_dmpfl --trainer.callbacks.DualMask.iterations 2
   {PROG} fit --config synthetic_dmpfl --trainer.callbacks.0.iterations 2
 
+A small trial: `--trainer.num_rounds 3 --data.max_train_samples 2000`; on a GPU: `--trainer.accelerator gpu`.
+
 `--print_config` shows the resulting configuration; `{PROG} configs` lists the shipped configs."""
 
 #: top-level packages whose classes the help counts instead of listing (torch alone has ~700 ``nn.Module``\ s)
