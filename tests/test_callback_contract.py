@@ -232,6 +232,7 @@ def test_bad_mode_is_refused() -> None:
         tiny_loop(".", callback_contract="maybe")
 
 
+@pytest.mark.slow
 def test_the_cli_prints_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "contract_user_cb.py").write_text(
@@ -257,6 +258,7 @@ SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("synthetic_*.yaml"))
 
 
 @pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.slow
 def test_shipped_configs_keep_the_contract(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)  # the examples are imported as `callbacks.<file>`, as pl-fed does from the repo root
@@ -268,6 +270,7 @@ def test_shipped_configs_keep_the_contract(name: str, tmp_path: Path, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------------ Ray
+@pytest.mark.slow
 def test_a_violation_on_a_ray_worker_is_the_driver_error(tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     cloudpickle = pytest.importorskip("ray.cloudpickle")

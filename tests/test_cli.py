@@ -119,6 +119,7 @@ def test_checkpoint_of_another_config_via_cli(tmp_path: Path, capsys: pytest.Cap
     assert code == 2 and err.count("\n") == 1 and "another configuration" in err and "num_clients" in err
 
 
+@pytest.mark.slow
 def test_console_script_subprocess_no_traceback(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "pl_fedsparse.cli", "fit", *TINY_CLI, "--data.alpha", "-0.5",
@@ -152,6 +153,7 @@ def test_every_shipped_config_parses(config: str, capsys: pytest.CaptureFixture[
     assert cfg["trainer"]["num_rounds"] >= 1
 
 
+@pytest.mark.slow
 def test_synthetic_dmpfl_config_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The README's DM-PFL demo (shortened): dual masks, both phases, adaptive inference, shift metrics."""
     run = tmp_path / "dm"
@@ -166,6 +168,7 @@ def test_synthetic_dmpfl_config_runs_end_to_end(tmp_path: Path, capsys: pytest.C
     assert last["dmpfl_phase"] == 2
 
 
+@pytest.mark.slow
 def test_a_run_prints_no_jsonargparse_deprecation_and_keeps_nulls(tmp_path: Path) -> None:
     """jsonargparse >= 4.49 renamed dump's ``skip_none`` to ``skip_unset`` and warns on every run that passes the old
     name (Lightning's callers still do); the CLI passes the name the installed version knows, and config.yaml keeps

@@ -156,6 +156,7 @@ def shadowing_project(folder: Path, package_init: bool) -> Path:
 
 # ------------------------------------------------------------------------------------------------ 1. imports
 @pytest.mark.parametrize("package_init", [True, False], ids=["package", "namespace-folder"])
+@pytest.mark.slow
 def test_working_dir_modules_import_but_never_shadow_installed_ones(
         package_init: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         user_modules: list[str]) -> None:
@@ -183,6 +184,7 @@ PL_FED = Path(sys.executable).parent / "pl-fed"
 
 
 @pytest.mark.skipif(not PL_FED.is_file(), reason="the pl-fed console script is not installed next to this Python")
+@pytest.mark.slow
 def test_console_script_from_a_project_folder(tmp_path: Path) -> None:
     """The real thing: a fresh `pl-fed` process in a folder with a `tensorboard.py` and a `callbacks/` package; and
     a configuration error there is exactly one line on stderr (no "Seed set to" line before it)."""
@@ -298,6 +300,7 @@ def test_seed_null_is_refused_in_one_line(tmp_path: Path, capsys: pytest.Capture
     assert code == 2 and "seed_everything" in one_line(err)
 
 
+@pytest.mark.slow
 def test_seed_true_draws_a_recorded_seed_and_false_seeds_nothing(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     seeds = []

@@ -49,6 +49,7 @@ def test_unknown_subcommand_lists_them_all(capsys: pytest.CaptureFixture[str]) -
 
 
 # ------------------------------------------------------------------------------------------------ pl-fed fit --help
+@pytest.mark.slow
 def test_fit_help_is_short_and_complete() -> None:
     # in a fresh interpreter, as a user runs it: in the test process, the classes the test modules define (modules,
     # callbacks, executors) would be listed too
@@ -149,6 +150,7 @@ def test_override_errors_are_one_line(args: list[str], expected: str, tmp_path: 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_override_reaches_the_run_and_its_config_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     code, _, err = run_main(["fit", "--config", DMPFL, "--trainer.callbacks.ShiftEvaluation.shifts", "[0.25]",

@@ -205,6 +205,7 @@ _NO_WHEEL = _wheel_tooling_missing()
 
 
 @pytest.mark.skipif(_NO_WHEEL is not None, reason=str(_NO_WHEEL))
+@pytest.mark.slow
 def test_wheel_contains_the_configs_and_the_examples(tmp_path: Path) -> None:
     """Build the wheel offline (a copy of the sources, no build isolation) and look inside; then import the package
     from the unpacked wheel in a fresh interpreter outside the repository: the shipped configs and the examples are

@@ -548,6 +548,7 @@ def cifar_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_cifar10_jpeg_copy(cifar_root: Path) -> None:
     t = time.perf_counter()
     d = load_dataset("cifar10", str(cifar_root))

@@ -22,6 +22,7 @@ def _repo_cwd(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("config", ["fedavg", "fedspa", "dmpfl"])
+@pytest.mark.slow
 def test_no_trainer_no_move_no_sync_per_step(config: str) -> None:
     r = device_traffic.measure(config)
     assert r["fits"] > 0 and r["steps"] > 0
@@ -30,6 +31,7 @@ def test_no_trainer_no_move_no_sync_per_step(config: str) -> None:
     assert r["readjust_transfers"] == 0, r
 
 
+@pytest.mark.slow
 def test_pfedgate_steps_without_a_host_sync_on_the_device_path() -> None:
     """The gate's knapsack runs on the device (the path a GPU takes; on the CPU a Python scan is faster)."""
     r = device_traffic.measure("pfedgate")
@@ -37,6 +39,7 @@ def test_pfedgate_steps_without_a_host_sync_on_the_device_path() -> None:
     assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
 
 
+@pytest.mark.slow
 def test_pfedgate_gives_the_same_numbers_on_the_device_knapsack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     import json
@@ -58,6 +61,7 @@ def test_pfedgate_gives_the_same_numbers_on_the_device_knapsack(tmp_path: Path, 
     assert rows[0] == rows[1]
 
 
+@pytest.mark.slow
 def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted: the reference path (a Trainer per fit, which also places the module); a ``.item()`` in every
     training step; a host copy inside prune-and-regrow."""
@@ -90,6 +94,7 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
     assert device_traffic.measure("fedspa")["readjust_transfers"] > 0
 
 
+@pytest.mark.slow
 def test_counting_leaves_the_engine_as_it_found_it() -> None:
     """Everything the counter patches is put back as it was (a staticmethod stays one): a fit after counting runs."""
     from pl_fedsparse.executors import runner

@@ -26,6 +26,7 @@ def doc_files(page: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("page", PAGES)
+@pytest.mark.slow
 def test_page_examples_run(page: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = doc_files(page)
     assert any(p.endswith(".yaml") for p in files), f"docs/{page} has no example config"

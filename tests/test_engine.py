@@ -44,6 +44,7 @@ class KindSpy(FederatedCallback):
         self.lrs[ctx.kind] = trainer.optimizers[0].param_groups[0]["lr"]
 
 
+@pytest.mark.slow
 def test_every_fit_carries_its_kind_and_no_context_outside_fits(tmp_path: Path) -> None:
     spy = KindSpy()
     loop = tiny_loop(tmp_path, num_rounds=2, callbacks=[Ditto(lam=0.1), FineTune(epochs=1), spy])

@@ -159,6 +159,7 @@ def test_merge_loaders_refuses_what_is_not_one_stream() -> None:
     assert merge_loaders([]) is None
 
 
+@pytest.mark.slow
 def test_the_default_eval_batch_is_chosen_for_the_device_and_changes_no_metric(tmp_path: Path) -> None:
     rows = {}
     for size in (None, 512, 7):

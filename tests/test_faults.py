@@ -78,6 +78,7 @@ def _all_finite(tree: Any) -> bool:
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 @pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.slow
 def test_a_faulty_client_is_left_out(tmp_path: Path, method: str, kind: str, capsys: Any) -> None:
     fault = {"class_path": "pl_fedsparse.testing.FaultInjection",
              "init_args": {"client": CLIENT, "rounds": [ROUND], "kind": kind}}

@@ -126,6 +126,7 @@ def test_ewa_needs_update_uploads(tmp_path: Path) -> None:
         TopKUpload(sparsity=1.0)
 
 
+@pytest.mark.slow
 def test_synthetic_fedpse_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)

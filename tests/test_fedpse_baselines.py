@@ -212,6 +212,7 @@ def test_bad_options_are_one_line_config_errors() -> None:
 
 
 @pytest.mark.parametrize("method", ["fedstc", "fedscr"])
+@pytest.mark.slow
 def test_fmnist_configs_run_on_the_synthetic_task(method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)

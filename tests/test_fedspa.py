@@ -26,6 +26,7 @@ def _equal_sizes_dm(**kw: Any):  # type: ignore[no-untyped-def]
     return tiny_datamodule(partition="iid", **kw)  # 400 samples over 4 clients: 100 each
 
 
+@pytest.mark.slow
 def test_fedspa_with_all_ones_masks_equals_fedavg(tmp_path: Path) -> None:
     spa = tiny_loop(tmp_path / "s", num_rounds=2, clients_per_round=3,
                     callbacks=[SparseMask(density=1.0), FedSpaAggregation()])

@@ -255,6 +255,7 @@ def _rows(run: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("config", ["synthetic_fedspa", "synthetic_pfedgate", "synthetic_fedrep"])
+@pytest.mark.slow
 def test_method_configs_give_the_same_numbers_on_both_paths(config: str, tmp_path: Any,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """Masks (prune-and-regrow, gradient-based regrowth), pFedGate's gate optimiser inside the step and FedRep's

@@ -19,6 +19,7 @@ def _suite(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600, check=False)
 
 
+@pytest.mark.slow
 def test_the_dry_run_resolves_every_step() -> None:
     res = _suite("--dry-run")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -56,6 +57,7 @@ def _plans(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600, check=False)
 
 
+@pytest.mark.slow
 def test_the_long_plans_dry_run_resolves_their_remaining_runs() -> None:
     res = _plans("--dry-run", "--workers", "2", "fedpse_long", "pfedgate_table")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -73,6 +75,7 @@ def test_the_long_plans_dry_run_resolves_their_remaining_runs() -> None:
     pytest.param(["fedpse_long"], "no CUDA device is visible",  # the real run needs one
                  marks=pytest.mark.skipif(_cuda(), reason="a CUDA device is visible: the real run would start")),
 ])
+@pytest.mark.slow
 def test_the_long_plans_bad_input_is_one_line(args: list[str], message: str) -> None:
     res = _plans(*args)
     assert res.returncode == 2 and res.stdout == ""

@@ -99,6 +99,7 @@ class FullDisk:
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="resolves file descriptors via /proc")
 
 
+@pytest.mark.slow
 def test_disk_full_during_a_checkpoint_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
@@ -217,6 +218,7 @@ SIGNALLER = textwrap.dedent('''
 
 
 @pytest.mark.parametrize("where", ["fit", "evaluate", "checkpoint"])
+@pytest.mark.slow
 def test_sigterm_stops_cleanly_and_resumes(where: str, tmp_path: Path) -> None:
     (tmp_path / "signaller.py").write_text(SIGNALLER)
     run = tmp_path / "run"

@@ -96,6 +96,7 @@ def _is_loopback(address: str) -> bool:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_a_local_ray_instance_listens_on_loopback_only(tmp_path: Path) -> None:
     ray = pytest.importorskip("ray")
     from pl_fedsparse.executors import RayExecutor

@@ -11,6 +11,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+@pytest.mark.slow
 def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")  # both notebooks draw figures (the [plots] extra; installed with [test])
     monkeypatch.setenv("PL_FEDSPARSE_TINY", "1")

@@ -127,6 +127,7 @@ def _ewa_bytes(message: Message) -> int:
 
 
 @pytest.mark.parametrize("aggregation", ["fedavg", "index", "ewa"])
+@pytest.mark.slow
 def test_gates_are_never_aggregated_nor_counted_as_traffic(tmp_path: Path, aggregation: str) -> None:
     spy = Spy()
     loop = tiny_loop(tmp_path, num_rounds=2, clients_per_round=3,
@@ -164,6 +165,7 @@ def test_gates_are_never_aggregated_nor_counted_as_traffic(tmp_path: Path, aggre
     assert not torch.equal(loop.client_store.get(0, "PFedGate/gate")["gating.1.weight"], cb._template["gating.1.weight"])
 
 
+@pytest.mark.slow
 def test_resume_mid_run_restores_gates_and_their_momentum_bit_exactly(tmp_path: Path) -> None:
     def callbacks() -> list[Any]:
         return [PFedGate(density=0.5, aggregation="index", same_init=False, straight_through="code"),

@@ -285,6 +285,7 @@ def _strip_times(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("method", ["fedem", "fedrep"])
+@pytest.mark.slow
 def test_resume_after_round_two_of_four_is_identical(tmp_path: Path, method: str) -> None:
     def setup() -> tuple[list[Any], Any]:
         if method == "fedem":
@@ -309,6 +310,7 @@ def test_resume_after_round_two_of_four_is_identical(tmp_path: Path, method: str
 
 # ------------------------------------------------------------------------------------------------ CLI
 @pytest.mark.parametrize("name", ["synthetic_fedrep", "synthetic_lgfedavg", "synthetic_fedem"])
+@pytest.mark.slow
 def test_synthetic_configs_run(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rs = fit_rows(["--config", str(REPO_CONFIGS / f"{name}.yaml"), "--trainer.num_rounds", "2",
                    "--trainer.eval_every", "2", "--data.num_clients", "4", "--trainer.enable_progress_bar", "false",

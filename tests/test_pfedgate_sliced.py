@@ -119,6 +119,7 @@ def test_sliceable_layers_are_plain_conv2d_and_linear() -> None:
 @pytest.mark.parametrize("solver", ["greedy", "exact"])
 @pytest.mark.parametrize("variant", ["paper", "code"])
 @pytest.mark.parametrize("density", [1.0, 0.5, 0.3])
+@pytest.mark.slow
 def test_sliced_equals_masked_on_lenet_cifar(density: float, variant: str, solver: str) -> None:
     patterns = set()
     for seed in range(3):  # three gates, three different gate outputs
@@ -215,6 +216,7 @@ def test_compute_option_is_validated_in_one_line() -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_federation_with_sliced_compute_equals_masked(tmp_path: Path) -> None:
     results: dict[str, Any] = {}
     for compute in ("masked", "sliced"):

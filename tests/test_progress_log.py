@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import TINY_CLI
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ def _args(run: Path, *extra: str) -> list[str]:
             "--trainer.default_root_dir", str(run), *extra]
 
 
+@pytest.mark.slow
 def test_a_line_per_round_appears_in_the_log_while_the_run_runs(tmp_path: Path) -> None:
     (tmp_path / "holdcb.py").write_text(HOLD)
     go, log = tmp_path / "go", tmp_path / "log"
@@ -59,6 +61,7 @@ def test_a_line_per_round_appears_in_the_log_while_the_run_runs(tmp_path: Path) 
     assert text.index("round 3/3") < text.index("final results")
 
 
+@pytest.mark.slow
 def test_no_lines_when_progress_is_off(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([*_args(tmp_path / "run"), "--trainer.enable_progress_bar", "false"], capture_output=True,

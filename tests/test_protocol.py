@@ -45,6 +45,7 @@ def _history(tmp_path: Path, module: Any, **kw: Any) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.startswith("time")} for r in loop.history]
 
 
+@pytest.mark.slow
 def test_a_plain_lightning_module_gives_federated_modules_numbers(tmp_path: Path) -> None:
     """Same weights, optimiser and loss: the same run — the loss and samples the loop measures itself (FitMeter)
     equal FederatedModule's own fit_metrics, and GradientRegrow's gradients (cross-entropy without `loss`) too."""

@@ -72,6 +72,7 @@ def _fit(run_dir: Path, *extra: str) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
 
 
+@pytest.mark.slow
 def test_a_federation_on_a_two_node_cluster(tmp_path: Path, two_node_cluster: str) -> None:
     on_cluster = _fit(tmp_path / "cluster", "--trainer.executor", "pl_fedsparse.executors.RayExecutor",
                       "--trainer.executor.num_workers", "2", "--trainer.executor.address", two_node_cluster)

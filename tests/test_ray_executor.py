@@ -57,6 +57,7 @@ def _rows(loop: Any) -> list[dict]:
 
 
 @pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.slow
 def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_session: None, one_thread: None) -> None:
     make, topo = METHODS[method]
     kw = {"num_rounds": 4 if method == "dmpfl" else 3}
@@ -68,6 +69,7 @@ def test_ray_gives_the_in_process_metrics(tmp_path: Path, method: str, ray_sessi
 
 
 @pytest.mark.parametrize("method", ["fedavg_ft", "dispfl", "ditto_masked"])
+@pytest.mark.slow
 def test_vectorized_workers_give_the_in_process_metrics(tmp_path: Path, method: str, ray_session: None,
                                                         one_thread: None) -> None:
     from test_vectorized import assert_same_run
@@ -86,6 +88,7 @@ def test_vectorized_workers_refuse_what_they_cannot_vectorise_before_starting(tm
         loop.fit(tiny_module(), tiny_datamodule())
 
 
+@pytest.mark.slow
 def test_lossless_client_state_travels_encoded_and_gives_the_same_run(tmp_path: Path, ray_session: None,
                                                                      one_thread: None) -> None:
     # a hidden layer of 64 x 256 weights (~8,000 kept at density 0.5): above floatcodec.MIN_NUMEL, so the driver
@@ -144,6 +147,7 @@ class DieOnce(FederatedCallback):
             os._exit(1)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_is_retried_and_the_run_is_unchanged(tmp_path: Path, ray_session: None,
                                                            one_thread: None) -> None:
     make = METHODS["fedspa"][0]
@@ -156,6 +160,7 @@ def test_a_dead_worker_is_retried_and_the_run_is_unchanged(tmp_path: Path, ray_s
     assert _rows(loop) == ref
 
 
+@pytest.mark.slow
 def test_a_client_whose_worker_keeps_dying_is_skipped(tmp_path: Path, ray_session: None) -> None:
     marker = str(tmp_path / "deaths")
     loop = tiny_loop(tmp_path, callbacks=[DieOnce(marker, times=10)],
@@ -215,6 +220,7 @@ def test_tune_malloc_respects_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> No
     assert tune_malloc() is False
 
 
+@pytest.mark.slow
 def test_evaluation_runs_in_the_workers_unless_a_callback_keeps_evaluation_state(tmp_path: Path, ray_session: None,
                                                                                   one_thread: None) -> None:
     for j, (make, spread) in enumerate([(lambda: [SparseMask(density=0.5)], True),
@@ -248,6 +254,7 @@ class StoreWitness(FederatedCallback):
                 fh.write(f"{os.getpid()} {client_idx} {held}\n")
 
 
+@pytest.mark.slow
 def test_an_evaluation_chunk_carries_only_its_clients_state(tmp_path: Path, ray_session: None,
                                                            one_thread: None) -> None:
     # a worker evaluating clients [a, b] holds exactly their state, never the whole store (1,000 clients ≈ 25 GB)

@@ -108,6 +108,7 @@ def _ray_run_in_progress(tmp_path: Path, workers: int) -> tuple[Path, subprocess
     return run, driver
 
 
+@pytest.mark.slow
 def test_no_ray_process_outlives_a_sigkilled_run(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     run, driver = _ray_run_in_progress(tmp_path, workers=1)
@@ -125,6 +126,7 @@ def test_no_ray_process_outlives_a_sigkilled_run(tmp_path: Path) -> None:
                 os.kill(p, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_sigterm_on_ray_stops_the_workers_and_exits_143(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     from pl_fedsparse.checkpoint import load_checkpoint

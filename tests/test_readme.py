@@ -20,9 +20,10 @@ def readme_commands() -> list[str]:
 def test_readme_starts_with_two_commands_and_ci_runs_the_second() -> None:
     quick, tests = readme_commands()
     assert "pl-fed fit --config configs/quickstart.yaml" in quick
-    assert tests.endswith("pytest") and "\n" not in tests
+    assert tests.endswith('pytest -m "not slow"') and "\n" not in tests
     ci = (REPO / ".ci" / "run").read_text().splitlines()
     assert tests in ci, ".ci/run must run the README's test command verbatim"
+    assert ci.index("pytest -m slow") > ci.index(tests), ".ci/run must run the slow set after the README's command"
 
 
 @pytest.mark.parametrize("config", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)

@@ -87,6 +87,7 @@ def wait_for(cond: Any, what: str, timeout: float = 240) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ one run per dir
+@pytest.mark.slow
 def test_two_concurrent_starts_into_one_directory_exactly_one_runs(tmp_path: Path) -> None:
     run, go = tmp_path / "run", tmp_path / "go"
     procs = [spawn(run, tmp_path, "--trainer.num_rounds", "2", go=go, blocked=tmp_path / f"blocked{i}")
@@ -168,6 +169,7 @@ def test_default_directories_of_runs_started_in_the_same_second_differ(tmp_path:
         b.reporter.release()
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_killed_run_is_taken_over_and_its_directory_reused(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]) -> None:
     run, go, blocked = tmp_path / "run", tmp_path / "go", tmp_path / "blocked"

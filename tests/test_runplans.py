@@ -117,6 +117,7 @@ def test_a_plan_whose_arguments_do_not_resolve_is_one_line(capsys: pytest.Captur
         runplan.resolve(runplan.Run("missing", ["--config", "configs/no_such_config.yaml"]))
 
 
+@pytest.mark.slow
 def test_a_parked_run_resumes_on_a_fresh_machine(tmp_path: Path) -> None:
     """``park`` keeps an unfinished run's last checkpoint with the records; a worker whose machine has no run
     directory (the next session's) resumes from it instead of starting over, and the parked file goes once the run
@@ -161,6 +162,7 @@ def test_a_checkpoint_too_large_for_git_is_not_parked(tmp_path: Path, monkeypatc
                                        "should hold; expected a run that finishes within a session (or on a GPU)\n")
 
 
+@pytest.mark.slow
 def test_a_continuation_not_yet_started_parks_its_starting_point(tmp_path: Path) -> None:
     """A continuation (``start_from``) whose base run finished on this machine but which has not started parks the
     base's last checkpoint: on a fresh machine it continues from there instead of waiting for a base that is gone."""

@@ -133,6 +133,7 @@ def _any_encoded(tree: Any) -> bool:
 
 
 @pytest.mark.parametrize("method", list(FEDERATIONS))
+@pytest.mark.slow
 def test_every_method_gives_the_same_run_with_the_lossless_codec(tmp_path: Path, method: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(floatcodec, "MIN_NUMEL", 16)

@@ -26,6 +26,7 @@ def test_trimmed_mean_drops_outliers() -> None:
     torch.testing.assert_close(trimmed_mean(vals, 0.0), torch.stack(vals).mean(0))
 
 
+@pytest.mark.slow
 def test_trimmed_mean_config_runs_from_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
@@ -58,6 +59,7 @@ def test_movement_prune_drops_weights_that_shrank(tmp_path: Path) -> None:
     assert int(score[:3].argmin()) == 1
 
 
+@pytest.mark.slow
 def test_movement_prune_config_runs_from_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
@@ -76,6 +78,7 @@ _COMPARED = ("acc_mean", "acc_weighted", "global_acc", "loss_mean", "train_loss"
              "flops_train_cum")
 
 
+@pytest.mark.slow
 def test_fedprox_mu_zero_is_fedavg_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)
@@ -142,6 +145,7 @@ def test_snip_masks_are_the_saliency_top_k_at_the_initial_weights(tmp_path: Path
     assert loop.accounting.flops_cum == pytest.approx(one_fit + 4 * batch * loop.accounting.flops_per_sample())
 
 
+@pytest.mark.slow
 def test_snip_config_runs_from_repo_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(REPO)

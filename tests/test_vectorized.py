@@ -80,6 +80,7 @@ SYNTHETIC = sorted(p.stem for p in (ROOT / "configs").glob("synthetic_*.yaml"))
 
 
 @pytest.mark.parametrize("name", [n for n in SYNTHETIC if n not in REFUSED])
+@pytest.mark.slow
 def test_every_supported_synthetic_config_gives_the_in_process_run(tmp_path: Path, name: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)  # callbacks.* (the FedProx example) import from the repository root
@@ -92,6 +93,7 @@ def test_every_supported_synthetic_config_gives_the_in_process_run(tmp_path: Pat
 @pytest.mark.parametrize(("name", "rounds"), [("dpsgd_cpu", 3), ("dpsgd_ft_cpu", 3), ("ditto_cpu", 3), ("feddst_cpu", 3),
                                              ("fedspa_dst_cpu", 3), ("fedspa_rsm_cpu", 3), ("local_p2p_cpu", 3),
                                              ("dmpfl_plus_cpu", 5)])
+@pytest.mark.slow
 def test_paper_method_configs_shrunk_onto_the_synthetic_task_give_the_in_process_run(tmp_path: Path, name: str,
                                                                                      rounds: int) -> None:
     argv = ["--config", str(ROOT / "configs" / f"cifar10_{name}.yaml"), *SHRINK, "--trainer.num_rounds", str(rounds)]
@@ -298,6 +300,16 @@ def test_what_cannot_be_vectorised_is_refused_in_one_line(tmp_path: Path, module
         else:
             loop.fit(module(), tiny_datamodule())
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("module", [lambda: WithScheduler(_mlp()), lambda: RMSprop(_mlp())],
+                         ids=["scheduler", "rmsprop"])
+def test_an_optimizer_it_cannot_stack_is_refused_before_anything_is_written(tmp_path: Path, module: Any) -> None:
+    run = tmp_path / "run"
+    loop = tiny_loop(run, executor=VectorizedExecutor())
+    with pytest.raises(ConfigError):
+        loop.fit(module(), tiny_datamodule())
+    assert not run.exists() or not any(run.iterdir()), sorted(p.name for p in run.rglob("*"))
 
 
 def test_a_module_that_declares_its_step_vectorizable_runs(tmp_path: Path) -> None:

@@ -246,6 +246,7 @@ def test_runs_in_process_from_the_project(project: Path, name: str, reference: d
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.slow
 def test_two_ray_workers_give_the_in_process_metrics(project: Path, name: str, tmp_path: Path,
                                                      reference: dict[str, list[dict]],
                                                      capsys: pytest.CaptureFixture[str]) -> None:
@@ -257,6 +258,7 @@ def test_two_ray_workers_give_the_in_process_metrics(project: Path, name: str, t
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.slow
 def test_kill_and_resume_with_the_console_script(project: Path, name: str, tmp_path: Path,
                                                  reference: dict[str, list[dict]]) -> None:
     """The real ``pl-fed`` in the project directory, SIGKILLed once round 1's checkpoint exists, then resumed with

@@ -279,6 +279,11 @@ class VectorizedExecutor(ClientExecutor):
             raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
         _check_module(loop.model)
+        # the optimizer a fit would get, checked now, before the run directory or a checkpoint is written (the
+        # round-0 context; configure_optimizers is the user's code and runs again in every fit)
+        names = {id(p): n for n, p in loop.model.named_parameters()}
+        with fit_scope(FitContext(client_idx=0, round_idx=0, kind="train", stream="train", seed=0, lr_round=0)):
+            _optimizer_of(loop.model, names)
         refused = self._collect_hooks()
         if refused:
             cb, hooks = refused[0]
