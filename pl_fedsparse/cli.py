@@ -833,5 +833,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console_main() -> None:
+    """The ``pl-fed`` console script: :func:`main`, with the process's last second covered too.
+
+    :func:`main` handles SIGTERM and SIGINT while it works (:func:`~pl_fedsparse.signals.stop_on_signals`); once it
+    has returned, the interpreter still shuts down (threads, caches) for up to a second, where a scheduler's SIGTERM
+    used to end the process silently with -15. Here such a signal ends it with one line and ``main``'s own exit
+    status: the work was done (a signal before ``main`` got to work ends it with 143 / 130, nothing written).
+    """
+    done: dict[str, int | None] = {"code": None}
+
+    def late(signum: int, frame: Any) -> None:
+        code = done["code"]
+        if code is None:
+            code = 143 if signum == signal.SIGTERM else 130
+        what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        state = "finished" if done["code"] is not None else "not started"
+        os.write(2, f"{PROG}: {what} while exiting: ignored, the command had {state} (exit status {code})\n".encode())
+        os._exit(code)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, late)  # (main's own handlers take over while it runs and give these back when it is done)
+    done["code"] = main()
+    sys.exit(done["code"])
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    console_main()

@@ -9,6 +9,11 @@ and ``config.yaml`` (the method's callbacks), and writes next to each other in `
 * ``seeds.md`` and ``seeds.csv`` when some runs differ only in their seeds (``seed_everything``, ``data.seed``):
   one row per such group with each column's mean ± sample standard deviation over the seeds and the count, so a
   gap between two methods can be read against the seeds' spread;
+* ``pairs.md`` and ``pairs.csv`` when two such groups can be compared: per pair of groups, the gap in final
+  accuracy (and in each ``--metrics`` key) ``a − b`` in points with its 95 % interval from Student's t, p and a
+  verdict (``holds``: the interval lies above 0; ``reversed``: below; ``not shown``: it holds 0). Runs that share a
+  seed are paired (a paired t-test over the shared seeds, at least 2); groups with fewer shared seeds but 2 runs
+  or more each get Welch's unpaired test. See :func:`seed_pairs`;
 * with matplotlib (``pip install 'pl_fedsparse[plots]'``): ``acc_vs_round.png``, ``acc_vs_traffic.png`` (mean
   personal accuracy against cumulative bytes, the papers' efficiency plot) and ``client_acc.png`` (the per-client
   accuracy distribution at the end). Without matplotlib the table is still written and one line says why the
@@ -37,7 +42,8 @@ import yaml
 
 from pl_fedsparse.errors import ConfigError
 
-__all__ = ["Run", "SeedGroup", "load_run", "seed_curve", "seed_groups", "seed_table", "table_rows", "markdown_table",
+__all__ = ["Run", "SeedGroup", "load_run", "seed_curve", "seed_groups", "seed_table", "seed_pairs", "pair_table",
+           "paired_difference", "welch_difference", "t_cdf", "t_quantile", "table_rows", "markdown_table",
            "write_report", "main"]
 
 #: configuration keys that tell runs of one experiment apart without changing it: the seeds and where it was written
@@ -231,6 +237,217 @@ def _mean_std(xs: list[float]) -> tuple[float, float | None]:
     return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
 
 
+# --- paired statistics: Student's t without scipy (the library has no scipy dependency; the tests check against it)
+
+#: two-sided confidence level of the intervals in ``pairs.md``
+CONFIDENCE = 0.95
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the incomplete beta function, by the modified Lentz method (Numerical Recipes
+    §6.4, ``betacf``); it converges fast for ``x < (a + 1) / (a + b + 2)``."""
+    tiny, eps = 1e-300, 1e-16
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 10_000):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float, y: float) -> float:
+    """The regularized incomplete beta function I_x(a, b); ``y`` is ``1 - x``, passed in so that a tail near
+    ``x = 1`` keeps its precision. The fraction runs on whichever side converges, I_x(a, b) = 1 - I_y(b, a)."""
+    if x <= 0.0:
+        return 0.0
+    if y <= 0.0:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(y))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, y) / b
+
+
+def _t_two_sided(t: float, df: float) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom: I_{df/(df+t²)}(df/2, 1/2), computed directly
+    (not as 1 - CDF) so that a small p keeps its relative precision."""
+    if math.isinf(t):
+        return 0.0
+    t2 = t * t
+    return _betainc(df / 2.0, 0.5, df / (df + t2), t2 / (df + t2))
+
+
+def t_cdf(t: float, df: float) -> float:
+    """Student's t cumulative distribution function P(T <= t) with ``df > 0`` degrees of freedom (not necessarily
+    an integer: Welch's are not), from the regularized incomplete beta function.
+
+    Example:
+        >>> round(t_cdf(2.0, 3), 10)
+        0.9303370157
+        >>> t_cdf(0.0, 7)
+        0.5
+    """
+    if not df > 0:
+        raise ValueError(f"df={df!r} is invalid; expected a positive number")
+    half_tail = 0.5 * _t_two_sided(t, df)
+    return 1.0 - half_tail if t >= 0 else half_tail
+
+
+def t_quantile(q: float, df: float) -> float:
+    """The ``q`` quantile of Student's t with ``df > 0`` degrees of freedom: :func:`t_cdf` inverted by bisection
+    (to the last few bits of a float; the CDF is monotone, so bisection cannot miss).
+
+    Example:
+        ``t_quantile(0.975, df)`` is the factor of a two-sided 95 % interval — 12.706 with two seeds, 2.776 with
+        five, tending to the normal's 1.960:
+
+        >>> [round(t_quantile(0.975, df), 3) for df in (1, 4, 1e6)]
+        [12.706, 2.776, 1.96]
+    """
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q={q!r} is invalid; expected a probability strictly between 0 and 1")
+    if not df > 0:
+        raise ValueError(f"df={df!r} is invalid; expected a positive number")
+    if q == 0.5:
+        return 0.0
+    if q < 0.5:  # symmetric
+        return -t_quantile(1.0 - q, df)
+    target = 2.0 * (1.0 - q)  # the two-sided tail beyond the quantile; it decreases as t grows
+    lo, hi = 0.0, 1.0
+    while _t_two_sided(hi, df) > target:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):  # adjacent floats
+            break
+        if _t_two_sided(mid, df) > target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def _verdict(lo: float | None, hi: float | None) -> str:
+    """``holds`` when the interval lies above 0, ``reversed`` when below, ``not shown`` when it holds 0 (or there is
+    none)."""
+    if lo is None or hi is None:
+        return "not shown"
+    return "holds" if lo > 0 else "reversed" if hi < 0 else "not shown"
+
+
+def _rounding(xs: Sequence[float]) -> float:
+    """What float rounding leaves in a difference of values of ``xs``' size: a spread below it is no spread (0.7 −
+    0.6 and 0.8 − 0.7 are not equal as floats, but are the same gap)."""
+    return 1e-12 * max((abs(x) for x in xs), default=0.0)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """The mean of ``a[i] - b[i]`` over pairs (e.g. two methods' accuracies on the same seeds) with Student's t:
+    its two-sided interval and the paired t-test's two-sided p (``scipy.stats.ttest_rel``'s).
+
+    Args:
+        a: one value per pair.
+        b: the other side's value of each pair, in the same order.
+        confidence: the interval's two-sided level.
+
+    Returns:
+        ``n`` (pairs), ``mean`` (of a − b), ``std`` (sample std of the differences; ``None`` with n < 2), ``df``
+        (n − 1), ``t``, ``lo`` and ``hi`` (the interval; ``None`` with n < 2), ``p`` (``None`` with n < 2) and
+        ``verdict``: ``"holds"`` when the interval lies above 0, ``"reversed"`` when below, ``"not shown"``
+        otherwise and with n < 2.
+
+        When all differences are equal (to float rounding) the spread is 0: the interval is the point itself and
+        ``p`` is 0.0 where the difference is not 0 and 1.0 where it is (a difference within rounding of 0 counts as
+        0); ``t`` is ±inf or 0.
+
+    Example:
+        Three seeds on which ``a`` beats ``b`` by 1, 2 and 3 points:
+
+        >>> r = paired_difference([0.71, 0.72, 0.73], [0.70, 0.70, 0.70])
+        >>> round(r["mean"], 6), round(r["lo"], 6), round(r["hi"], 6), round(r["p"], 4), r["verdict"]
+        (0.02, -0.004841, 0.044841, 0.0742, 'not shown')
+    """
+    if len(a) != len(b):
+        raise ValueError(f"a and b are invalid: {len(a)} and {len(b)} values; expected one pair per index")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence!r} is invalid; expected a level strictly between 0 and 1")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(d)
+    out: dict[str, Any] = {"n": n, "mean": math.fsum(d) / n if n else math.nan, "std": None, "df": n - 1, "t": None,
+                           "lo": None, "hi": None, "p": None, "verdict": "not shown"}
+    if n < 2:
+        return out
+    mean = out["mean"]
+    std = math.sqrt(math.fsum((x - mean) ** 2 for x in d) / (n - 1))
+    out["std"] = std
+    tol = _rounding([*a, *b])
+    if std <= tol:  # no spread: nothing to estimate it from, the gap is what it is
+        mean = out["mean"] = 0.0 if abs(mean) <= tol else mean
+        out["std"], out["lo"], out["hi"] = 0.0, mean, mean
+        out["t"], out["p"] = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    else:
+        se = std / math.sqrt(n)
+        half = t_quantile(0.5 + confidence / 2, n - 1) * se
+        out.update(t=mean / se, lo=mean - half, hi=mean + half, p=0.5 * _t_two_sided(mean / se, n - 1))
+    out["verdict"] = _verdict(out["lo"], out["hi"])
+    return out
+
+
+def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """The difference of the means of two unpaired groups (e.g. two methods run on different seeds) with Welch's
+    t: its two-sided interval on the Welch–Satterthwaite degrees of freedom and the two-sided p
+    (``scipy.stats.ttest_ind(a, b, equal_var=False)``'s).
+
+    Args:
+        a: one group's values.
+        b: the other group's values.
+        confidence: the interval's two-sided level.
+
+    Returns:
+        ``n_a``, ``n_b``, ``mean`` (mean of a − mean of b), ``df``, ``t``, ``lo``, ``hi``, ``p`` and ``verdict`` as
+        :func:`paired_difference`'s. With fewer than 2 values on either side there is no interval (``None``s) and the
+        verdict is ``"not shown"``. When neither group varies (to float rounding) the interval is the point itself,
+        ``df`` is nan and ``p`` is 0.0 or 1.0 as in :func:`paired_difference`.
+
+    Example:
+        >>> r = welch_difference([0.70, 0.72, 0.74], [0.60, 0.65, 0.61, 0.62])
+        >>> round(r["mean"], 4), round(r["df"], 3), round(r["lo"], 4), round(r["hi"], 4), f"{r['p']:.2e}", r["verdict"]
+        (0.1, 4.655, 0.0584, 0.1416, '1.89e-03', 'holds')
+    """
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence!r} is invalid; expected a level strictly between 0 and 1")
+    xa, xb = [float(x) for x in a], [float(x) for x in b]
+    na, nb = len(xa), len(xb)
+    mean = (math.fsum(xa) / na if na else math.nan) - (math.fsum(xb) / nb if nb else math.nan)
+    out: dict[str, Any] = {"n_a": na, "n_b": nb, "mean": mean, "df": None, "t": None, "lo": None, "hi": None,
+                           "p": None, "verdict": "not shown"}
+    if na < 2 or nb < 2:
+        return out
+    va, vb = (math.fsum((x - math.fsum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1) for xs in (xa, xb))
+    tol = _rounding([*xa, *xb])
+    if max(va, vb) <= tol * tol:
+        mean = out["mean"] = 0.0 if abs(mean) <= tol else mean
+        out.update(df=math.nan, lo=mean, hi=mean)
+        out["t"], out["p"] = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    else:
+        sa, sb = va / na, vb / nb
+        df = (sa + sb) ** 2 / (sa ** 2 / (na - 1) + sb ** 2 / (nb - 1))
+        se = math.sqrt(sa + sb)
+        half = t_quantile(0.5 + confidence / 2, df) * se
+        out.update(df=df, t=mean / se, lo=mean - half, hi=mean + half, p=0.5 * _t_two_sided(mean / se, df))
+    out["verdict"] = _verdict(out["lo"], out["hi"])
+    return out
+
+
 def seed_table(runs: Sequence[Run], metrics: Sequence[str] = ()) -> tuple[str, str]:
     """Markdown and CSV of the seed groups: per column ``mean ± std (n)`` (sample std over the seeds).
 
@@ -260,6 +477,113 @@ def seed_table(runs: Sequence[Run], metrics: Sequence[str] = ()) -> tuple[str, s
         seeds = ", ".join(str(s) for s in g.seeds)
         md.append("| " + " | ".join([names, g.runs[0].method, seeds, "/".join(map(str, rounds))] + cells) + " |")
         writer.writerow([names, g.runs[0].method, seeds, "/".join(map(str, rounds))] + raw)
+    return "\n".join(md) + "\n", buf.getvalue()
+
+
+def _seed_key(run: Run) -> tuple[tuple[str, Any], ...] | None:
+    """The run's seeds (:data:`SEED_KEYS` that its config sets), what pairs it with another group's run; ``None``
+    when it sets none (or ``seed_everything: false``): such a run cannot be paired."""
+    try:
+        cfg = yaml.safe_load((run.path / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    flat = _flat(cfg) if isinstance(cfg, dict) else {}
+    key = tuple((k, flat[k]) for k in SEED_KEYS if flat.get(k) is not None and not isinstance(flat[k], bool))
+    return key or None
+
+
+def _finite(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _label(group: SeedGroup) -> str:
+    return group.runs[0].name + (f" (+{len(group.runs) - 1})" if len(group.runs) > 1 else "")
+
+
+def seed_pairs(runs: Sequence[Run], metrics: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Each two seed groups (:func:`seed_groups`, first-seen order; ``a`` is the earlier) compared on the final
+    ``acc_mean`` and on each key of ``metrics`` that some run has.
+
+    Runs are paired by their seeds (``seed_everything`` and ``data.seed`` equal; where a group repeats a seed its
+    first run counts): with at least 2 seeds in common the gap is :func:`paired_difference` over them ("paired t",
+    the other seeds left out), since a seed's data split and initialisation move both methods alike; otherwise,
+    with at least 2 runs on each side, it is :func:`welch_difference` over all runs ("Welch t (unpaired)"). Groups
+    with neither are not compared.
+
+    Returns:
+        one dict per (pair, metric): ``a`` and ``b`` (labels: the first run's name, ``(+k)`` for the other seeds),
+        ``key``, ``column`` (the metric's label, as in the tables), ``kind``, ``test``, ``n`` (seeds paired, or
+        ``"n_a vs n_b"`` unpaired) and the statistics' ``mean``, ``lo``, ``hi``, ``p``, ``verdict``.
+
+    Example:
+        Methods A and B on seeds 0, 1, 2, A ahead by 3.0, 2.5 and 3.5 points: ``A − B = 3.00`` points, 95 %
+        interval ``[1.76, 4.24]``, p = 0.0091, paired t, verdict ``holds``.
+    """
+    keys = ["acc_mean"] + [k for k in metrics if k != "acc_mean"]
+    known = {c[1]: c for c in COLUMNS}
+    cols = [known.get(k) or _extra_column(k) for k in dict.fromkeys(keys)]
+    cols = [c for c in cols if any(_value(r, c[1]) is not None for r in runs)]
+    groups = [g for g in seed_groups(runs) if len(g.runs) > 1]
+    by_seed = []
+    for g in groups:
+        seeds: dict[Any, Run] = {}
+        for r in g.runs:
+            k = _seed_key(r)
+            if k is not None:
+                seeds.setdefault(k, r)
+        by_seed.append(seeds)
+    out = []
+    for i, ga in enumerate(groups):
+        for j in range(i + 1, len(groups)):
+            gb = groups[j]
+            shared = [k for k in by_seed[i] if k in by_seed[j]]
+            for column, key, kind in cols:
+                pairs = [(_finite(_value(by_seed[i][k], key)), _finite(_value(by_seed[j][k], key))) for k in shared]
+                pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+                if len(pairs) >= 2:
+                    stats = paired_difference([x for x, _ in pairs], [y for _, y in pairs])
+                    test, n = "paired t", str(len(pairs))
+                else:
+                    xa = [x for x in (_finite(_value(r, key)) for r in ga.runs) if x is not None]
+                    xb = [x for x in (_finite(_value(r, key)) for r in gb.runs) if x is not None]
+                    if len(xa) < 2 or len(xb) < 2:
+                        continue
+                    stats = welch_difference(xa, xb)
+                    test, n = "Welch t (unpaired)", f"{len(xa)} vs {len(xb)}"
+                out.append({"a": _label(ga), "b": _label(gb), "key": key, "column": column, "kind": kind,
+                            "test": test, "n": n, **{s: stats[s] for s in ("mean", "lo", "hi", "p", "verdict")}})
+    return out
+
+
+def _fmt_p(p: float | None) -> str:
+    return "-" if p is None else "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def pair_table(runs: Sequence[Run], metrics: Sequence[str] = ()) -> tuple[str, str]:
+    """Markdown and CSV of :func:`seed_pairs`: per pair of seed groups and metric, the gap ``a − b`` (in points for
+    a % column), its 95 % interval, p, the test and the verdict (``holds``: the interval lies above 0, ``a`` is
+    ahead; ``reversed``: below 0; ``not shown``: it holds 0). The CSV has the raw values (fractions, as
+    ``report.csv``).
+
+    Example:
+        ``| A (+2) | B (+2) | acc mean % | 3 | 3.00 | [1.76, 4.24] | 0.009 | paired t | holds |``
+    """
+    header = ["a", "b", "metric", "n", "gap a − b", "95 % interval", "p", "test", "verdict (a > b)"]
+    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["a", "b", "metric", "n", "gap", "ci low", "ci high", "p", "test", "verdict"])
+    for row in seed_pairs(runs, metrics):
+        kind = row["kind"]
+        ci = "-" if row["lo"] is None else f"[{_fmt(row['lo'], kind)}, {_fmt(row['hi'], kind)}]"
+        md.append("| " + " | ".join([row["a"], row["b"], row["column"], row["n"], _fmt(row["mean"], kind), ci,
+                                     _fmt_p(row["p"]), row["test"], row["verdict"]]) + " |")
+        writer.writerow([row["a"], row["b"], row["key"], row["n"], row["mean"], row["lo"], row["hi"], row["p"],
+                         row["test"], row["verdict"]])
     return "\n".join(md) + "\n", buf.getvalue()
 
 
@@ -407,7 +731,8 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
 
 def write_report(runs: Sequence[Run], out: str | Path, figures: bool = True, metrics: Sequence[str] = (),
                  baseline: str | None = None) -> dict[str, Any]:
-    """Write ``report.md``, ``report.csv`` and (with matplotlib) the figures to ``out``; return what was written
+    """Write ``report.md``, ``report.csv`` (and ``seeds.*``, ``pairs.*`` where seeds repeat) and (with matplotlib)
+    the figures to ``out``; return what was written
     (``{"table": path, "csv": path, "figures": [paths], "figures_skipped": reason or None}``). ``metrics`` and
     ``baseline`` as :func:`table_rows`."""
     out_dir = Path(out)
@@ -420,6 +745,10 @@ def write_report(runs: Sequence[Run], out: str | Path, figures: bool = True, met
             seeds_md, seeds_csv = seed_table(runs, metrics)
             (out_dir / "seeds.md").write_text(seeds_md, encoding="utf-8")
             (out_dir / "seeds.csv").write_text(seeds_csv, encoding="utf-8")
+        if seed_pairs(runs, metrics):
+            pairs_md, pairs_csv = pair_table(runs, metrics)
+            (out_dir / "pairs.md").write_text(pairs_md, encoding="utf-8")
+            (out_dir / "pairs.csv").write_text(pairs_csv, encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"out={str(out)!r} is invalid: {e.strerror or e}; expected a writable directory") from None
     result: dict[str, Any] = {"table": out_dir / "report.md", "csv": out_dir / "report.csv", "figures": [],
@@ -464,6 +793,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_table(runs, args.metrics, args.baseline), end="")
     if any(len(g.runs) > 1 for g in seed_groups(runs)):
         print("\nAcross seeds (mean ± sample std (n)):\n" + seed_table(runs, args.metrics)[0], end="")
+    if seed_pairs(runs, args.metrics):
+        print("\nPairs of seed groups (gap a − b with its 95 % interval; paired t on shared seeds):\n"
+              + pair_table(runs, args.metrics)[0], end="")
     print(f"\ntable: {result['table']}, {result['csv']}")
     if result["figures"]:
         print("figures: " + ", ".join(str(p) for p in result["figures"]))

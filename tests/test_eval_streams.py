@@ -67,9 +67,9 @@ def _count_forward_calls(monkeypatch: pytest.MonkeyPatch, stream: bool) -> dict[
     calls = {"n": 0}
     real = Evaluator.logits
 
-    def counting(self: Evaluator, loader: Any) -> Any:
+    def counting(self: Evaluator, loader: Any, where: str = "") -> Any:
         calls["n"] += 1
-        return real(self, loader)
+        return real(self, loader, where)
 
     monkeypatch.setattr(Evaluator, "logits", counting)
     return calls

@@ -287,6 +287,7 @@ class ManualNet(FederatedModule):
         opt = self.optimizers()
         x, y = batch
         loss = self.loss(self(x), y)
+        self._samples_seen += int(y.shape[0])  # (FederatedModule's fit_metrics counts what training_step saw)
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()

@@ -1,0 +1,49 @@
+"""The console script's last second: a SIGTERM that arrives after ``pl-fed fit`` finished its work (while the
+interpreter shuts down) ends the process with the command's own status and one line, not a silent -15."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY_CLI
+
+REPO = Path(__file__).resolve().parents[1]
+
+# a user module that keeps the interpreter busy for a while at exit (as threads and caches do), so that the signal
+# reliably lands in that window
+LINGER = '''
+import atexit, os, time
+from pl_fedsparse import FederatedCallback
+
+atexit.register(lambda: (open(os.environ["EXITING_FILE"], "w").close(), time.sleep(20)))
+
+class Nothing(FederatedCallback):
+    pass
+'''
+
+
+@pytest.mark.slow
+def test_a_sigterm_while_exiting_keeps_the_exit_status_and_says_so(tmp_path: Path) -> None:
+    (tmp_path / "lingercb.py").write_text(LINGER)
+    exiting = tmp_path / "exiting"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXITING_FILE": str(exiting),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", "fit", *TINY_CLI, "--trainer.num_rounds", "1",
+                          "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.callbacks+",
+                          "lingercb.Nothing"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         cwd=REPO)
+    t = time.time()
+    while not exiting.exists() and time.time() - t < 180 and p.poll() is None:
+        time.sleep(0.05)
+    assert exiting.exists(), p.communicate()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, (p.returncode, err)
+    assert "final results" in out
+    assert "pl-fed: SIGTERM while exiting: ignored, the command had finished (exit status 0)" in err
