@@ -397,7 +397,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     else:
         se = std / math.sqrt(n)
         half = t_quantile(0.5 + confidence / 2, n - 1) * se
-        out.update(t=mean / se, lo=mean - half, hi=mean + half, p=0.5 * _t_two_sided(mean / se, n - 1))
+        out.update(t=mean / se, lo=mean - half, hi=mean + half, p=_t_two_sided(mean / se, n - 1))
     out["verdict"] = _verdict(out["lo"], out["hi"])
     return out
 
@@ -443,7 +443,7 @@ def welch_difference(a: Sequence[float], b: Sequence[float], confidence: float =
         df = (sa + sb) ** 2 / (sa ** 2 / (na - 1) + sb ** 2 / (nb - 1))
         se = math.sqrt(sa + sb)
         half = t_quantile(0.5 + confidence / 2, df) * se
-        out.update(df=df, t=mean / se, lo=mean - half, hi=mean + half, p=0.5 * _t_two_sided(mean / se, df))
+        out.update(df=df, t=mean / se, lo=mean - half, hi=mean + half, p=_t_two_sided(mean / se, df))
     out["verdict"] = _verdict(out["lo"], out["hi"])
     return out
 
