@@ -131,6 +131,7 @@ EXIT_STORAGE = 74
 OWN_SUBCOMMANDS = {
     "configs": "List the shipped configs with their descriptions (run one with `pl-fed fit --config NAME`).",
     "report": "Compare run directories: a table of their final metrics (markdown + CSV) and figures.",
+    "sweep": "Run a campaign (configs x settings x seeds) several runs at a time, resumable, then report it.",
 }
 
 #: the end of ``pl-fed fit|validate|test --help``: how to see a class's arguments and address one callback
@@ -792,6 +793,10 @@ def main(argv: list[str] | None = None) -> int:
         from pl_fedsparse.report import main as report_main
 
         return report_main(words[1:])
+    if words[:1] == ["sweep"]:  # a campaign of runs (pl_fedsparse.sweep)
+        from pl_fedsparse.sweep import main as sweep_main
+
+        return sweep_main(words[1:])
     _current_run = None
     from pl_fedsparse.allocator import tune_malloc
 
