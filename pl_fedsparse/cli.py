@@ -838,6 +838,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_entry(args: Sequence[str]) -> int:
+    """Build a ``pl-fed fit`` configuration's classes (model, data module, loop, callbacks: every argument check)
+    without running it; 0, or the status of the one line it printed (``pl-fed sweep`` checks its entries so)."""
+    try:
+        with _working_dir_importable(os.getcwd()):
+            FedCLI(args=list(args), run=False)
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except UserCodeError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    return 0
+
+
 def console_main() -> None:
     """The ``pl-fed`` console script: :func:`main`, with the process's last second covered too.
 

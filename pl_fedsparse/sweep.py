@@ -52,6 +52,9 @@ from pl_fedsparse.errors import ConfigError, check
 
 __all__ = ["SweepRun", "plan", "main"]
 
+#: the per-entry check, in a process of its own (the entry's user modules): pl_fedsparse.cli.check_entry
+_CHECK = "import sys; from pl_fedsparse.cli import check_entry; sys.exit(check_entry(sys.argv[1:]))"
+
 #: how often the campaign's state is printed while runs go on (seconds)
 STATUS_EVERY_S = 30.0
 
@@ -153,15 +156,15 @@ def _settings(vary: Sequence[str], grid_overrides: Any) -> list[dict[str, Any]]:
 
 
 def _validate(runs: Sequence[SweepRun], cwd: Path) -> None:
-    """Build every distinct (config, setting) as ``pl-fed fit`` would, without running it (:func:`check_entry`, in
-    parallel processes); the first bad one is one line."""
+    """Build every distinct (config, setting) as ``pl-fed fit`` would, without running it
+    (:func:`pl_fedsparse.cli.check_entry`, in parallel processes); the first bad one is one line."""
     seen: dict[tuple[str, str], SweepRun] = {}
     for r in runs:
         key = (r.config, json.dumps(r.overrides, sort_keys=True, default=str))
         seen.setdefault(key, r)
     procs = []
     for r in seen.values():
-        cmd = [sys.executable, "-m", "pl_fedsparse.sweep", "--config", r.config, "--seed_everything", str(r.seed),
+        cmd = [sys.executable, "-c", _CHECK, "--config", r.config, "--seed_everything", str(r.seed),
                *_override_args(r.overrides)]
         procs.append((r, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                           cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})))
@@ -294,8 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         failed = run_sweep(runs, out, parallel, cwd)
     except KeyboardInterrupt:
-        sys.stderr.write(f"sweep interrupted: its runs stopped with their checkpoints; the same command "
-                         f"continues it\n")
+        sys.stderr.write("sweep interrupted: its runs stopped with their checkpoints; the same command "
+                         "continues it\n")
         return 130
     if not a.no_report:
         from pl_fedsparse.report import main as report_main
@@ -308,24 +311,3 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{out}); the same command retries them\n")
         return 1
     return 0
-
-
-def check_entry(args: Sequence[str]) -> int:
-    """Build a ``pl-fed fit`` configuration's classes without running it: 0, or the one-line error's status."""
-    from pl_fedsparse.cli import FedCLI, _working_dir_importable
-    from pl_fedsparse.errors import UserCodeError
-
-    try:
-        with _working_dir_importable(os.getcwd()):
-            FedCLI(args=list(args), run=False)
-    except ConfigError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 2
-    except UserCodeError as e:
-        sys.stderr.write(f"error: {e}\n")
-        return 1
-    return 0
-
-
-if __name__ == "__main__":  # the per-entry check of a sweep (a process of its own: the entry's user modules)
-    sys.exit(check_entry(sys.argv[1:]))

@@ -5,7 +5,6 @@ which every fit failed stops the run (exit 1) unless ``trainer.on_client_fault: 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import TINY_CLI, one_line, run_main

@@ -68,7 +68,6 @@ from pl_fedsparse.executors.stacked import (
     adam_step,
     clip_per_client,
     exact_linear,
-    rows_like,
     sgd_step,
 )
 from pl_fedsparse.protocol import training_loss
