@@ -35,7 +35,7 @@ def _columns(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_top_level_help_lists_every_subcommand(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_main(args, capsys)
     assert code == 0 and out.startswith("usage: pl-fed")
-    assert SUBCOMMANDS == ["fit", "validate", "test", "configs", "report"]
+    assert SUBCOMMANDS == ["fit", "validate", "test", "configs", "report", "sweep"]
     assert "{" + ",".join(SUBCOMMANDS) + "}" in out
     listed = re.findall(r"^    (\w+) {2,}\S", out, flags=re.MULTILINE)
     assert listed == SUBCOMMANDS
@@ -44,8 +44,8 @@ def test_top_level_help_lists_every_subcommand(args: list[str], capsys: pytest.C
 def test_unknown_subcommand_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_main(["fitt", "--config", "quickstart"], capsys)
     assert code == 2
-    assert one_line(err) == ("error: unknown subcommand 'fitt': expected one of fit, validate, test, configs, report "
-                             "(see `pl-fed --help`)")
+    assert one_line(err) == ("error: unknown subcommand 'fitt': expected one of fit, validate, test, configs, report, "
+                             "sweep (see `pl-fed --help`)")
 
 
 # ------------------------------------------------------------------------------------------------ pl-fed fit --help
