@@ -300,6 +300,7 @@ class RunReporter:
             "time_cum_s": loop.time_cum,
             "client_faults_total": sum(int(r.get("client_faults", 0)) for r in loop.history),
             "client_faults": _fault_counts(loop.history),
+            **_client_ids(loop.datamodule),
         }
 
     def extra_rows(self) -> list[tuple[str, str]]:
@@ -383,3 +384,12 @@ def _lines(it: Any, desc: str, every: float = 30.0) -> Any:
             last = now
             print(f"{desc}: {i}/{len(items)} ({now - start:.0f} s)", flush=True)
         yield x
+
+
+def _client_ids(datamodule: Any) -> dict[str, Any]:
+    """``{"client_ids": [...]}``: the data's own id of each client index, when the partition is the data's own
+    (``partition: natural``; the clients are its ids in sorted order), else nothing."""
+    ids = getattr(datamodule, "client_ids", None)
+    if not ids:
+        return {}
+    return {"client_ids": [i.item() if hasattr(i, "item") else i for i in ids]}

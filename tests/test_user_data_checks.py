@@ -91,3 +91,15 @@ def test_an_empty_class_folder_is_named(tmp_path: Path, caplog: pytest.LogCaptur
         base = _load_folder(str(tmp_path / "imgs"), 0.25, 0, None)
     assert base.num_classes == 3
     assert "class folder(s) 'emu' hold no image" in caplog.text
+
+
+def test_a_natural_partition_records_which_of_the_users_ids_each_client_is(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    a = _arrays()
+    a["client"] = np.array([34, 3, 21, 8])[np.arange(120) % 4]  # the data's own ids, in no order
+    _table(tmp_path / "t.npz", **a)
+    code, _, err = run_main(_fit(tmp_path / "t.npz", tmp_path / "run"), capsys)
+    assert code == 0, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["client_ids"] == [3, 8, 21, 34]  # client i is the i-th smallest id
+    assert len(summary["client_acc"]) == 4

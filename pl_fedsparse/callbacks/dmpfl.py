@@ -71,6 +71,9 @@ class DualMask(UsesMaskedTraining):
     Args:
         density: ``1 − S``, the density of ``m_g`` and every ``m_c`` (paper: S = 0.5).
         iterations: number of (Phase 1, Phase 2) repetitions over ``trainer.num_rounds`` (``0``: Phase 1 only).
+            Each phase block needs at least one round, so ``trainer.num_rounds`` must be at least
+            ``2 · iterations`` (a short trial of a 2-iteration config: ``--trainer.num_rounds 4`` or more, or
+            ``--trainer.callbacks.DualMask.iterations 1``).
         coverage_threshold: positions held by no more than this fraction of the sampled clients are not eligible
             for the global mask (paper: 0.3).
         global_mask_scope: ``"layer"`` (top-k per tensor at its ERK density) or ``"model"`` (one magnitude

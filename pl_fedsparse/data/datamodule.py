@@ -359,6 +359,8 @@ class FederatedDataModule(lightning.LightningDataModule):
             raise ConfigError(f"data.num_clients={self._num_clients} is invalid: expected {len(uniq)} (the number "
                               f"of distinct client ids of {label}) or null with data.partition='natural'")
         train_c = np.searchsorted(uniq, ids)
+        #: the data's own id of each client index (``summary.json``'s ``client_ids``)
+        self.client_ids = uniq.tolist()
         test_c = None
         if base.test_client is not None:
             tids = base.test_client.cpu().numpy()
