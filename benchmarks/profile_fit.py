@@ -176,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         events = tprof.key_averages()
         print(f"\nround under torch.profiler: {wall:.2f} s")
         if cuda:
-            kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+            # kernels only: a user annotation on the device timeline (e.g. Optimizer.step's record_function) spans
+            # the kernels it launched and the gaps between them, and counting it would double the busy time
+            kernel_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                            and not getattr(e, "is_user_annotation", False))
             busy = kernel_us / 1e6
             print(f"GPU kernels: {busy:.3f} s of {wall:.2f} s wall = {100 * busy / wall:.1f} % busy")
             syncs = {e.key: e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
