@@ -24,6 +24,9 @@
 #             task, in process vs VectorizedExecutor: seconds per round and GPU utilisation -> vectorized_<task>.txt
 #   profile   benchmarks/profile_fit.py: where a FedSpa round (VGG11-GN, 10 clients) spends its time, by package,
 #             and how busy the GPU is                                                    -> profile_fedspa.txt
+#   runner    the persistent fit runner (the default since the records above, which built a Trainer per fit):
+#             overhead.py at 32-true and bf16-mixed, and profile_fit.py's FedSpa round (kernel time only)
+#                                                        -> overhead_runner_<precision>.txt, profile_fedspa_runner.txt
 # Data: CIFAR10_ROOT (default data/cifar10, the extracted ImageFolder copy) and FMNIST_ROOT (default
 # /usr/share/datasets/fashion-mnist); a step whose data or package is missing is recorded as skipped, not failed.
 set -uo pipefail
@@ -44,7 +47,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests overhead rounds paper ray vectorized profile)
+STEPS=(env tests runner overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
 for s in "${ONLY[@]}"; do
   case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
@@ -133,6 +136,18 @@ if wanted profile; then
     step profile_fedspa.txt "$PY" "${PROFILE[@]}" -- --data.device cuda
   else say "profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
   if [ "$DRY" = 1 ]; then "$PY" "${PROFILE[@]}" --dry-run -- --data.device cuda || exit 1; fi
+fi
+if wanted runner; then
+  for p in 32-true bf16-mixed; do
+    if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+      step "overhead_runner_$p.txt" "$PY" benchmarks/overhead.py --data-root "$CIFAR10_ROOT" --accelerator gpu --precision "$p" --repeats 7
+    else say "runner overhead $p skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  done
+  RUNNER_PROFILE=(benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml --accelerator gpu --clients 10
+                  --top 20 --data-root "$CIFAR10_ROOT")
+  if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+    step profile_fedspa_runner.txt "$PY" "${RUNNER_PROFILE[@]}" -- --data.device cuda
+  else say "runner profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
 fi
 [ "$DRY" = 1 ] && echo "dry run: every step's command resolves"
 exit $FAILED
