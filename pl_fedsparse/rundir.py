@@ -529,7 +529,7 @@ class RunDirectory:
         events (they would mix with this run's)."""
         root = self.run_dir
         assert root is not None
-        self._refuse_links()  # (checkpoints/ and tensorboard/ are not links: nothing outside is removed)
+        # (checkpoints/ and tensorboard/ are not links: _lock refused the directory otherwise)
         for p in round_checkpoints(root / "checkpoints").values():
             p.unlink(missing_ok=True)
         (root / "checkpoints" / "last.ckpt").unlink(missing_ok=True)

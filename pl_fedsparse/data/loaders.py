@@ -199,23 +199,16 @@ class TensorBatchLoader:
     def _augment_draws(self, gen: torch.Generator, sizes: list[int], pad: int = 4
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every batch's crop offsets and flips of the epoch, drawn up front from ``gen`` in the order the batches
-        would draw them one by one (the same numbers), and moved to the batches' device in one copy: no transfer
+        would draw them one by one (the same numbers), and moved to the batches' device once per epoch: no transfer
         per step."""
+        if not sizes:
+            return []
         offsets, flips = [], []
         for b in sizes:
             offsets.append(torch.randint(0, 2 * pad + 1, (2, b), generator=gen))
             flips.append(torch.rand(b, generator=gen) < 0.5)
-        if not sizes:
-            return []
-        flat = torch.cat([torch.cat([o.reshape(-1), f.to(torch.int64)]) for o, f in zip(offsets, flips)])
-        flat = flat.to(self.device)
-        out, at = [], 0
-        for b in sizes:
-            o = flat[at:at + 2 * b].view(2, b)
-            f = flat[at + 2 * b:at + 3 * b].bool()
-            out.append((o, f))
-            at += 3 * b
-        return out
+        return list(zip(torch.cat(offsets, dim=1).to(self.device).split(sizes, dim=1),
+                        torch.cat(flips).to(self.device).split(sizes)))
 
     def epoch_batches(self) -> tuple[torch.Generator, list[torch.Tensor]]:
         """Start the next epoch: its generator (as it stands after the permutation, for the augmentation) and the

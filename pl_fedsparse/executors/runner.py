@@ -69,7 +69,7 @@ _MODULE_HOOKS = (
 _UNSUPPORTED_MODULE_HOOKS = (
     "optimizer_step", "optimizer_zero_grad", "backward", "configure_gradient_clipping", "lr_scheduler_step",
     "configure_callbacks", "configure_model", "configure_sharded_model", "on_before_batch_transfer",
-    "transfer_batch_to_device", "on_after_batch_transfer", "on_train_batch_end_legacy",
+    "transfer_batch_to_device", "on_after_batch_transfer",
 )
 
 
@@ -164,9 +164,6 @@ class FitTrainer:
         as given (no host sync)."""
         self.callback_metrics.update(metrics)
 
-    def log(self, name: str, value: Any, step: int | None = None) -> None:
-        self.callback_metrics[name] = value
-
     def __getattr__(self, item: str) -> Any:
         if item.startswith("__"):
             raise AttributeError(item)
@@ -241,7 +238,6 @@ class FitRunner:
         self.precision = precision
         self.gradient_clip_val = gradient_clip_val
         self.trainer = FitTrainer(self)
-        self._hook_cache: dict[tuple[int, ...], dict[str, list[Any]]] = {}
         #: of the last fit: optimisation steps run, and how many of them had no loss (``training_step`` -> None)
         self.steps_run = 0
         self.steps_without_loss = 0
@@ -255,16 +251,11 @@ class FitRunner:
             return FabricPrecision()
         raise RunnerUnsupported(f"precision {self.precision!r}")
 
-    def _callback_hooks(self, callbacks: Sequence[Any]) -> dict[str, list[Any]]:
-        """Per hook, the bound methods of the callbacks that override it, in order (cached per callback list)."""
-        key = tuple(id(cb) for cb in callbacks)
-        table = self._hook_cache.get(key)
-        if table is None:
-            table = {h: [getattr(cb, h) for cb in callbacks if _overrides(cb, pl.Callback, h)] for h in _CALLBACK_HOOKS}
-            if len(self._hook_cache) > 64:
-                self._hook_cache.clear()
-            self._hook_cache[key] = table
-        return table
+    @staticmethod
+    def _callback_hooks(callbacks: Sequence[Any]) -> dict[str, list[Any]]:
+        """Per hook, the bound methods of the callbacks that override it, in order (once per fit: the steps then
+        call only those)."""
+        return {h: [getattr(cb, h) for cb in callbacks if _overrides(cb, pl.Callback, h)] for h in _CALLBACK_HOOKS}
 
     def fit(self, module: pl.LightningModule, loader: Any, callbacks: Sequence[Any], *, max_epochs: int,
             max_steps: int) -> None:
@@ -297,15 +288,12 @@ class FitRunner:
             torch.set_grad_enabled(True)  # (Lightning 2.x leaves the module's train/eval mode as it finds it)
             self._call(hooks, mod, "setup", module, stage="fit")
             trainer.optimizers, trainer.lr_scheduler_configs = _optimizers(module)
-        except BaseException:
-            module._trainer, module._fabric = saved
-            raise
-        try:
-            self._run(module, loader, trainer, plugin, hooks, mod)
-        except BaseException as e:
-            for fn in hooks["on_exception"]:
-                fn(trainer, module, e)
-            raise
+            try:
+                self._run(module, loader, trainer, plugin, hooks, mod)
+            except BaseException as e:
+                for fn in hooks["on_exception"]:
+                    fn(trainer, module, e)
+                raise
         finally:
             module._trainer, module._fabric = saved
 
@@ -352,10 +340,7 @@ class FitRunner:
             batch_idx = -1
             for batch_idx, batch in enumerate(loader):
                 batch = _to_device(batch, device)
-                for fn in hooks["on_train_batch_start"]:
-                    fn(trainer, module, batch, batch_idx)
-                fn = mod.get("on_train_batch_start")
-                skip_rest = fn is not None and fn(batch, batch_idx) == -1
+                skip_rest = call(hooks, mod, "on_train_batch_start", module, batch, batch_idx) == -1
                 outputs: Any = None
                 if not skip_rest:
                     outputs = self._step(module, optimizer, plugin, scaler, params, batch, batch_idx, hooks, mod)
@@ -371,11 +356,7 @@ class FitRunner:
                             c.scheduler.step()
                 if skip_rest:
                     break
-                for fn in hooks["on_train_batch_end"]:
-                    fn(trainer, module, outputs, batch, batch_idx)
-                fn = mod.get("on_train_batch_end")
-                if fn is not None:
-                    fn(outputs, batch, batch_idx)
+                call(hooks, mod, "on_train_batch_end", module, outputs, batch, batch_idx)
                 if 0 <= max_steps <= trainer.global_step:
                     stop = True
                     break
@@ -395,7 +376,7 @@ class FitRunner:
               params: list[Tensor], batch: Any, batch_idx: int, hooks: Mapping[str, list[Any]],
               mod: Mapping[str, Any]) -> dict[str, Any]:
         """One automatic-optimisation step, in ``Trainer.fit``'s order; returns what ``on_train_batch_end`` gets."""
-        trainer = module._trainer
+        call = FitRunner._call
         with plugin.forward_context():
             out = module.training_step(batch, batch_idx)
         if isinstance(out, Mapping):
@@ -403,34 +384,18 @@ class FitRunner:
             extra = {k: v for k, v in out.items() if k != "loss"}
         else:
             loss, extra = out, {}
-        for fn in hooks["on_before_zero_grad"]:
-            fn(trainer, module, optimizer)
-        fn = mod.get("on_before_zero_grad")
-        if fn is not None:
-            fn(optimizer)
+        call(hooks, mod, "on_before_zero_grad", module, optimizer)
         optimizer.zero_grad()
         if loss is not None:
             scaled = scaler.scale(loss) if scaler is not None else loss
-            for fn in hooks["on_before_backward"]:
-                fn(trainer, module, scaled)
-            fn = mod.get("on_before_backward")
-            if fn is not None:
-                fn(scaled)
+            call(hooks, mod, "on_before_backward", module, scaled)
             scaled.backward()
-            for fn in hooks["on_after_backward"]:
-                fn(trainer, module)
-            fn = mod.get("on_after_backward")
-            if fn is not None:
-                fn()
+            call(hooks, mod, "on_after_backward", module)
             if scaler is not None:
                 scaler.unscale_(optimizer)
-        for fn in hooks["on_before_optimizer_step"]:
-            fn(trainer, module, optimizer)
-        fn = mod.get("on_before_optimizer_step")
-        if fn is not None:
-            fn(optimizer)
+        call(hooks, mod, "on_before_optimizer_step", module, optimizer)
         if params:
-            torch.nn.utils.clip_grad_norm_(params, trainer.gradient_clip_val)
+            torch.nn.utils.clip_grad_norm_(params, module._trainer.gradient_clip_val)
         if scaler is not None:
             if loss is not None:
                 scaler.step(optimizer)
