@@ -48,7 +48,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -58,11 +58,12 @@ from torch import Tensor
 from pl_fedsparse.allocator import heap_only, tune_malloc
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
-from pl_fedsparse.data.loaders import TensorBatchLoader
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.executors.base import ClientExecutor, FitRequest, begin_fit, end_fit, fit_update, load_state
+from pl_fedsparse.executors.eligibility import check_module, elementwise_optimizer
 from pl_fedsparse.executors.hooks import IN_FIT_HOOKS, StackedFit, VectorizedFitHooks, in_fit_hooks
 from pl_fedsparse.executors.in_process import InProcessExecutor
+from pl_fedsparse.executors.per_client import CallbackSnapshot, ClientStream
 from pl_fedsparse.executors.stacked import (
     ElementwiseOptim,
     adam_step,
@@ -78,154 +79,6 @@ if TYPE_CHECKING:
 __all__ = ["IN_FIT_HOOKS", "StackedFit", "VectorizedExecutor", "VectorizedFitHooks", "in_fit_hooks"]
 
 log = logging.getLogger(__name__)
-
-# ------------------------------------------------------------------------------------------------ per-client parts
-class _Snapshot:
-    """A callback's attributes (and those of helper objects it holds, one level down), to put back later: the
-    per-fit state ``on_client_fit_start`` leaves for ``on_client_fit_end`` is each client's own, although all the
-    group's fits start before the first one ends."""
-
-    def __init__(self, callbacks: Sequence[Any]) -> None:
-        self.items: list[tuple[Any, dict[str, Any]]] = []
-        for cb in callbacks:
-            attrs = getattr(cb, "__dict__", None)
-            if attrs is None:
-                continue
-            self.items.append((cb, dict(attrs)))
-            for value in attrs.values():
-                if _is_helper(value):
-                    self.items.append((value, dict(vars(value))))
-
-    def restore(self) -> None:
-        for obj, attrs in self.items:
-            vars(obj).clear()
-            vars(obj).update(attrs)
-
-
-def _is_helper(value: Any) -> bool:
-    """A plain helper object a callback keeps its per-fit state in (e.g. ``MaskedTraining``), not a framework part."""
-    if isinstance(value, (Tensor, torch.nn.Module, type)) or not hasattr(value, "__dict__"):
-        return False
-    module = type(value).__module__
-    return not module.startswith(("lightning", "pytorch_lightning", "torch", "builtins", "pl_fedsparse.loop"))
-
-
-class _Stream:
-    """One client's batches for one fit: its loader, its epochs (or steps), its own torch RNG state.
-
-    From a :class:`~pl_fedsparse.data.loaders.TensorBatchLoader` without augmentation it yields each batch's *rows*
-    (``bulk``): the executor then gathers and normalises the rows of all the clients of a step at once (the same
-    values: the normalisation is element-wise), instead of one small gather per client and a stack."""
-
-    def __init__(self, loader: Any, epochs: int | None, steps: int | None) -> None:
-        self.loader, self.epochs, self.steps = loader, epochs, steps
-        self.bulk = isinstance(loader, TensorBatchLoader) and not loader.augment
-        self.rng = torch.get_rng_state()
-        self.it: Iterator[Any] | None = None
-        self.epoch = self.taken = 0
-        self.done = False
-
-    def next(self) -> Any:
-        """The next batch, or ``None`` when the fit has no more steps."""
-        if self.done:
-            return None
-        if self.bulk:  # a TensorBatchLoader draws from its own generator, never from torch's global one
-            return self._next()
-        saved = torch.get_rng_state()
-        torch.set_rng_state(self.rng)
-        try:
-            return self._next()
-        finally:
-            self.rng = torch.get_rng_state()
-            torch.set_rng_state(saved)
-
-    def _next(self) -> Any:
-        """The next batch of the current epoch, starting the next epoch when one ends (as Lightning's loop)."""
-        while True:
-            if self.steps is not None and self.taken >= self.steps:
-                break
-            if self.it is None:
-                if self.epochs is not None and self.epoch >= self.epochs:
-                    break
-                self.it = iter(self.loader.epoch_batches()[1] if self.bulk else self.loader)
-            try:
-                batch = next(self.it)
-            except StopIteration:
-                self.it, self.epoch = None, self.epoch + 1
-                if self.steps is not None and self.epoch > 0 and self.taken == 0:
-                    break  # an empty loader: max_steps would never be reached
-                continue
-            self.taken += 1
-            return batch
-        self.done = True
-        return None
-
-
-def _optimizer_of(module: pl.LightningModule, names: Mapping[int, str]) -> ElementwiseOptim:
-    """The element-wise form of what ``configure_optimizers`` returns (one optimizer, no scheduler)."""
-    out: Any = module.configure_optimizers()
-    where = f"model={type(module).__name__}.configure_optimizers()"
-    if isinstance(out, dict):
-        if out.get("lr_scheduler") is not None:
-            raise ConfigError(f"{where} returns a learning-rate scheduler: the VectorizedExecutor supports none "
-                              "(use the learning rate by round, FederatedModule.lr_decay, or the in-process executor)")
-        out = out.get("optimizer")
-    if isinstance(out, (list, tuple)):
-        if len(out) != 1 or isinstance(out[0], (list, tuple)):
-            raise ConfigError(f"{where} returns {len(out)} optimizers or schedulers: the VectorizedExecutor "
-                              "supports exactly one optimizer")
-        out = out[0]
-    if isinstance(out, torch.optim.SGD):
-        kind: Literal["sgd", "adam"] = "sgd"
-    elif isinstance(out, torch.optim.Adam) and type(out) is torch.optim.Adam:
-        kind = "adam"
-    else:
-        raise ConfigError(f"{where} returns {type(out).__name__}: the VectorizedExecutor supports torch.optim.SGD "
-                          "and torch.optim.Adam (element-wise updates)")
-    lr, hyper = {}, {}
-    for group in out.param_groups:
-        if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
-            raise ConfigError(f"{where}: maximize, amsgrad and differentiable are not supported by the "
-                              "VectorizedExecutor")
-        if kind == "sgd":
-            h: tuple[Any, ...] = (float(group["momentum"]), float(group["dampening"]), bool(group["nesterov"]),
-                                  float(group["weight_decay"]))
-        else:
-            b1, b2 = group["betas"]
-            h = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            name = names.get(id(p))
-            if name is None:
-                raise ConfigError(f"{where} optimizes a tensor that is not one of the module's parameters")
-            lr[name], hyper[name] = float(group["lr"]), h
-    return ElementwiseOptim(kind, lr, hyper)
-
-
-def _check_module(module: pl.LightningModule) -> None:
-    """Refuse, in one line, a module the VectorizedExecutor cannot train exactly."""
-    from pl_fedsparse.module import FederatedModule
-
-    name = type(module).__name__
-    own_step = getattr(type(module), "training_step", None) is not FederatedModule.training_step
-    if own_step and not getattr(module, "vectorizable", False):
-        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: its training_step is its "
-                          "own (set the class attribute vectorizable = True if it is loss(forward(x), y) on (x, y) "
-                          "batches, or use the in-process executor)")
-    for sub_name, sub in module.named_modules():
-        if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.track_running_stats:
-            raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: {sub_name} "
-                              f"({type(sub).__name__}) keeps batch statistics (use GroupNorm, or the in-process "
-                              "executor)")
-        if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0:
-            raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: {sub_name} is a "
-                              "dropout layer (its random masks cannot follow each client's stream; use the in-process "
-                              "executor)")
-    if getattr(module, "automatic_optimization", True) is False:
-        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={name}: it uses manual "
-                          "optimization")
-
 
 # ------------------------------------------------------------------------------------------------ the executor
 #: on the CPU, the default group holds at most this many bytes of stacked weights (its gradients, optimizer state and
@@ -277,12 +130,12 @@ class VectorizedExecutor(ClientExecutor):
         if loop.precision == "16-mixed":
             raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
-        _check_module(loop.model)
+        check_module(loop.model)
         # the optimizer a fit would get, checked now, before the run directory or a checkpoint is written (the
         # round-0 context; configure_optimizers is the user's code and runs again in every fit)
         names = {id(p): n for n, p in loop.model.named_parameters()}
         with fit_scope(FitContext(client_idx=0, round_idx=0, kind="train", stream="train", seed=0, lr_round=0)):
-            _optimizer_of(loop.model, names)
+            elementwise_optimizer(loop.model, names)
         refused = self._collect_hooks()
         if refused:
             cb, hooks = refused[0]
@@ -331,10 +184,10 @@ class VectorizedExecutor(ClientExecutor):
         kind = type(module)
         if (kind.configure_optimizers is not FederatedModule.configure_optimizers
                 or getattr(kind, "current_lr", None) is not FederatedModule.current_lr):
-            return _optimizer_of(module, names)
+            return elementwise_optimizer(module, names)
         key = (ctx.lr_round, tuple(p.requires_grad for p in self._params))
         if key not in self._optimizers:
-            self._optimizers = {key: _optimizer_of(module, names)}  # one round's: no growth over a run
+            self._optimizers = {key: elementwise_optimizer(module, names)}  # one round's: no growth over a run
         return self._optimizers[key]
 
     def round_metrics(self) -> dict[str, Any]:
@@ -375,7 +228,7 @@ class VectorizedExecutor(ClientExecutor):
         assert loop is not None and loop.model is not None
         module = loop.model
         callbacks = list(loop.callbacks)
-        before = _Snapshot(callbacks)
+        before = CallbackSnapshot(callbacks)
         names = {id(p): n for n, p in module.named_parameters()}
         self._params = list(module.parameters())
         full = list(module.state_dict())
@@ -409,8 +262,8 @@ class VectorizedExecutor(ClientExecutor):
                 continue
             steps = loop.local_steps if ctx.epochs is None else None
             epochs = None if steps else (ctx.epochs or loop.local_epochs)
-            item["stream"] = _Stream(loader, epochs, steps)
-            item["snapshot"] = _Snapshot(callbacks)
+            item["stream"] = ClientStream(loader, epochs, steps)
+            item["snapshot"] = CallbackSnapshot(callbacks)
             with torch.no_grad():  # the start weights (after on_client_fit_start) into the stacked rows
                 for name, t in (request.start if direct else module.state_dict()).items():
                     if name not in stacked:
@@ -490,7 +343,7 @@ class VectorizedExecutor(ClientExecutor):
         steps_done = torch.zeros(K, dtype=torch.long)
         loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
         seen = [0] * K
-        streams: list[_Stream] = [it["stream"] for it in items]
+        streams: list[ClientStream] = [it["stream"] for it in items]
         module.to(device).train()
         autocast = loop.precision == "bf16-mixed"
         grad_fn = torch.func.vmap(torch.func.grad_and_value(_loss_of(module, device.type, autocast)))
