@@ -1,9 +1,11 @@
 """DM-PFL's Table 1 at CPU scale, every row recorded, three seeds: DM-PFL / DM-PFL+ against its paper's baselines.
 
-The setting of ``benchmarks/cifar10_dmpfl.sh`` (``configs/cifar10_dmpfl_cpu.yaml``: McMahan CNN, 20 clients, 10 per
-round, E = 2, Dir(0.3) with quantity skew over a seeded 10,000-image subsample, 0.75 / 0.25 per client, 30 rounds;
-every method evaluated at the last round at 0/20/40/50/60/80/100 % shift and under the nine corruptions at severity
-5), as a resumable plan (:mod:`runplan`) whose records are kept: ``benchmarks/dmpfl_table/<method>_seed<s>/``.
+The runs are a sweep, ``configs/sweeps/dmpfl_table.yaml`` (``pl-fed sweep``): the setting of
+``configs/cifar10_dmpfl_cpu.yaml`` (McMahan CNN, 20 clients, 10 per round, E = 2, Dir(0.3) with quantity skew over a
+seeded 10,000-image subsample, 0.75 / 0.25 per client, 30 rounds; every method evaluated at the last round at
+0/20/40/50/60/80/100 % shift and under the nine corruptions at severity 5), six methods × seeds 0-2, whose records are
+kept: ``benchmarks/dmpfl_table/<method>_seed<s>/`` (run directories: ``benchmarks/_runs/dmpfl_table/``). This script
+is what the sweep is not: the table over the records, and the plan's knobs as environment variables.
 
 Rows: ``dmpfl_plus`` (one DM-PFL+ run gives DM-PFL — its personal model θ_c alone, ``personal_only_acc`` — and
 DM-PFL+ — the adaptive choice, ``acc_mean`` — and DM-PFL's global model θ_g, ``global_acc``), ``fedavg`` (its
@@ -13,25 +15,39 @@ sampling all change with the seed).
 
     mkdir -p data/cifar10 && tar -xzf ../shared/data/cifar10-jpg.tar.gz -C data/cifar10
     git worktree add ../bench HEAD                      # pin the code for the hours the runs take
-    for w in 1 2; do DMPFL_TABLE_CODE=../bench OMP_NUM_THREADS=1 nohup python benchmarks/dmpfl_table.py run \\
-        > /tmp/dmpfl_table_w$w.log 2>&1 & done          # ~6-8 min per run on one core, 18 runs
+    DMPFL_TABLE_CODE=../bench nohup python benchmarks/dmpfl_table.py run --parallel 2 \\
+        > /tmp/dmpfl_table.log 2>&1 &                   # ~6-8 min per run on one core, 18 runs
     python benchmarks/dmpfl_table.py table              # mean ± sample std over the recorded seeds
-    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_CODE=../bench OMP_NUM_THREADS=1 python benchmarks/dmpfl_table.py run
+    python benchmarks/dmpfl_table.py plan               # the runs, their state and arguments (pl-fed sweep --dry-run)
+    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_CODE=../bench python benchmarks/dmpfl_table.py run --parallel 2
                                                         # the 100-round plan: every row, 15-35 min a run
     DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_METHODS=ditto ... run   # some methods only
+
+``run`` and ``plan`` take any further ``pl-fed sweep`` option (``--parallel N``, ``--only GLOB``); a stopped ``run``
+continues with the same command. The same sweep without this script::
+
+    pl-fed sweep --grid configs/sweeps/dmpfl_table.yaml --set data.root=$PWD/data/cifar10 --parallel 2
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import runplan
-from runplan import Run, percent_spread
+import yaml
+from runplan import percent_spread
+
+from pl_fedsparse.sweep import SweepRun, campaign
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the sweep: six methods (``name``: config and callbacks) × seeds 0-2
+GRID = ROOT / "configs" / "sweeps" / "dmpfl_table.yaml"
 #: a longer horizon (``DMPFL_TABLE_ROUNDS=100``) is its own plan: ``dmpfl_table_r100`` records and run directories
 ROUNDS = int(os.environ.get("DMPFL_TABLE_ROUNDS", "30"))
 _SUFFIX = "" if ROUNDS == 30 else f"_r{ROUNDS}"
@@ -40,36 +56,30 @@ RUNS = ROOT / "benchmarks" / "_runs" / f"dmpfl_table{_SUFFIX}"
 CODE = Path(os.environ.get("DMPFL_TABLE_CODE", ROOT)).resolve()
 DATA = os.environ.get("DMPFL_TABLE_DATA", str(ROOT / "data" / "cifar10"))
 SEEDS = (0, 1, 2)
-
-_SHIFT = {"class_path": "pl_fedsparse.callbacks.ShiftEvaluation",
-          "init_args": {"shifts": [0, 0.2, 0.4, 0.5, 0.6, 0.8, 1.0], "corruptions": "all", "severities": [5]}}
-#: method -> pl-fed fit arguments (the same as benchmarks/cifar10_dmpfl.sh's)
-METHODS: dict[str, list[str]] = {
-    "dmpfl_plus": ["--config", "configs/cifar10_dmpfl_plus_cpu.yaml"],
-    "fedavg": ["--config", "configs/cifar10_dmpfl_cpu.yaml", "--trainer.callbacks", json.dumps([_SHIFT])],
-    "fedavg_ft": ["--config", "configs/cifar10_dmpfl_cpu.yaml", "--trainer.callbacks", json.dumps(
-        [{"class_path": "pl_fedsparse.callbacks.FineTune", "init_args": {"epochs": 2}}, _SHIFT])],
-    "ditto": ["--config", "configs/cifar10_ditto_cpu.yaml"],
-    "local": ["--config", "configs/cifar10_dmpfl_cpu.yaml", "--trainer.callbacks", json.dumps(
-        [{"class_path": "pl_fedsparse.callbacks.LocalTraining"}, _SHIFT])],
-    "feddst": ["--config", "configs/cifar10_feddst_cpu.yaml"],
-}
+#: the methods, in the grid's order
+METHODS = [entry["name"] for entry in yaml.safe_load(GRID.read_text())["configs"]]
 #: Table 1's shift levels (the page's "avg"; 50 % is evaluated too but is not one of them)
 LEVELS = (0, 20, 40, 60, 80, 100)
 
 
-def plan() -> list[Run]:
-    """Every method at seed 0 first, then seeds 1 and 2 (a stopped plan still leaves a whole table);
-    ``DMPFL_TABLE_METHODS=dmpfl_plus,fedavg`` keeps some methods only."""
+def sweep_args() -> list[str]:
+    """The ``pl-fed sweep`` arguments of this plan: the grid, the data, the horizon, its folders and
+    ``DMPFL_TABLE_METHODS=dmpfl_plus,fedavg`` (some methods only)."""
     keep = [m for m in os.environ.get("DMPFL_TABLE_METHODS", "").split(",") if m]
     unknown = sorted(set(keep) - set(METHODS))
     if unknown:
         raise SystemExit(f"error: DMPFL_TABLE_METHODS={','.join(keep)} is invalid: expected names from "
                          f"{', '.join(METHODS)}")
-    rounds = [] if ROUNDS == 30 else ["--trainer.num_rounds", str(ROUNDS)]
-    return [Run(f"{m}_seed{s}", [*args, "--data.root", DATA, "--seed_everything", str(s), "--data.seed", str(s),
-                                 "--trainer.logger", "false", *rounds], {"seed": s, "method": m})
-            for s in SEEDS for m, args in METHODS.items() if not keep or m in keep]
+    rounds = [] if ROUNDS == 30 else ["--set", f"trainer.num_rounds={ROUNDS}"]
+    only = [x for m in keep for x in ("--only", f"{m}_seed*")]
+    return ["--grid", str(GRID), "--set", f"data.root={DATA}", *rounds, "--out", str(RUNS), "--record", str(RECORD),
+            *only]
+
+
+def plan() -> list[SweepRun]:
+    """The sweep's runs: every method at seed 0 first, then seeds 1 and 2 (a stopped plan still leaves a whole
+    table)."""
+    return campaign(sweep_args()).runs
 
 
 def _final(name: str) -> dict | None:
@@ -101,5 +111,24 @@ def table() -> None:
               f"{percent_spread([f['corruption_avg/' + key] for f in finals])} |")
 
 
+def main() -> int:
+    """``run`` (the sweep; further arguments go to ``pl-fed sweep``), ``plan`` (its ``--dry-run``), ``check`` (every
+    run's arguments resolve: no data, no training), ``table``."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("verb", choices=["run", "plan", "check", "table"])
+    a, rest = ap.parse_known_args()
+    if a.verb == "table":
+        table()
+        return 0
+    if a.verb == "check":
+        for run in plan():
+            runplan.resolve(runplan.Run(run.name, run.fit_args()))
+            print(f"{run.name}: resolves", flush=True)
+        return 0
+    args = [*sweep_args(), *(["--dry-run"] if a.verb == "plan" else []), *rest]
+    print(f"# code: {CODE} at {runplan.commit_of(CODE)}", flush=True)
+    return subprocess.call([sys.executable, "-m", "pl_fedsparse.cli", "sweep", *args], cwd=CODE)
+
+
 if __name__ == "__main__":
-    runplan.main(__doc__, plan, table, RUNS, RECORD, CODE)
+    sys.exit(main())

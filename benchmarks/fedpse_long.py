@@ -27,6 +27,11 @@ Workers take the 20-round stage first (seed 0 first), then the 100-round one::
     python benchmarks/fedpse_long.py table                # the claims at rounds 5-20 and 20-100 (so far)
     python benchmarks/fedpse_long.py check                # every run's arguments resolve (no data, no training)
 
+Why this is not a sweep (``pl-fed sweep``): its 100-round stage continues each 20-round run's directory
+(``runplan``'s ``start_from``: a run that starts as a copy of another finished run and resumes from its checkpoint),
+which a sweep cannot express, and ``benchmarks/gpu_plans.sh`` drives it as time-boxed ``runplan`` workers. Its runs'
+lr and batch are the committed choices of ``fedpse_tables.py``'s sweep (``fedpse_tables/sweep.json``), read here.
+
 On a GPU the configs' ``accelerator: auto`` takes it. Records:
 ``benchmarks/fedpse_long/<run>_r{20,100}/{config.yaml,metrics.jsonl,summary.json}``; run directories under
 ``benchmarks/_runs/fedpse_long/`` (not kept).

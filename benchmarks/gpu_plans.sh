@@ -17,6 +17,9 @@
 # Data: only the repository travels to a lent machine, so carry data/cifar10-jpg.tar.gz and data/fashion-mnist/ (the
 # four IDX .gz files of /usr/share/datasets/fashion-mnist); they are placed at the paths the CPU sessions' runs read
 # (PFEDGATE_TABLE_DATA=/work/main/data/cifar10, FEDPSE_LONG_DATA=/usr/share/datasets/fashion-mnist) when missing.
+# Why this is not a sweep (pl-fed sweep): it runs no grid of its own; it time-boxes the workers of runplan plans that
+# need what a sweep lacks (fedpse_long's continuations of other runs' directories, checkpoints parked in git for the
+# next session) and packs their records for the device tool's $OUT.
 # Back home: `tar -xzf gpu_plans_records.tar.gz` in the checkout; `git status` shows the new records; a parked checkpoint
 # whose run now has a summary.json is stale there (the worker removed it on the device): delete it before committing.
 set -uo pipefail
@@ -30,7 +33,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --minutes) shift; MINUTES=${1:-} ;;
     --workers) shift; WORKERS=${1:-} ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     --*) fail "unknown argument '$1' (allowed: --minutes N, --workers N, --dry-run, PLAN...)" ;;
     *) [ -n "${RECORDS[$1]+x}" ] || fail "plan '$1' is not one of: ${!RECORDS[*]}"; PLANS+=("$1") ;;
   esac

@@ -21,7 +21,14 @@ one at a time:
 * **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
   one version of the code while this tree changes; every run log starts with that commit.
 
-Used by ``benchmarks/long_horizon.py``.
+Used by ``benchmarks/long_horizon.py`` and the other plans of ``benchmarks/`` that import it.
+
+Why this is not ``pl-fed sweep``: a plan that is only a grid — configs, settings, seeds, named run directories,
+records copied into git — is a sweep (``configs/sweeps/``, e.g. ``dmpfl_table.yaml``). This module keeps what the sweep
+does not do, for the plans that need it: workers on several machines and sessions claiming runs from one folder,
+a run that starts as a copy of another finished run (``start_from``: FedPSE's 100-round stage continues its 20-round
+runs), unfinished runs' checkpoints parked in git so that a fresh machine resumes them, and a pinned code checkout
+whose commit heads every run log.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import random
 import re
 import secrets
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pl_fedsparse.errors import CheckpointError, cause_of, with_path
+from pl_fedsparse.errors import CheckpointError, cause_of, user_code, with_path
 from pl_fedsparse.signals import deferred_signals
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["FORMAT", "atomic_link", "atomic_write_bytes", "atomic_write_text", "federation_state", "fingerprint",
            "load_checkpoint", "refresh_umask", "restore_federation", "save_checkpoint"]
@@ -163,7 +164,9 @@ def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any
     if not p.is_file():
         raise CheckpointError(f"{param}={str(path)!r} is invalid: expected an existing checkpoint file")
     try:
-        state = torch.load(p, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # (torch warns about a foreign pickle protocol: the one line says it all)
+            warnings.simplefilter("ignore")
+            state = torch.load(p, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
         unsafe = _unsafe_content(e)
         if unsafe is not None:
@@ -235,7 +238,7 @@ def dumps_json(obj: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- federation state
-def fingerprint(loop: FederatedLoop) -> dict[str, Any]:
+def fingerprint(loop: FederationView) -> dict[str, Any]:
     """What a checkpoint must agree with to be resumed by this configuration."""
     assert loop.model is not None
     return {
@@ -248,11 +251,15 @@ def fingerprint(loop: FederatedLoop) -> dict[str, Any]:
     }
 
 
-def federation_state(loop: FederatedLoop) -> dict[str, Any]:
+def federation_state(loop: FederationView) -> dict[str, Any]:
     """Everything needed to continue the federation: round, global state, every client's declared state, callback
     state, accounting, history and the global RNG states (tensors and plain containers only); and what makes it
     *this run*: the run id, the run directory, the resolved configuration and the resumes so far."""
     reporter = loop.reporter
+    callbacks = {}
+    for cb in loop.callbacks:  # the user's code: what a state_dict raises is one line naming it
+        with user_code(cb, "state_dict", f"saving the checkpoint after {loop.round_idx} round(s)"):
+            callbacks[cb.state_key] = cb.state_dict()
     return {
         "run_id": reporter.run_id,
         "run_dir": str(reporter.run_dir) if reporter.run_dir is not None else None,
@@ -262,7 +269,7 @@ def federation_state(loop: FederatedLoop) -> dict[str, Any]:
         "fingerprint": dumps_json(fingerprint(loop)),
         "global_state": loop.global_state,
         "client_store": loop.client_store.state_dict(),
-        "callbacks": {cb.state_key: cb.state_dict() for cb in loop.callbacks},
+        "callbacks": callbacks,
         "accounting": loop.accounting.state_dict(),
         "time_cum": loop.time_cum,
         "history": dumps_json(loop.history),
@@ -281,8 +288,11 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:
     return f"{path}: {a!r} in the checkpoint vs {b!r} now"
 
 
-def restore_federation(loop: FederatedLoop, ckpt: dict[str, Any], ckpt_path: str) -> None:
-    """Restore :func:`federation_state` into ``loop`` after checking its fingerprint; one-line errors."""
+def restore_federation(loop: FederationView, ckpt: dict[str, Any], ckpt_path: str) -> dict[str, Any]:
+    """Restore :func:`federation_state` after checking its fingerprint against ``loop``: the state of the loop's
+    parts (client store, callbacks, accounting) and the RNG states are loaded here; the federation's own progress is
+    returned for the loop to take (``round_idx``, ``global_state``, ``time_cum``, ``history``,
+    ``last_client_acc``). One-line errors."""
     try:
         theirs = json.loads(ckpt["fingerprint"])
         mine = json.loads(dumps_json(fingerprint(loop)))
@@ -291,16 +301,15 @@ def restore_federation(loop: FederatedLoop, ckpt: dict[str, Any], ckpt_path: str
                 f"ckpt_path={ckpt_path!r} is invalid: it was written by another configuration "
                 f"({_first_difference(theirs, mine)}); expected a checkpoint of this run (resume with the run's "
                 "config.yaml)")
-        loop.round_idx = int(ckpt["round"])
-        loop.global_state = ckpt["global_state"]
+        progress: dict[str, Any] = {"round_idx": int(ckpt["round"]), "global_state": ckpt["global_state"]}
         loop.client_store.load_state_dict(ckpt["client_store"])
         for cb in loop.callbacks:
             if cb.state_key in ckpt["callbacks"]:
                 cb.load_state_dict(ckpt["callbacks"][cb.state_key])
         loop.accounting.load_state_dict(ckpt["accounting"])
-        loop.time_cum = float(ckpt["time_cum"])
-        loop.history = json.loads(ckpt["history"])
-        loop.last_client_acc = list(ckpt["last_client_acc"])
+        progress["time_cum"] = float(ckpt["time_cum"])
+        progress["history"] = json.loads(ckpt["history"])
+        progress["last_client_acc"] = list(ckpt["last_client_acc"])
         torch.set_rng_state(ckpt["rng"]["torch"])
         random.setstate((3, tuple(ckpt["rng"]["python"]), None))
         np.random.set_state(("MT19937", ckpt["rng"]["numpy"].numpy().astype(np.uint32), int(ckpt["rng"]["numpy_pos"])))
@@ -309,6 +318,7 @@ def restore_federation(loop: FederatedLoop, ckpt: dict[str, Any], ckpt_path: str
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"ckpt_path={ckpt_path!r} is invalid: expected a complete pl_fedsparse "
                               f"checkpoint ({type(e).__name__}: {_first_line(e)})") from None
-    if loop.round_idx > loop.num_rounds:
+    if progress["round_idx"] > loop.num_rounds:
         raise CheckpointError(f"trainer.num_rounds={loop.num_rounds} is invalid: expected >= the checkpoint's "
-                              f"completed rounds ({loop.round_idx})")
+                              f"completed rounds ({progress['round_idx']})")
+    return progress

@@ -58,7 +58,7 @@ from pl_fedsparse.errors import ConfigError
 
 if TYPE_CHECKING:
     from pl_fedsparse.context import FitContext
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["CONTRACT_MODES", "CallbackContract", "CallbackContractError", "FitWatch", "ResumeCheck",
            "checked_callbacks", "fit_fingerprint", "plain_equal", "scratch_attributes"]
@@ -250,7 +250,7 @@ def plain_equal(a: Any, b: Any) -> bool:
         return False
 
 
-def _shared(loop: FederatedLoop) -> dict[int, Any]:
+def _shared(loop: FederationView) -> dict[int, Any]:
     """``deepcopy`` memo entries that make a callback's copy share the loop and its big parts with the original."""
     shared: list[Any] = [loop, *vars(loop).values(), *loop.callbacks]
     if loop.model is not None:
@@ -278,7 +278,7 @@ class ResumeCheck:
     def __init__(self) -> None:
         self._initial: list[tuple[Any, Any]] = []
 
-    def snapshot(self, loop: FederatedLoop) -> None:
+    def snapshot(self, loop: FederationView) -> None:
         """Keep a copy of every checked callback (call right after ``setup_federation``)."""
         shared = _shared(loop)
         self._initial = []
@@ -289,7 +289,7 @@ class ResumeCheck:
                 log.debug("callback contract: %s cannot be copied (%s); its state is not checked on save",
                           type(cb).__name__, e)
 
-    def unsaved(self, loop: FederatedLoop, states: Mapping[str, Any]) -> list[tuple[Any, str]]:
+    def unsaved(self, loop: FederationView, states: Mapping[str, Any]) -> list[tuple[Any, str]]:
         """``(callback, attribute)`` for every plain attribute a load of ``states[cb.state_key]`` would not restore."""
         if not self._initial:
             return []
@@ -383,7 +383,7 @@ class CallbackContract:
         self._report([("client_state", name, _client_state_message(name, context))
                       for name in watch.written_in_place()])
 
-    def check_checkpoint(self, loop: FederatedLoop, states: Mapping[str, Any]) -> None:
+    def check_checkpoint(self, loop: FederationView, states: Mapping[str, Any]) -> None:
         """Report the plain attributes a resume from ``states`` (the checkpoint's callback states) would not restore."""
         unsaved = self.resume.unsaved(loop, states)
         self._report([(type(cb).__qualname__, a, _resume_message(cb, a)) for cb, a in unsaved])

@@ -24,6 +24,7 @@ __all__ = [
     "UserCodeError",
     "cause_of",
     "check",
+    "one_line_text",
     "user_code",
     "storage_error",
     "with_path",
@@ -54,7 +55,15 @@ class UserCodeError(Exception):
     """
 
 
-def _one_line(text: str, limit: int = 300) -> str:
+def one_line_text(text: Any, limit: int = 300) -> str:
+    """``text`` (e.g. an exception, whose message may span lines) as one line of at most ``limit`` characters.
+
+    Example:
+        >>> one_line_text(ValueError("Unknown configuration.   Expected one of:   * an Optimizer"))
+        'Unknown configuration. Expected one of: * an Optimizer'
+        >>> len(one_line_text("x" * 500))
+        300
+    """
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
@@ -64,8 +73,9 @@ def user_code(owner: Any, hook: str, where: str = "") -> Iterator[None]:
     """Run a call into the user's code: an exception it raises becomes one :class:`UserCodeError` line naming
     ``owner``'s class, ``hook``, ``where`` (e.g. ``"client 3, round 7, personal model"``) and the message.
 
-    The engine's own one-line errors (:class:`ConfigError`, :class:`StorageError`, :class:`UserCodeError`), file
-    errors (``OSError``: the CLI names the file in one line) and interrupts pass through unchanged.
+    The engine's own one-line errors (:class:`ConfigError`, :class:`StorageError`, :class:`UserCodeError`,
+    :class:`RunStoppedError`), file errors (``OSError``: the CLI names the file in one line) and interrupts pass
+    through unchanged.
 
     Example:
         >>> class Net:
@@ -79,12 +89,12 @@ def user_code(owner: Any, hook: str, where: str = "") -> Iterator[None]:
     """
     try:
         yield
-    except (ConfigError, OSError, UserCodeError):
+    except (ConfigError, OSError, UserCodeError, RunStoppedError):
         raise
     except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes the one line
         name = owner if isinstance(owner, str) else type(owner).__qualname__
         context = f" ({where})" if where else ""
-        raise UserCodeError(f"{name}.{hook} raised {type(e).__name__}: {_one_line(str(e))}{context}") from e
+        raise UserCodeError(f"{name}.{hook} raised {type(e).__name__}: {one_line_text(e)}{context}") from e
 
 
 class ConfigError(ValueError):

@@ -38,61 +38,24 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from pl_fedsparse.data.corruptions import CORRUPTIONS
 from pl_fedsparse.data.loaders import TensorBatchLoader
 from pl_fedsparse.errors import ConfigError, UserCodeError, check, user_code
 from pl_fedsparse.executors.base import load_state
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
+from pl_fedsparse.view import EvalView
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CLEAN", "EvalView", "Evaluator", "kind_metric", "shared_models", "view_metric_prefix"]
-
-
-@dataclass(frozen=True)
-class EvalView:
-    """One evaluation view of a client's data.
-
-    Args:
-        name: metric prefix (``"clean"`` is the loop's own view and has no prefix).
-        split: ``"eval"`` (the loop's ``eval_split``, i.e. test or val) or ``"train"`` (the client's training data,
-            unshuffled and unaugmented).
-        shift: fraction of samples replaced by samples of the global test distribution (DM-PFL §4.1).
-        corruption: a CIFAR-10-C corruption name (:data:`~pl_fedsparse.data.corruptions.CORRUPTIONS`) or ``None``.
-        severity: corruption severity 1-5 (ignored without a corruption).
-        report: whether the loop reports metrics for this view (``False`` for auxiliary views).
-    """
-
-    name: str
-    split: Literal["eval", "train"] = "eval"
-    shift: float = 0.0
-    corruption: str | None = None
-    severity: int = 0
-    report: bool = True
-
-    def __post_init__(self) -> None:
-        check(bool(self.name) and "/" not in self.name, "EvalView.name", self.name, "a non-empty name without '/'")
-        check(self.split in ("eval", "train"), "EvalView.split", self.split, "one of eval, train")
-        check(0.0 <= self.shift <= 1.0, "EvalView.shift", self.shift, "a number in [0, 1]")
-        check(self.corruption is None or self.corruption in CORRUPTIONS, "EvalView.corruption", self.corruption,
-              "null or one of " + ", ".join(CORRUPTIONS))
-        check(self.corruption is None or 1 <= self.severity <= 5, "EvalView.severity", self.severity,
-              "an int in 1..5")
-
-    @property
-    def key(self) -> tuple:
-        """Views with equal keys see the same samples (their logits are computed once)."""
-        return (self.split, float(self.shift), self.corruption, self.severity if self.corruption else 0)
 
 
 #: the loop's own view: the client's clean ``eval_split`` data
@@ -119,7 +82,7 @@ def kind_metric(kind: str) -> str:
     return {"personal": "acc_mean", "global": "global_acc"}.get(kind, f"{kind}_acc")
 
 
-def shared_models(loop: FederatedLoop) -> dict[str, dict[str, Tensor]]:
+def shared_models(loop: FederationView) -> dict[str, dict[str, Tensor]]:
     """Evaluation-only models shared by every client, by model kind: what the callbacks' ``eval_models(loop)``
     return (an optional method; e.g. :meth:`pl_fedsparse.callbacks.Gossip.eval_models` gives
     ``{"consensus": state}``).
@@ -244,16 +207,53 @@ class Evaluator:
     #: evaluate models shared by every client as one stream per view (see the class doc)
     stream_shared: bool = True
 
-    def __init__(self, loop: FederatedLoop) -> None:
+    def __init__(self, loop: FederationView, device_type: str | None = None,
+                 fixed_batch_size: int | None = None) -> None:
         self.loop = loop
         self._independent: tuple[Any, bool] | None = None  # (module, answer): see samples_independent
+        #: the type of device ``data.eval_batch_size: null`` is chosen for (the loop's; set by
+        #: :meth:`choose_batch_size`, ``None`` before: where the data lives)
+        self.device_type = device_type
+        #: the evaluation batch size on every device where ``data.eval_batch_size`` is null and the evaluation
+        #: depends on the batch (``data.batch_size``; set by :meth:`choose_batch_size`), else ``None``
+        self.fixed_batch_size = fixed_batch_size
+
+    def choose_batch_size(self, device_type: str) -> None:
+        """Decide what ``data.eval_batch_size: null`` means for this federation on a ``device_type`` device (the
+        loop calls it once the module, the data and every callback are set up). It is the device's throughput choice
+        (:data:`~pl_fedsparse.data.datamodule.AUTO_EVAL_BATCH_SIZE`) only where predictions do not depend on the
+        batch; where they do (a callback's ``evaluation_batch_matters``, a module whose eval forward mixes the
+        samples of a batch) it is ``data.batch_size`` on every device, so the metrics do not change with the
+        hardware. The data module is only read: the choice is the evaluator's."""
+        loop = self.loop
+        datamodule = loop.datamodule
+        self.device_type = device_type
+        self.fixed_batch_size = None
+        batch_size = getattr(datamodule, "batch_size", None)
+        if getattr(datamodule, "eval_batch_size", None) is not None or not isinstance(batch_size, int):
+            return
+        why = [type(cb).__name__ for cb in loop.fed_callbacks if cb.evaluation_batch_matters(loop)]
+        if not why and not self.samples_independent():
+            why = [type(loop.model).__name__]
+        if why:
+            self.fixed_batch_size = batch_size
+            log.info("data.eval_batch_size: null is %d (data.batch_size) on every device: %s's evaluation depends on "
+                     "the batch", batch_size, ", ".join(why))
+
+    def batch_size(self, device: str | None = None) -> int:
+        """The evaluation batch size: ``data.eval_batch_size``, or when it is null the size :meth:`choose_batch_size`
+        fixed for every device, else the data module's throughput choice for ``device`` (default: the loop's)."""
+        datamodule = self.loop.datamodule
+        if getattr(datamodule, "eval_batch_size", None) is None and self.fixed_batch_size is not None:
+            return int(self.fixed_batch_size)
+        return int(datamodule.eval_batch(device if device is not None else self.device_type))
 
     def loader(self, client_idx: int, split: str, shift: float = 0.0, corruption: str | None = None,
                severity: int = 0) -> Any:
         loop = self.loop
         return loop.datamodule.eval_loader(client_idx, split=split, shift=shift,
                                            seed=loop.streams.seed("eval", client_idx), corruption=corruption,
-                                           severity=severity)
+                                           severity=severity, batch_size=self.batch_size())
 
     def logits(self, loader: Any, where: str = "") -> tuple[Tensor, Tensor]:
         """CPU float logits and labels of the working module over an evaluation loader (autocast as in training).
@@ -292,7 +292,9 @@ class Evaluator:
         """The views of the coming evaluation: the clean one plus every callback's."""
         views: dict[str, EvalView] = {CLEAN.name: CLEAN}
         for cb in self.loop.fed_callbacks:
-            merge_views(views, list(cb.eval_views(self.loop)))
+            with user_code(cb, "eval_views", f"round {self.loop.round_idx}"):
+                mine = list(cb.eval_views(self.loop))
+            merge_views(views, mine)
         dm = self.loop.datamodule
         if not getattr(dm, "supports_corruptions", True):
             bad = [v.name for v in views.values() if v.corruption is not None]

@@ -38,7 +38,7 @@ from pl_fedsparse.checkpoint import federation_state, load_checkpoint, restore_f
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CONTRACT_MODES, CallbackContract
-from pl_fedsparse.errors import ConfigError, RunStoppedError, check
+from pl_fedsparse.errors import ConfigError, RunStoppedError, UserCodeError, check, user_code
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.executors.base import (
     ClientExecutor,
@@ -211,6 +211,8 @@ class FederatedLoop:
         #: the aggregated update of the current round, for aggregation policies that compute one (``ΔW_s``; the
         #: downstream policy may use it), else ``None``
         self.server_update: dict[str, Tensor] | None = None
+        #: while the round's own fits run, their fault warnings wait here (see :meth:`run_fits`)
+        self._held_fault_warnings: list[tuple[Any, ...]] | None = None
         #: the current round's failed fits: ``{"client", "kind", "fit"}`` each
         self.round_faults: list[dict[str, Any]] = []
         self._first_fault_detail = ""
@@ -271,9 +273,11 @@ class FederatedLoop:
                         n - len(no_eval))
 
     def call(self, hook: str, *args: Any) -> None:
-        """Call a broadcast hook on every federated callback, in list order."""
+        """Call a broadcast hook on every federated callback, in list order (what one raises is one line naming
+        its class, the hook and the round)."""
         for cb in self.fed_callbacks:
-            getattr(cb, hook)(self, *args)
+            with user_code(cb, hook, f"round {self.round_idx}"):
+                getattr(cb, hook)(self, *args)
 
     def _resolve_policies(self) -> None:
         self._owners = {}
@@ -294,7 +298,10 @@ class FederatedLoop:
     def policy(self, name: str, *args: Any) -> Any:
         """Call policy ``name`` on its owner, or the loop's default (:mod:`pl_fedsparse.policies`)."""
         owner = self._owners.get(name)
-        return getattr(owner, name)(self, *args) if owner is not None else getattr(policies, name)(self, *args)
+        if owner is None:
+            return getattr(policies, name)(self, *args)
+        with user_code(owner, name, f"round {self.round_idx}"):
+            return getattr(owner, name)(self, *args)
 
     def policy_owner(self, name: str) -> FederatedCallback | None:
         """The callback that owns policy ``name``, or ``None`` where the loop's default applies."""
@@ -302,7 +309,15 @@ class FederatedLoop:
 
     def select_clients(self, round_idx: int) -> list[int]:
         """Participants of ``round_idx`` (sorted)."""
-        return sorted(self.policy("select_clients", round_idx, list(range(self.num_clients))))
+        chosen = self.policy("select_clients", round_idx, list(range(self.num_clients)))
+        owner = self.policy_owner("select_clients")
+        if owner is not None:  # the user's policy: what it returns is checked here, and named
+            ok = isinstance(chosen, (list, tuple)) and all(
+                isinstance(k, int) and not isinstance(k, bool) and 0 <= k < self.num_clients for k in chosen)
+            if not ok:
+                raise UserCodeError(f"{type(owner).__name__}.select_clients returned {chosen!r:.80}: expected a list "
+                                    f"of client ids in [0, {self.num_clients}) (round {round_idx})")
+        return sorted(chosen)
 
     def client_message(self, client_idx: int) -> Message | None:
         """What the server sends ``client_idx``, after every callback's ``on_client_message`` edited it."""
@@ -313,7 +328,13 @@ class FederatedLoop:
 
     def aggregate(self, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         """The new global state from the round's updates."""
-        return self.policy("aggregate", updates)
+        state = self.policy("aggregate", updates)
+        if state is not None and not (isinstance(state, Mapping) and all(isinstance(v, Tensor)
+                                                                         for v in state.values())):
+            raise UserCodeError(f"{type(self.policy_owner('aggregate')).__name__}.aggregate returned "
+                                f"{type(state).__name__}: expected a dict of tensors (the new global state) or None "
+                                f"(round {self.round_idx})")
+        return state
 
     def personal_state(self, client_idx: int) -> dict[str, Tensor]:
         """State of the client's personal model (what is evaluated as ``"personal"``)."""
@@ -322,6 +343,14 @@ class FederatedLoop:
     def client_masks(self, client_idx: int) -> dict[str, Tensor] | None:
         """The client's current masks (``None``: dense)."""
         return self.policy("client_masks", client_idx)
+
+    def set_server_update(self, update: dict[str, Tensor] | None) -> None:
+        """Record the round's aggregated update (:attr:`server_update`; an ``aggregate`` policy that computes one)."""
+        self.server_update = update
+
+    def drop_global_model(self) -> None:
+        """Declare that the federation has no global model (a callback's ``setup_federation``: local training)."""
+        self.global_state = None
 
     # ------------------------------------------------------------------------------------------------ client work
     def load_state(self, state: Mapping[str, Tensor]) -> None:
@@ -340,8 +369,10 @@ class FederatedLoop:
 
     def run_fits(self, requests: Sequence[FitRequest]) -> list[ClientUpdate]:
         """Run fits through the executor, take the clients' state back into the store, book their compute, and
-        return the healthy updates (faulty ones are recorded in ``round_faults`` and left out)."""
-        healthy = []
+        return the healthy updates (faulty ones are recorded in ``round_faults`` and left out, each with a warning;
+        the round's own fits hold their warnings until the round knows it goes on: when every one failed, the run
+        stops with one line that counts them)."""
+        healthy, warnings = [], []
         for u in self.executor.run(requests):
             if u.client_state is not None:
                 self.client_store.import_client(u.client_idx, u.client_state)
@@ -352,16 +383,26 @@ class FederatedLoop:
             if not self.round_faults:
                 self._first_fault_detail = f"client {u.client_idx}: {u.fault}: {u.fault_detail}"
             self.round_faults.append({"client": u.client_idx, "kind": u.fault, "fit": u.kind})
-            log.warning("round %d: client %d's %s fit failed (%s: %s); it is left out and keeps its previous state",
-                        u.round_idx, u.client_idx, u.kind, u.fault, u.fault_detail)
             if self.on_client_fault == "raise":
                 raise ClientFaultError(f"round {u.round_idx}: client {u.client_idx}'s {u.kind} fit failed "
                                        f"({u.fault}: {u.fault_detail}); trainer.on_client_fault=raise")
+            warnings.append((u.round_idx, u.client_idx, u.kind, u.fault, u.fault_detail))
+        if self._held_fault_warnings is not None:
+            self._held_fault_warnings.extend(warnings)
+        else:
+            self._warn_faults(warnings)
         return healthy
+
+    @staticmethod
+    def _warn_faults(warnings: Sequence[tuple[Any, ...]]) -> None:
+        for w in warnings:
+            log.warning("round %d: client %d's %s fit failed (%s: %s); it is left out and keeps its previous state",
+                        *w)
 
     def _requested_fits(self, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
         for cb in self.fed_callbacks:
-            specs = cb.fit_requests(self, stage, updates)
+            with user_code(cb, "fit_requests", f"round {self.round_idx}"):
+                specs = cb.fit_requests(self, stage, updates)
             if not specs:
                 continue
             requests = []
@@ -370,7 +411,9 @@ class FederatedLoop:
                     self.accounting.send(SERVER, s.client_idx, s.download)
                 requests.append(self.fit_request(s.client_idx, s.start, s.kind, epochs=s.epochs, lr_round=s.lr_round,
                                                  stream=s.stream, requester=cb.state_key))
-            cb.on_requested_fits_end(self, stage, self.run_fits(requests))
+            done = self.run_fits(requests)
+            with user_code(cb, "on_requested_fits_end", f"round {self.round_idx}"):
+                cb.on_requested_fits_end(self, stage, done)
 
     def local_gradients(self, client_idx: int, names: Iterable[str], *, keys: Sequence[int], batches: int = 1,
                         stream: str = "grow", update: ClientUpdate | None = None) -> dict[str, Tensor]:
@@ -412,7 +455,11 @@ class FederatedLoop:
             else:
                 start = self.personal_state(k)
             requests.append(self.fit_request(k, start))
-        updates = self.run_fits(requests)
+        self._held_fault_warnings = []
+        try:
+            updates = self.run_fits(requests)
+        finally:
+            held, self._held_fault_warnings = self._held_fault_warnings, None
         if participants and not updates and self.on_client_fault == "skip":
             kinds: dict[str, int] = {}
             for f in self.round_faults:
@@ -421,6 +468,7 @@ class FederatedLoop:
             raise RunStoppedError(f"round {round_idx}: every participant's fit failed ({seen}; the first: "
                                   f"{self._first_fault_detail}); the run stops with its last checkpoint intact "
                                   "(trainer.on_client_fault: continue goes on without them)")
+        self._warn_faults(held)  # the round goes on: each left-out client is named
         for u in updates:
             if u.message is not None and self.topology.has_server:
                 self.accounting.send(u.client_idx, SERVER, u.message)
@@ -521,53 +569,42 @@ class FederatedLoop:
         return self.reporter.save_checkpoint(state, path)
 
     # ------------------------------------------------------------------------------------------------ setup
-    def _fix_eval_batch(self, model: pl.LightningModule, datamodule: Any) -> None:
-        """``data.eval_batch_size: null`` is the device's throughput choice only where predictions do not depend on
-        the batch; where they do (a callback's ``evaluation_batch_matters``, a module whose eval forward mixes the
-        samples of a batch) it is ``data.batch_size`` on every device, so the metrics do not change with the
-        hardware."""
-        datamodule.eval_batch_fixed = None
-        batch_size = getattr(datamodule, "batch_size", None)
-        if getattr(datamodule, "eval_batch_size", None) is not None or not isinstance(batch_size, int):
-            return
-        why = [type(cb).__name__ for cb in self.fed_callbacks if cb.evaluation_batch_matters(self)]
-        if not why and not self.evaluator.samples_independent():
-            why = [type(model).__name__]
-        if why:
-            datamodule.eval_batch_fixed = batch_size
-            log.info("data.eval_batch_size: null is %d (data.batch_size) on every device: %s's evaluation depends on "
-                     "the batch", batch_size, ", ".join(why))
-
     def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
         """Set the federation up (data, policies, accounting, client state, checkpoint restore, run directory)
         without running a round; `fit`, `validate` and `test` call it."""
         check_datamodule(datamodule)
         self.model, self.datamodule = model, datamodule
         datamodule.setup("fit")
-        datamodule.eval_device = self.device.type  # data.eval_batch_size: null is chosen for this device
+        device = self.device  # (first: a one-line error when the accelerator asked for is not there)
         check_environment(self)
         self._check_client_data(datamodule)
         self._resolve_policies()
         self.streams = Streams(self.seed)
         self.client_store = ClientStateStore(self.client_state_codec)
         self.history, self.last_client_acc, self.round_idx, self.time_cum = [], [], 0, 0.0
-        self.initial_state = to_cpu_state(model.state_dict())
+        with user_code(model, "state_dict", "setting up the federation"):
+            self.initial_state = to_cpu_state(model.state_dict())
         self.global_state = dict(self.initial_state) if self.topology.has_server else None
-        with quiet_lightning():
+        with quiet_lightning(), user_code(model, "forward", "counting the FLOPs of a training step on a batch of 2, "
+                                                            "train mode"):
             self.accounting = Accounting(TrainFlops(model, datamodule.example_input(2)))
         for cb in self.fed_callbacks:
-            cb.setup_federation(self)
+            with user_code(cb, "setup_federation", "setting up the federation"):
+                cb.setup_federation(self)
         self.topology.validate(self.num_clients, self.seed)  # before the run directory exists
         self.contract = CallbackContract(self.callback_contract)
         if stage == "fit":
             self.contract.resume.snapshot(self)  # the callbacks as a resume rebuilds them before load_state_dict
         ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
         if ckpt is not None:  # validated before anything is written
-            restore_federation(self, ckpt, ckpt_path)  # type: ignore[arg-type]
+            progress = restore_federation(self, ckpt, ckpt_path)
+            self.round_idx, self.global_state = progress["round_idx"], progress["global_state"]
+            self.time_cum, self.history = progress["time_cum"], progress["history"]
+            self.last_client_acc = progress["last_client_acc"]
         # every client's declared state exists from here on, created from the initial weights (never lazily)
         self.load_state(self.initial_state)
         self.client_store.materialize(range(self.num_clients))
-        self._fix_eval_batch(model, datamodule)
+        self.evaluator.choose_batch_size(device.type)  # what data.eval_batch_size: null is (the evaluator's choice)
         # after every callback declared its state: an out-of-process executor replicates the loop from here
         self.executor.setup(self)
         if stage == "fit":

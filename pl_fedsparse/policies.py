@@ -17,6 +17,7 @@ policy                 default
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,21 +28,21 @@ from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional.aggregation import weighted_average
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["select_clients", "client_message", "aggregate", "personal_state", "client_masks"]
 
 log = logging.getLogger(__name__)
 
-#: attribute set on a loop once its ``clients_per_round`` clamp was reported
-_WARNED_CLAMP = "_policies_warned_clients_per_round"
+#: the federations whose ``clients_per_round`` clamp was reported (the policy writes nothing into the loop)
+_WARNED_CLAMP: weakref.WeakSet[FederationView] = weakref.WeakSet()
 
 
-def select_clients(loop: FederatedLoop, round_idx: int, client_ids: Sequence[int]) -> list[int]:
+def select_clients(loop: FederationView, round_idx: int, client_ids: Sequence[int]) -> list[int]:
     ids = [k for k in client_ids if k not in loop.topology.dropped(round_idx, len(client_ids), loop.seed)]
     m = loop.clients_per_round or max(1, int(loop.join_ratio * loop.num_clients + 1e-9))
-    if loop.clients_per_round and loop.clients_per_round > loop.num_clients and not getattr(loop, _WARNED_CLAMP, False):
-        setattr(loop, _WARNED_CLAMP, True)  # once per run, not every round
+    if loop.clients_per_round and loop.clients_per_round > loop.num_clients and loop not in _WARNED_CLAMP:
+        _WARNED_CLAMP.add(loop)  # once per run, not every round
         log.warning("trainer.clients_per_round=%d is more than the %d clients of the federation: every available client "
                     "is selected each round", loop.clients_per_round, loop.num_clients)
     if m >= len(ids):
@@ -50,11 +51,11 @@ def select_clients(loop: FederatedLoop, round_idx: int, client_ids: Sequence[int
     return sorted(ids[int(i)] for i in rng.choice(len(ids), size=m, replace=False))  # (ids, not positions)
 
 
-def client_message(loop: FederatedLoop, client_idx: int) -> Message | None:
+def client_message(loop: FederationView, client_idx: int) -> Message | None:
     return None if loop.global_state is None else Message(loop.global_state)
 
 
-def aggregate(loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+def aggregate(loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
     sent = [u for u in updates if u.message is not None]
     if loop.global_state is None or not sent:
         return loop.global_state
@@ -62,12 +63,12 @@ def aggregate(loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str,
     return {**loop.global_state, **merged}
 
 
-def personal_state(loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+def personal_state(loop: FederationView, client_idx: int) -> dict[str, Tensor]:
     if loop.global_state is None:
         raise ConfigError("trainer.callbacks is invalid: the method keeps no global model, so a callback must "
                           "own the 'personal_state' policy")
     return loop.global_state
 
 
-def client_masks(loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+def client_masks(loop: FederationView, client_idx: int) -> dict[str, Tensor] | None:
     return None

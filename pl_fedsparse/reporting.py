@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 import yaml
 
 from pl_fedsparse.checkpoint import atomic_write_text, dumps_json
-from pl_fedsparse.errors import with_path
+from pl_fedsparse.errors import user_code, with_path
 from pl_fedsparse.rundir import (  # noqa: F401 - re-exported: the names' home before the run directory moved
     RESUME_MAY_CHANGE,
     RunDirectory,
@@ -34,7 +35,7 @@ from pl_fedsparse.rundir import (  # noqa: F401 - re-exported: the names' home b
 )
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = [
     "RESUME_MAY_CHANGE",
@@ -126,7 +127,7 @@ def _callback_name(entry: Any) -> str:
     return str(path).rsplit(".", 1)[-1]
 
 
-def run_hparams(loop: FederatedLoop) -> dict[str, Any]:
+def run_hparams(loop: FederationView) -> dict[str, Any]:
     """The run's hyper-parameters for TensorBoard's HPARAMS view: ``method`` (the callbacks, ``FedAvg`` when none),
     every scalar of the resolved config (``model.lr``, ``data.num_clients``, a callback's ``<Class>.<arg>``, …) or,
     without a config (the Python API), the loop's own settings."""
@@ -164,6 +165,30 @@ def _fault_counts(history: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, i
     return out
 
 
+def _quiet_writer_thread() -> None:
+    """Let a failed TensorBoard write end in the run's one line only.
+
+    TensorBoard writes its events on a thread of its own; when a write fails there (a full disk), the thread keeps
+    the exception, which the writer's next ``add_*``/``flush``/``close`` raises again in the run's thread (where
+    :meth:`RunReporter.log_row` and :meth:`RunReporter.finish` turn it into one line, exit status 74) — and the
+    thread also ends by printing its own traceback. This hook drops that second account (only for an ``OSError``
+    the writer thread keeps for re-raising); any other thread's exception goes to the hook installed before.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "pl_fedsparse_writer_hook", False):
+        return
+
+    def hook(args: Any) -> None:
+        kept = getattr(args.thread, "exception", None)
+        if type(args.thread).__name__ == "_AsyncWriterThread" and kept is args.exc_value \
+                and isinstance(kept, OSError):
+            return
+        previous(args)
+
+    hook.pl_fedsparse_writer_hook = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class RunReporter:
     """Reports a run into its :class:`~pl_fedsparse.rundir.RunDirectory`: a row per round in ``metrics.jsonl`` and
     TensorBoard, ``summary.json`` at the end, the printed results table; opens and releases the directory.
@@ -172,7 +197,7 @@ class RunReporter:
     line naming the file (the rows of the rounds since the last checkpoint are rewritten from it on resume).
     """
 
-    def __init__(self, loop: FederatedLoop) -> None:
+    def __init__(self, loop: FederationView) -> None:
         self.loop = loop
         self.directory = RunDirectory(loop)
         self._writer: Any = None
@@ -238,6 +263,7 @@ class RunReporter:
 
                 # a resumed run drops the events of the rounds it runs again
                 purge = {"purge_step": completed} if checkpoint is not None else {}
+                _quiet_writer_thread()
                 try:
                     self._writer = SummaryWriter(log_dir=str(self.path("tensorboard")), **purge)
                     if loop.config_text is not None:
@@ -305,7 +331,11 @@ class RunReporter:
 
     def extra_rows(self) -> list[tuple[str, str]]:
         """``(label, key)`` lines contributed by the callbacks (``report_rows``)."""
-        return [r for cb in self.loop.fed_callbacks for r in cb.report_rows(self.loop)]
+        rows = []
+        for cb in self.loop.fed_callbacks:
+            with user_code(cb, "report_rows", "printing the results table"):
+                rows.extend(cb.report_rows(self.loop))
+        return rows
 
     def finish(self) -> dict[str, Any]:
         """Write ``summary.json``, close TensorBoard, print the table; return the summary."""

@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["RESUME_MAY_CHANGE", "RunDirectory", "canonical_config", "config_changes", "round_checkpoint_name",
            "round_checkpoints"]
@@ -269,7 +269,7 @@ class RunDirectory:
             ``config_text``).
     """
 
-    def __init__(self, loop: FederatedLoop) -> None:
+    def __init__(self, loop: FederationView) -> None:
         self.loop = loop
         self.run_dir: Path | None = None
         #: the run's id: made for a fresh run, taken from the checkpoint when resuming; in every checkpoint

@@ -27,7 +27,7 @@ from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["FaultInjection", "FAULT_KINDS"]
 
@@ -91,7 +91,7 @@ class FaultInjection(FederatedCallback):
                 next(iter(pl_module.parameters())).fill_(float("nan"))
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         if update.context is None or not self._target(update.context):
             return
         if self.kind != "exception":

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -398,11 +398,19 @@ def test_ctrl_c_without_a_checkpoint_says_so(project: Path, capsys: pytest.Captu
 
 
 # ------------------------------------------------------------------------------------------------ 6. clamping
-def _stub_loop(clients_per_round: int | None, num_clients: int = 4) -> SimpleNamespace:
+class _StubLoop:
+    """What the default ``select_clients`` reads of a federation (a plain object, not a ``SimpleNamespace``: the
+    policy remembers the federations it warned about by weak reference, like a loop, hashed by identity)."""
+
+    def __init__(self, **attributes: Any) -> None:
+        vars(self).update(attributes)
+
+
+def _stub_loop(clients_per_round: int | None, num_clients: int = 4) -> _StubLoop:
     from pl_fedsparse.streams import Streams
 
-    return SimpleNamespace(topology=Star(), seed=0, clients_per_round=clients_per_round, join_ratio=1.0,
-                           num_clients=num_clients, streams=Streams(0))
+    return _StubLoop(topology=Star(), seed=0, clients_per_round=clients_per_round, join_ratio=1.0,
+                     num_clients=num_clients, streams=Streams(0))
 
 
 def test_clamped_clients_per_round_warns_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,6 +1,6 @@
 """The numbers in the reproduction pages are the committed records' numbers.
 
-Every markdown table in ``docs/reproduce/*.md`` and ``README.md`` that is preceded by a ``<!-- numbers ... -->``
+Every markdown table in ``README.md`` and ``docs/**/*.md`` that is preceded by a ``<!-- numbers ... -->``
 comment is *checked*: the comment is a small YAML spec that says where each column's numbers come from, the checker
 recomputes every cell from the records (``benchmarks/**/summary.json``, ``metrics.jsonl``, the ``*.json`` / ``*.txt``
 records) and compares it with the page number by number: every number in a cell must read exactly as the records'
@@ -38,9 +38,11 @@ with the row's variables and these names:
   attributes (``r.final.acc_mean``) or items (``r.final["seen/acc_weighted"]``).
 * ``seeds(expr, d)`` — ``mean ± sample std (n)`` of ``expr`` over ``runs`` (``mean (1)`` for one run), as
   ``pl-fed report``'s ``seeds.md`` prints it; ``vals(runs, expr)`` — the values (``runs``: names and globs);
-  ``st(values, d)`` — those values as ``mean ± std (n)``; ``claim(a, b)`` — two value lists compared: ``.gap``,
-  ``.spread`` (the larger sample std), ``.verdict`` ("holds" only where ``a − b`` exceeds the spread; "one seed / 2
-  seeds: not settled" below three seeds a side), ``.same_verdict`` (for ``a ≈ b``); ``consensus(run)`` — a serverless run's
+  ``st(values, d)`` — those values as ``mean ± std (n)``; ``claim(a, b)`` — two value lists compared as ``pl-fed report``
+  compares methods: runs on the same seeds pair by pair (the paired t-test), other groups by Welch's test;
+  ``.gap``, ``.spread`` (the larger sample std), ``.ci_text`` (the 95 % interval of ``a − b``), ``.p_text``,
+  ``.verdict`` ("holds" / "reversed" when the interval excludes 0, else "not shown", with the interval, p, the test
+  and the number of seeds), ``.same_verdict`` (for ``a ≈ b``: "no difference shown" or "differs"); ``consensus(run)`` — a serverless run's
   consensus accuracy (its ``consensus_acc``, else ``consensus.json`` beside the record, else ``None``);
   ``known(values)`` — the values that are not ``None``.
 * ``J(file)`` — a JSON record, ``find(list, key, suffix)`` — its item whose ``key`` ends with ``suffix``;
@@ -64,12 +66,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = ["docs/reproduce/pfedgate.md", "docs/reproduce/fedspa.md", "docs/reproduce/fedpse.md",
-         "docs/reproduce/dmpfl.md", "docs/reproduce/dispfl.md", "docs/reproduce/engine.md", "README.md",
-         "docs/fedpse-baselines.md"]
+#: every page a user reads: a table moved from one page to another stays checked
+PAGES = ["README.md"] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))
 
 SPEC_RE = re.compile(r"^<!--\s*numbers\b(.*?)-->", re.DOTALL | re.MULTILINE)  # at a line start: not `<!-- numbers -->` quoted in prose
 # a number: an optional sign, digits, decimals, an exponent — not part of a word ("conv2", "r34", "VGG11" are not
@@ -167,8 +169,41 @@ class Run:
     def best_row(self, key: str = "acc_mean") -> Obj:
         return max(self.evaluated(key), key=lambda row: row[key])
 
+    @cached_property
+    def seed_key(self):
+        """The run's seeds as ``pl-fed report`` pairs runs (``None`` when its config sets none)."""
+        from pl_fedsparse.report import _seed_key
+
+        return _seed_key(self)
+
     def __repr__(self) -> str:
         return f"Run({self.name})"
+
+
+def summary_mismatches(root: Path) -> list[str]:
+    """One line per run record under ``root`` whose ``summary.json``'s ``final`` differs from the last row of its
+    ``metrics.jsonl`` (naming the keys and both values)."""
+    out = []
+    for summary in sorted(root.glob("**/summary.json")):
+        if ".venv" in summary.parts or "_runs" in summary.parts:
+            continue
+        metrics = summary.parent / "metrics.jsonl"
+        rel = summary.relative_to(root)
+        if not metrics.exists():
+            continue  # a summary of something else (not a run record)
+        final = json.loads(summary.read_text()).get("final")
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        if final is None or not rows:
+            out.append(f"{rel}: {'no final row' if final is None else 'metrics.jsonl is empty'}")
+            continue
+        last = rows[-1]
+        same = lambda x, y: x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))  # noqa: E731
+        diff = [k for k in sorted(set(final) | set(last)) if not same(final.get(k), last.get(k))]
+        if diff:
+            k = diff[0]
+            out.append(f"{rel}: final[{k!r}] = {final.get(k)!r} but the last metrics.jsonl row has {last.get(k)!r}"
+                       f"{f' (and {len(diff) - 1} more keys)' if len(diff) > 1 else ''}")
+    return out
 
 
 def _natural(p: Path):
@@ -204,19 +239,44 @@ def seeds_text(values: list[float], d: int) -> str:
     return f"{m:.{d}f} ± {sample_std(values):.{d}f} ({len(values)})"
 
 
-#: seeds a side below which a claim is "not settled" (the issue's "claim tables use ≥ 3 seeds")
-MIN_SEEDS = 3
+class Values(list):
+    """Values of an expression over runs, with each run's seeds (``pl-fed report``'s pairing key; ``None`` for a run
+    whose config sets none): what lets :class:`Claim` pair two methods' runs seed by seed."""
+
+    def __init__(self, values, seeds=None):
+        super().__init__(values)
+        self.seeds = list(seeds) if seeds is not None else [None] * len(self)
+
+
+def _paired(a, b):
+    """``(a, b)`` reordered so that ``a[i]`` and ``b[i]`` share seeds, or ``None`` when the runs cannot be paired."""
+    sa, sb = getattr(a, "seeds", None), getattr(b, "seeds", None)
+    if not sa or not sb or None in sa or None in sb or len(set(sa)) != len(sa) or set(sa) != set(sb):
+        return None
+    where = {k: i for i, k in enumerate(sb)}
+    return list(a), [b[where[k]] for k in sa]
 
 
 @dataclass
 class Claim:
-    """``a > b`` over seeds: holds only where the gap exceeds the seeds' spread (the larger sample std), and only
-    with at least :data:`MIN_SEEDS` seeds a side (the claim tables' rule; fewer are "not settled" whatever the gap,
-    the spread still shown from two)."""
+    """``a > b`` over seeds, read as a reviewer would (``pl-fed report``'s statistics,
+    :mod:`pl_fedsparse.report`): runs on the same seeds are compared pair by pair — the mean of ``a − b`` per
+    seed, its 95 % interval and the paired t-test's p; other groups by Welch's difference. The verdict is read from
+    the interval: "holds" when it lies above 0, "reversed" when below, "not shown" when it holds 0 (and below two
+    seeds a side, where there is no interval)."""
 
     a: list[float]
     b: list[float]
     d: int = 2
+
+    @cached_property
+    def stats(self) -> dict:
+        from pl_fedsparse.report import paired_difference, welch_difference
+
+        pairs = _paired(self.a, self.b)
+        out = paired_difference(*pairs) if pairs is not None else welch_difference(list(self.a), list(self.b))
+        out["test"] = "paired" if pairs is not None else "Welch"
+        return out
 
     @property
     def gap(self) -> float:
@@ -231,33 +291,42 @@ class Claim:
         return min(len(self.a), len(self.b))
 
     @property
-    def settled(self) -> bool:
-        return self.seeds >= MIN_SEEDS
+    def spread_text(self) -> str:
+        return "-" if self.seeds < 2 else f"{self.spread:.{self.d}f}"
 
     @property
-    def unsettled_text(self) -> str:
-        return f"{'one seed' if self.seeds == 1 else f'{self.seeds} seeds'}: not settled"
+    def ci_text(self) -> str:
+        s = self.stats
+        if s["lo"] is None:
+            return "-"
+        return f"{s['lo']:+.{self.d}f} to {s['hi']:+.{self.d}f}"
+
+    @property
+    def p_text(self) -> str:
+        p = self.stats["p"]
+        return "-" if p is None else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+    @property
+    def how(self) -> str:
+        n = self.stats.get("n") or self.seeds
+        return f"{self.stats['test']}, {n} seed{'s' if n != 1 else ''}"
 
     @property
     def verdict(self) -> str:
-        if not self.settled:
-            return self.unsettled_text
-        if self.gap > self.spread:
-            return "holds"
-        if self.gap < -self.spread:
-            return "no: reversed"
-        return "no: inside the spread"
+        """``holds`` / ``reversed`` / ``not shown``, with the interval, p and how many seeds."""
+        s = self.stats
+        if s["lo"] is None:
+            return f"not shown ({'one seed' if self.seeds == 1 else self.how})"
+        return f"{s['verdict']} (95 % CI {self.ci_text}, p {self.p_text}; {self.how})"
 
     @property
     def same_verdict(self) -> str:
-        """For ``a ≈ b``: holds where the gap is inside the spread."""
-        if not self.settled:
-            return self.unsettled_text
-        return "holds" if abs(self.gap) <= self.spread else "no"
-
-    @property
-    def spread_text(self) -> str:
-        return "-" if self.seeds < 2 else f"{self.spread:.{self.d}f}"
+        """For ``a ≈ b``: "no difference shown" where the interval holds 0, else how they differ."""
+        s = self.stats
+        if s["lo"] is None:
+            return f"not shown ({'one seed' if self.seeds == 1 else self.how})"
+        word = "no difference shown" if s["verdict"] == "not shown" else "differs"
+        return f"{word} (95 % CI {self.ci_text}, p {self.p_text}; {self.how})"
 
 
 def bottom(values: list[float]) -> float:
@@ -415,9 +484,10 @@ def _namespace(records: Records, base: Path, row_vars: dict) -> dict:
     if len(runs) == 1:
         ns["r"] = runs[0]
 
-    def vals(spec, expr: str) -> list[float]:
+    def vals(spec, expr: str) -> Values:
         group = runs_of(spec) if isinstance(spec, str) else spec
-        return [eval(expr, {**ns, "r": x, "__builtins__": _BUILTINS}) for x in group]
+        return Values([eval(expr, {**ns, "r": x, "__builtins__": _BUILTINS}) for x in group],
+                      [x.seed_key for x in group])
 
     def seeds(expr: str, d: int = 2, spec=None) -> str:
         """Over the runs that have a value (``None``: not recorded for that seed)."""
@@ -436,8 +506,9 @@ def _namespace(records: Records, base: Path, row_vars: dict) -> dict:
                     return item["consensus_acc"]
         return None
 
-    def known(values: list) -> list:
-        return [v for v in values if v is not None]
+    def known(values: list) -> Values:
+        seeds = getattr(values, "seeds", [None] * len(values))
+        return Values([v for v in values if v is not None], [k for v, k in zip(values, seeds) if v is not None])
 
     def J(name: str):
         return records.json(records.path(base, name))
@@ -621,13 +692,17 @@ REQUIRED = {
     "docs/reproduce/pfedgate.md": {"pfedgate-t1", "pfedgate-t8", "pfedgate-long", "pfedgate-plateau",
                                    "pfedgate-cost", "pfedgate-seeds", "pfedgate-claims"},
     "docs/reproduce/fedpse.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
-                                 "fedpse-round1", "fedpse-first-look", "fedpse-claims-seeds"},
+                                 "fedpse-round1", "fedpse-first-look", "fedpse-claims-seeds", "fedpse-long-claims"},
     "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-table", "dmpfl-claims", "dmpfl-shift-why",
                                 "dmpfl-table-r100", "dmpfl-claims-r100", "dmpfl-shift-why-r100",
                                 "dmpfl-alpha-synthetic", "dmpfl-iterations", "dmpfl-iterations-claims"},
-    "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix"},
-    "README.md": {"readme-fedpse", "readme-dmpfl", "readme-dmpfl-shift", "readme-quickstart", "readme-long",
-                  "readme-pfedgate"},
+    "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix", "overhead-cpu",
+                                 "overhead-whole-round", "fit-runner", "vectorized-engine", "vectorized-gpu",
+                                 "client-memory", "flush-denormal"},
+    "docs/fedpse-baselines.md": {"fedpse-protocol", "fedpse-protocol-seeds"},
+    # the README's results live on the pages above (each paper's claims and tables, the engine's measurements);
+    # the README keeps the quickstart's numbers and one checked line per paper
+    "README.md": {"readme-quickstart", "readme-claims"},
 }
 
 
@@ -724,7 +799,8 @@ cols: {acc: '{r.final.acc_mean*100:.1f}'}
 
 def test_seed_groups_match_pl_fed_report():
     """The seed cells use ``pl-fed report``'s format and arithmetic (mean ± sample std (n)); its seeds.md gave
-    64.85 ± 1.85 (3) for DisPFL and 64.79 ± 2.08 (3) for Local at 200 rounds (README, "Compare runs")."""
+    64.85 ± 1.85 (3) for DisPFL and 64.79 ± 2.08 (3) for Local at 200 rounds (docs/outputs.md, "How do I read a gap
+    between two methods?")."""
     records = Records(REPO)
     base = REPO / "benchmarks/long_horizon"
     for spec, want in (("dispfl dispfl_seed*", "64.85 ± 1.85 (3)"), ("dispfl_local dispfl_local_seed*",
@@ -732,13 +808,49 @@ def test_seed_groups_match_pl_fed_report():
         values = [100 * r.final.acc_mean for r in resolve_runs(records, base, spec)]
         assert seeds_text(values, 2) == want
     assert seeds_text([58.08], 2) == "58.08 (1)"
-    assert Claim([64.85], [1.0]).verdict == "one seed: not settled"
-    two = Claim([3.0, 5.0], [1.0, 1.2])  # a gap beyond the spread, but two seeds a side
-    assert (two.verdict, two.same_verdict, two.spread_text) == ("2 seeds: not settled", "2 seeds: not settled", "1.41")
-    assert Claim([3.0, 5.0, 4.0], [1.0, 1.2, 1.1]).verdict == "holds"
-    assert Claim([3.0, 5.0, 4.0], [3.5, 3.7, 3.6]).verdict == "no: inside the spread"
-    assert Claim([1.0, 1.2, 1.1], [3.0, 5.0, 4.0]).verdict == "no: reversed"
-    assert Claim([3.0, 5.0, 4.0, 3.5], [1.0, 1.2, 1.1]).verdict == "holds"
+    assert Claim([64.85], [1.0]).verdict == "not shown (one seed)"
+
+
+def test_claims_use_paired_statistics_and_agree_with_scipy():
+    """A claim over runs on the same seeds is a paired t-test (its interval, p and verdict equal scipy's); over runs
+    that cannot be paired, Welch's; the verdict comes from the 95 % interval."""
+    stats = pytest.importorskip("scipy.stats")
+    a = Values([71.0, 72.5, 73.1], [("s", 0), ("s", 1), ("s", 2)])
+    b = Values([71.6, 70.0, 71.4], [("s", 2), ("s", 0), ("s", 1)])
+    c = Claim(a, b)
+    pa, pb = [71.0, 72.5, 73.1], [70.0, 71.4, 71.6]  # b reordered by seed
+    ref = stats.ttest_rel(pa, pb)
+    lo, hi = ref.confidence_interval(0.95)
+    assert c.stats["test"] == "paired" and abs(c.stats["p"] - ref.pvalue) < 1e-9
+    assert abs(c.stats["lo"] - lo) < 1e-9 and abs(c.stats["hi"] - hi) < 1e-9
+    assert c.verdict == f"holds (95 % CI {lo:+.2f} to {hi:+.2f}, p {ref.pvalue:.3f}; paired, 3 seeds)"
+    unpaired = Claim([71.0, 72.5, 73.1], [70.0, 70.9, 71.2])  # no seeds: Welch
+    w = stats.ttest_ind([71.0, 72.5, 73.1], [70.0, 70.9, 71.2], equal_var=False)
+    assert unpaired.stats["test"] == "Welch" and abs(unpaired.stats["p"] - w.pvalue) < 1e-9
+    assert Claim(Values([3.0, 5.0, 4.0], [1, 2, 3]), Values([1.0, 1.2, 1.1], [1, 2, 3])).verdict.startswith("holds")
+    assert Claim(Values([1.0, 1.2, 1.1], [1, 2, 3]), Values([3.0, 5.0, 4.0], [1, 2, 3])).verdict.startswith("reversed")
+    assert Claim(Values([3.0, 5.0, 4.0], [1, 2, 3]), Values([3.5, 3.7, 3.6], [1, 2, 3])).verdict.startswith("not shown")
+    level = Claim(Values([3.0, 5.0, 4.0], [1, 2, 3]), Values([3.5, 3.7, 3.6], [1, 2, 3]))
+    assert level.same_verdict.startswith("no difference shown")
+    assert Claim(Values([3.0, 5.0], [1, 2]), Values([1.0, 1.2], [1, 2])).verdict.endswith("paired, 2 seeds)")
+
+
+def test_every_summary_equals_its_last_metrics_row():
+    """A run record's ``summary.json`` says what its ``metrics.jsonl`` ends with: the ``final`` row is the last
+    row, key for key (a hand-edited summary, or a metrics file cut short, is caught)."""
+    problems = summary_mismatches(REPO)
+    assert not problems, "\n".join(problems[:20])
+
+
+def test_an_edited_summary_is_caught(tmp_path):
+    run = tmp_path / "benchmarks" / "r"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 0, "acc_mean": 0.5}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"final": {"round": 0, "acc_mean": 0.5}}))
+    assert summary_mismatches(tmp_path) == []
+    (run / "summary.json").write_text(json.dumps({"final": {"round": 0, "acc_mean": 0.51}}))
+    (problem,) = summary_mismatches(tmp_path)
+    assert "benchmarks/r/summary.json" in problem and "acc_mean" in problem and "0.51" in problem
 
 
 def test_a_glob_starting_with_a_slash_is_relative_to_the_repository(tmp_path):
@@ -764,9 +876,10 @@ def _slug(heading: str) -> str:
 
 
 def test_the_pages_links_resolve():
-    """Links between the reproduction pages and the benchmarks index point at files and headings that exist."""
-    pages = sorted((REPO / "docs/reproduce").glob("*.md")) + [REPO / "benchmarks/README.md"]
-    assert len(pages) == 8
+    """Links in the README, every docs page and the benchmarks index point at files and headings that exist."""
+    pages = [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md")) + [REPO / "benchmarks/README.md"]
+    names = {str(p.relative_to(REPO)) for p in pages}
+    assert {"docs/usage.md", "docs/outputs.md", "docs/methods.md", "docs/scaling.md", "docs/reproduce/dmpfl.md"} <= names
     bad = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):

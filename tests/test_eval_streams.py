@@ -168,7 +168,8 @@ def test_the_default_eval_batch_is_chosen_for_the_device_and_changes_no_metric(t
         dm = _unequal_clients()
         dm.eval_batch_size = size
         loop.fit(tiny_module(), dm)
-        assert dm.eval_device == "cpu" and dm.eval_batch() == (128 if size is None else size)
+        assert loop.evaluator.device_type == "cpu" and loop.evaluator.batch_size() == (128 if size is None else size)
+        assert not {"eval_device", "eval_batch_fixed"} & set(vars(dm))  # the evaluator's choice, not the data's
         rows[size] = _rows(tmp_path / str(size))
     assert _same(rows[None], rows[512]) and _same(rows[None], rows[7])
 
@@ -213,8 +214,13 @@ def test_an_evaluation_that_depends_on_the_batch_keeps_one_batch_size_on_every_d
     def sizes(name: str, callbacks: list[Any], module: Any, eval_batch_size: int | None = None) -> tuple[int, int]:
         dm = tiny_datamodule()
         dm.eval_batch_size = eval_batch_size
-        tiny_loop(tmp_path / name, callbacks=callbacks).setup(module, dm)
-        return dm.eval_batch("cpu"), dm.eval_batch("cuda")
+        dm.setup("fit")
+        before = dict(vars(dm))
+        loop = tiny_loop(tmp_path / name, callbacks=callbacks)
+        loop.setup(module, dm)
+        assert loop.evaluator.loader(0, "test").batch_size == loop.evaluator.batch_size()  # the size it chose
+        assert set(vars(dm)) == set(before) and dm.eval_batch_size == eval_batch_size  # nothing written back
+        return loop.evaluator.batch_size("cpu"), loop.evaluator.batch_size("cuda")
 
     assert sizes("fedavg", [], tiny_module()) == (128, 512)
     with caplog.at_level("INFO"):

@@ -201,7 +201,7 @@ def test_hook_reference_covers_every_hook_and_policy() -> None:
     for name in FEDERATION_HOOKS + list(POLICIES):
         sig = inspect.signature(getattr(FederatedCallback, name))
         assert f"- `{name}(" in block and all(p in block for p in list(sig.parameters)[1:])
-    assert "`on_round_start(loop: FederatedLoop, round_idx: int) -> None`" in block  # annotations as written
+    assert "`on_round_start(loop: FederationView, round_idx: int) -> None`" in block  # annotations as written
 
 
 class _Changed(FederatedCallback):

@@ -1,4 +1,4 @@
-"""A failed fit leaves its client exactly as it was (README: "the client keeps its previous state").
+"""A failed fit leaves its client exactly as it was (docs/usage.md: "the client keeps its previous state").
 
 For every library callback that declares client state, a tiny federation runs with one client's round-1 training fit
 failing — NaN weights at the end of the fit (after the optimizer stepped every kept momentum buffer), an exception in

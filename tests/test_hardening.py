@@ -135,6 +135,28 @@ def test_disk_full_elsewhere_is_one_line(pattern: str, after: int, names: str, t
     assert_clean(run)
 
 
+def test_a_full_disk_under_tensorboards_writer_thread_is_one_line_without_the_threads_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """TensorBoard writes its events on a thread of its own: a full disk there ends the run with the one line (exit
+    74) and the thread does not print its own traceback too. (pytest catches thread exceptions itself, so a recording
+    hook stands in for the console's here.)"""
+    import threading
+
+    seen: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    run = tmp_path / "run"
+    disk = FullDisk(monkeypatch, tmp_path, "events.out.tfevents*", after=0)
+    code, _, err = run_main(tiny(run, "--trainer.logger", "true"), capsys)
+    for t in threading.enumerate():  # the writer thread has ended (and reported) before we look
+        if type(t).__name__ == "_AsyncWriterThread":
+            t.join(10)
+    assert disk.failed, "the fault was never reached"
+    line = one_line(err)
+    assert code == 74 and "tensorboard" in line and "No space left on device" in line, err
+    assert seen == [], seen
+    assert_clean(run)
+
+
 @pytest.mark.parametrize(("code", "advice"), [(errno.EIO, "I/O error"), (errno.EROFS, "read-only"),
                                               (errno.EDQUOT, "quota")])
 def test_other_storage_failures_are_one_line_too(code: int, advice: str, tmp_path: Path,

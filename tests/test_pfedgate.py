@@ -219,6 +219,7 @@ def test_three_aggregation_rules_by_hand(rule: str, expected: list[float]) -> No
     sizes = {0: 1, 1: 2, 2: 1, 3: 4}
     loop = SimpleNamespace(global_state=glob, server_update=None, num_clients=4,
                            datamodule=SimpleNamespace(num_samples=lambda j, split: sizes[j]))
+    loop.set_server_update = lambda update: setattr(loop, "server_update", update)  # (the view's one write here)
     updates = []
     for i, (d, u, n) in enumerate(zip(DELTAS, UNIONS, NS)):
         delta, keep = {"w": torch.tensor(d)}, torch.tensor(u, dtype=torch.bool)
@@ -231,6 +232,8 @@ def test_three_aggregation_rules_by_hand(rule: str, expected: list[float]) -> No
         updates.append(ClientUpdate(i, 0, n, {"w": glob["w"] + delta["w"]}, message))
     new = cb.aggregate(loop, updates)  # type: ignore[arg-type]
     torch.testing.assert_close(new["w"], torch.ones(10) + torch.tensor(expected))
+    if rule in ("index", "ewa"):  # the server's update, recorded through the loop
+        torch.testing.assert_close(loop.server_update["w"], torch.tensor(expected))
     if rule == "index":  # bytes: A sends 4 values + a 5-bit index (1 byte), B 4 + 1, C 6 + 1
         assert [u.message.nbytes() for u in updates] == [17, 17, 25]
     if rule == "ewa":  # non-zeros 3, 4, 5 (4 B each) + the cheaper index, a 2-byte bitmap

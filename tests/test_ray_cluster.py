@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("ray")
 RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
 ROOT = Path(__file__).resolve().parents[1]
-# Ray >= 2.5x enables token authentication by default; this throwaway local cluster opts out (README: cluster recipe)
+# Ray >= 2.5x enables token authentication by default; this throwaway local cluster opts out
+# (docs/scaling.md: cluster recipe)
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 
 

@@ -1,4 +1,5 @@
-"""The README's two commands and .ci/run stay in sync; every shipped config parses."""
+"""The README's two commands and .ci/run stay in sync; every shipped config parses; the README stays a short front
+door; papers are cited by name, never by a path users do not have."""
 
 from __future__ import annotations
 
@@ -32,3 +33,29 @@ def test_config_parses(config: Path, capsys: pytest.CaptureFixture[str], monkeyp
     with pytest.raises(SystemExit) as e:
         main(["fit", "--config", str(config), "--print_config"])
     assert e.value.code in (0, None), capsys.readouterr().err
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most 250 lines; one checked line per paper, each linking to that paper's reproduction page."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 250, "README.md grew past 250 lines: move the details to a page under docs/"
+    spec = re.search(r"^<!-- numbers\s*\nid: readme-claims\b.*?-->\s*\n(.*?)\n\n", text,
+                     flags=re.DOTALL | re.MULTILINE)
+    assert spec, "README.md lost its checked claims table (readme-claims)"
+    rows = [r for r in spec.group(1).splitlines()[2:] if r.startswith("|")]
+    pages = sorted(p.name for p in (REPO / "docs" / "reproduce").glob("*.md") if p.name not in ("README.md",
+                                                                                                  "engine.md"))
+    linked = sorted(m for r in rows for m in re.findall(r"\(docs/reproduce/(\w+\.md)\)", r))
+    assert linked == pages, f"one claims row per paper page: rows link {linked}, the pages are {pages}"
+
+
+#: a citation of the project's private paper texts or method notes, which users do not have
+PRIVATE = re.compile(r"shared/(papers|methods)/")
+
+
+def test_papers_are_cited_by_name_not_by_a_private_path() -> None:
+    """The README, the docs and the package's docstrings cite papers by name, venue and section."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "pl_fedsparse").rglob("*.py"))]
+    bad = [f"{f.relative_to(REPO)}:{i}: {line.strip()[:100]}" for f in files
+           for i, line in enumerate(f.read_text().splitlines(), 1) if PRIVATE.search(line)]
+    assert not bad, "cite the paper by name, venue and section instead:\n" + "\n".join(bad)

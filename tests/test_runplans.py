@@ -1,6 +1,7 @@
 """The recorded plans of ``benchmarks/`` resolve: each planned ``pl-fed fit`` parses (``--print_config``: no training,
 no data), and the one setting a study varies reaches the configuration — so a renamed config or argument fails here,
-not hours into a worker."""
+not hours into a worker. The plans that became sweeps (``configs/sweeps/``) list the same runs as the scripts they
+replaced: the same names, configs, seeds and overrides, and (slow) the same resolved configuration."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import runplan  # noqa: E402
+
+from pl_fedsparse.sweep import SweepRun, campaign
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +54,7 @@ def test_iterations_2_is_the_tables_command(monkeypatch: pytest.MonkeyPatch) -> 
     it = {r.name: r for r in _plan("dmpfl_iterations", monkeypatch, DMPFL_ITER_DATA="/d")}
     table = {r.name: r for r in _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_DATA="/d")}
     for s in (0, 1, 2):
-        assert it[f"iter2_seed{s}"].args == table[f"dmpfl_plus_seed{s}"].args
+        assert _arguments(it[f"iter2_seed{s}"].args) == _arguments(table[f"dmpfl_plus_seed{s}"].fit_args())
 
 
 def test_the_synthetic_alpha_sweep_sets_each_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,10 +72,16 @@ def test_the_synthetic_alpha_sweep_sets_each_schedule(monkeypatch: pytest.Monkey
 def test_the_100_round_table_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     runs = _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_ROUNDS="100", DMPFL_TABLE_DATA="/d",
                  DMPFL_TABLE_METHODS="dmpfl_plus,fedavg,fedavg_ft")
-    assert sorted({r.meta["method"] for r in runs}) == ["dmpfl_plus", "fedavg", "fedavg_ft"] and len(runs) == 9
-    assert sys.modules["dmpfl_table"].RECORD.name == "dmpfl_table_r100"
+    assert sorted({r.name.rsplit("_seed", 1)[0] for r in runs}) == ["dmpfl_plus", "fedavg", "fedavg_ft"]
+    assert len(runs) == 9
+    mod = sys.modules["dmpfl_table"]
+    assert mod.RECORD.name == "dmpfl_table_r100" and mod.RUNS.name == "dmpfl_table_r100"
+    args = mod.sweep_args()
+    assert args[args.index("--record") + 1] == str(mod.RECORD) and args[args.index("--out") + 1] == str(mod.RUNS)
     for run in runs[:3]:
-        assert runplan.resolve(run)["trainer"]["num_rounds"] == 100, run.name
+        assert runplan.resolve(runplan.Run(run.name, run.fit_args()))["trainer"]["num_rounds"] == 100, run.name
+    with pytest.raises(SystemExit, match="DMPFL_TABLE_METHODS=ditto,nope is invalid: expected names from dmpfl_plus"):
+        _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_METHODS="ditto,nope")
 
 
 
@@ -178,3 +187,127 @@ def test_a_continuation_not_yet_started_parks_its_starting_point(tmp_path: Path)
     assert summary["resumes"] and summary["resumes"][0]["round"] == 2
     assert [json.loads(r)["round"] for r in (record / "cont" / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 
+
+
+# ------------------------------------------------------------------------------------------------ plans that are sweeps
+# The grids of the plan scripts that became sweeps, as those scripts built them (benchmarks/dmpfl_table.py,
+# cifar10_baselines.sh, cifar10_sparse.sh, cifar10_p2p.sh and cifar10_dmpfl.sh before they became sweeps): run name ->
+# its ``pl-fed fit`` arguments, after ``fit``, as the script passed them.
+_SHIFT = {"class_path": "pl_fedsparse.callbacks.ShiftEvaluation",
+          "init_args": {"shifts": [0, 0.2, 0.4, 0.5, 0.6, 0.8, 1.0], "corruptions": "all", "severities": [5]}}
+_DMPFL_METHODS = {  # dmpfl_table.py's METHODS = cifar10_dmpfl.sh's cases (there, dmpfl_plus was named dmpfl)
+    "dmpfl_plus": ["--config", "configs/cifar10_dmpfl_plus_cpu.yaml"],
+    "fedavg": ["--config", "configs/cifar10_dmpfl_cpu.yaml", "--trainer.callbacks", json.dumps([_SHIFT])],
+    "fedavg_ft": ["--config", "configs/cifar10_dmpfl_cpu.yaml", "--trainer.callbacks", json.dumps(
+        [{"class_path": "pl_fedsparse.callbacks.FineTune", "init_args": {"epochs": 2}}, _SHIFT])],
+    "ditto": ["--config", "configs/cifar10_ditto_cpu.yaml"],
+    "local": ["--config", "configs/cifar10_dmpfl_cpu.yaml", "--trainer.callbacks", json.dumps(
+        [{"class_path": "pl_fedsparse.callbacks.LocalTraining"}, _SHIFT])],
+    "feddst": ["--config", "configs/cifar10_feddst_cpu.yaml"],
+}
+_SHELL = ["--trainer.enable_progress_bar", "false", "--trainer.overwrite", "true"]  # every shell plan's own
+
+
+def _old_dmpfl_table(rounds: int, data: str, runs: Path) -> dict[str, list[str]]:
+    extra = [] if rounds == 30 else ["--trainer.num_rounds", str(rounds)]
+    return {f"{m}_seed{s}": [*args, "--data.root", data, "--seed_everything", str(s), "--data.seed", str(s),
+                             "--trainer.logger", "false", *extra, "--trainer.default_root_dir",
+                             str(runs / f"{m}_seed{s}"), "--trainer.enable_progress_bar", "false"]
+            for s in (0, 1, 2) for m, args in _DMPFL_METHODS.items()}
+
+
+def _old_shell(configs: dict[str, str], common: list[str], out: str) -> dict[str, list[str]]:
+    return {name: ["--config", config, *common, *_SHELL, "--trainer.default_root_dir", f"{out}/{name}"]
+            for name, config in configs.items()}
+
+
+_ROOT = "data/cifar10"  # the shell plans' default data folder
+OLD_PLANS: dict[str, tuple[list[str], dict[str, list[str]]]] = {
+    # plan: (its pl-fed sweep arguments now, the old script's runs)
+    "cifar10_baselines": (["--grid", "configs/sweeps/cifar10_baselines.yaml"], _old_shell(
+        {m: f"configs/cifar10_{m}.yaml" for m in ("local", "fedavg", "fedavg_ft")},
+        ["--data.root", _ROOT, "--data.num_clients", "20", "--data.max_train_samples", "10000", "--trainer.join_ratio",
+         "0.5", "--trainer.num_rounds", "30", "--trainer.eval_every", "5", "--trainer.accelerator", "cpu"],
+        "benchmarks/_runs/cifar10_baselines")),
+    "cifar10_sparse": (["--grid", "configs/sweeps/cifar10_sparse.yaml"], _old_shell(
+        {f"fedspa_{m}": f"configs/cifar10_fedspa_{m}_cpu.yaml" for m in ("dst", "rsm")},
+        ["--data.root", _ROOT, "--trainer.accelerator", "cpu"], "benchmarks/_runs/cifar10_sparse")),
+    "cifar10_p2p": (["--grid", "configs/sweeps/cifar10_p2p.yaml"], _old_shell(
+        {m: f"configs/cifar10_{m}_cpu.yaml" for m in ("dispfl", "dpsgd", "dpsgd_ft", "local_p2p")},
+        ["--data.root", _ROOT, "--trainer.accelerator", "cpu"], "benchmarks/_runs/cifar10_p2p")),
+    "cifar10_dmpfl": (["--grid", "configs/sweeps/cifar10_dmpfl.yaml"], {
+        name: [*args, "--data.root", _ROOT, *_SHELL, "--trainer.default_root_dir",
+               f"benchmarks/_runs/cifar10_dmpfl/{name}"]
+        for name, args in ((("dmpfl" if m == "dmpfl_plus" else m), a) for m, a in _DMPFL_METHODS.items())}),
+}
+
+
+def _arguments(args: list[str]) -> dict[str, object]:
+    """``--key value`` pairs as a dict, each value as ``pl-fed fit`` reads it (JSON where it parses)."""
+    assert len(args) % 2 == 0 and all(k.startswith("--") for k in args[::2]), args
+    out: dict[str, object] = {}
+    for key, value in zip(args[::2], args[1::2]):
+        assert key not in out, key  # given twice: which one wins would depend on the order
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _same_runs(new: list[SweepRun], out: Path, old: dict[str, list[str]], overwrite: bool) -> None:
+    """The sweep's runs are the old script's: the same names in the same order, each with the same config, seed and
+    overrides (a seed the old script left to its config is the config's ``seed_everything``). The old scripts passed
+    ``--trainer.overwrite true`` (``overwrite``): a sweep resumes or skips a run directory instead."""
+    assert [r.name for r in new] == list(old)
+    for run in new:
+        want = _arguments(old[run.name])
+        if overwrite:
+            assert want.pop("--trainer.overwrite") is True
+        if "--seed_everything" not in want:
+            want["--seed_everything"] = yaml.safe_load((ROOT / str(want["--config"])).read_text())["seed_everything"]
+        got = _arguments(run.command(out)[4:])  # after python -m pl_fedsparse.cli fit
+        assert got == want, run.name
+        assert run.state(out) == "new" or run.command(out)[4:] != run.fit_args()  # (a resume is its own config)
+
+
+@pytest.mark.parametrize("plan", sorted(OLD_PLANS))
+def test_a_shell_plan_is_the_same_grid_as_a_sweep(plan: str) -> None:
+    argv, old = OLD_PLANS[plan]
+    c = campaign(argv)
+    assert c.record is None and c.out == Path(f"benchmarks/_runs/{plan}")
+    _same_runs(c.runs, c.out, old, overwrite=True)
+
+
+@pytest.mark.parametrize("rounds", [30, 100])
+def test_the_dmpfl_table_plan_is_the_same_grid_as_a_sweep(rounds: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_DATA="/d", DMPFL_TABLE_ROUNDS=str(rounds))
+    mod = sys.modules["dmpfl_table"]
+    suffix = "" if rounds == 30 else f"_r{rounds}"
+    assert mod.RUNS == ROOT / "benchmarks" / "_runs" / f"dmpfl_table{suffix}"  # where the old plan kept them
+    assert mod.RECORD == ROOT / "benchmarks" / f"dmpfl_table{suffix}"
+    c = campaign(mod.sweep_args())
+    assert (c.out, c.record) == (mod.RUNS, mod.RECORD) and c.runs == runs
+    _same_runs(runs, mod.RUNS, _old_dmpfl_table(rounds, "/d", mod.RUNS), overwrite=False)
+    # the records the docs cite are this sweep's runs, all done: a sweep started now runs nothing
+    assert sorted(p.name for p in mod.RECORD.iterdir() if (p / "summary.json").exists()) == sorted(r.name for r in runs)
+    assert all(r.state(ROOT / "nowhere", mod.RECORD) == "done" for r in runs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["dmpfl_table", "dmpfl_table_r100", *sorted(OLD_PLANS)])
+def test_a_plan_that_became_a_sweep_resolves_to_the_old_configuration(plan: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every run's whole configuration (``--print_config``) is the old script's, run by run."""
+    if plan.startswith("dmpfl_table"):
+        rounds = 100 if plan.endswith("r100") else 30
+        runs = _plan("dmpfl_table", monkeypatch, DMPFL_TABLE_DATA="/d", DMPFL_TABLE_ROUNDS=str(rounds))
+        old, out = _old_dmpfl_table(rounds, "/d", sys.modules["dmpfl_table"].RUNS), sys.modules["dmpfl_table"].RUNS
+    else:
+        c = campaign(OLD_PLANS[plan][0])
+        runs, old, out = c.runs, OLD_PLANS[plan][1], c.out
+    for run in runs:
+        new_cfg = runplan.resolve(runplan.Run(run.name, run.command(out)[4:]))
+        old_cfg = runplan.resolve(runplan.Run(run.name, old[run.name]))
+        old_cfg["trainer"]["overwrite"] = new_cfg["trainer"]["overwrite"]  # (the one documented difference)
+        assert new_cfg == old_cfg, run.name

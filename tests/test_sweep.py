@@ -85,6 +85,7 @@ def _locked(run: Path) -> bool:
     (["--config", "quickstart", "--seeds", "1", "1"], "--seeds=[1, 1] is invalid: expected distinct seeds"),
     (["--config", "quickstart", "--set", "num_rounds"], "--set='num_rounds' is invalid: expected KEY=VALUE"),
 ], ids=["config", "value", "key", "seeds", "assignment"])
+@pytest.mark.slow  # each entry is checked in a subprocess (10-30 s a case on 2 cores)
 def test_a_bad_grid_entry_is_one_line_and_nothing_runs(tmp_path: Path, bad: list[str], expected: str,
                                                         capsys: pytest.CaptureFixture[str],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,3 +94,124 @@ def test_a_bad_grid_entry_is_one_line_and_nothing_runs(tmp_path: Path, bad: list
     assert code == 2
     assert expected in one_line(err)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------ a plan's own shape
+PLAN_GRID = """
+configs:
+  - {name: fedavg, config: quickstart, set: {trainer.local_epochs: 2}}
+  - synthetic_fedavg
+seeds: [0, 1]
+set: {data.seed: "{seed}", trainer.num_rounds: 3}
+overrides: [{}, {trainer.join_ratio: 0.5}]
+name: "{config}{setting}_s{seed}"
+record: RECORD
+"""
+
+
+def _grid(tmp_path: Path, text: str = PLAN_GRID) -> Path:
+    path = tmp_path / "grid.yaml"
+    path.write_text(text.replace("RECORD", str(tmp_path / "record")))
+    return path
+
+
+def test_a_grid_file_names_its_entries_runs_and_seeds(tmp_path: Path) -> None:
+    """Entries carry their label and settings, the name pattern names the run directories, ``"{seed}"`` is the
+    run's seed; configs × settings × seeds in that order; set < entry < setting."""
+    from pl_fedsparse.sweep import campaign
+
+    c = campaign(["--grid", str(_grid(tmp_path)), "--out", str(tmp_path / "out")])
+    assert [r.name for r in c.runs] == ["fedavg_s0", "fedavg_s1", "fedavgjoin_ratio0.5_s0", "fedavgjoin_ratio0.5_s1",
+                                        "synthetic_fedavg_s0", "synthetic_fedavg_s1",
+                                        "synthetic_fedavgjoin_ratio0.5_s0", "synthetic_fedavgjoin_ratio0.5_s1"]
+    assert c.record == tmp_path / "record" and c.out == tmp_path / "out"
+    by = {r.name: r for r in c.runs}
+    assert by["fedavgjoin_ratio0.5_s1"].fit_args() == [
+        "--config", "quickstart", "--seed_everything", "1", "--data.seed", "1", "--trainer.num_rounds", "3",
+        "--trainer.local_epochs", "2", "--trainer.join_ratio", "0.5"]
+    assert by["synthetic_fedavg_s0"].overrides == {"data.seed": 0, "trainer.num_rounds": 3}
+    # --set on the command line (a seed too), --only, --seeds
+    c = campaign(["--grid", str(_grid(tmp_path)), "--set", "trainer.num_rounds=9", "--only", "synthetic*",
+                  "--seeds", "4"])
+    assert [(r.name, r.overrides["trainer.num_rounds"], r.overrides["data.seed"]) for r in c.runs] == [
+        ("synthetic_fedavg_s4", 9, 4), ("synthetic_fedavgjoin_ratio0.5_s4", 9, 4)]
+    # seed_first: every entry and setting at one seed, then the next
+    c = campaign(["--grid", str(_grid(tmp_path, PLAN_GRID + "seed_first: true\n")), "--only", "*_s?"])
+    assert [r.name for r in c.runs][:5] == ["fedavg_s0", "fedavgjoin_ratio0.5_s0", "synthetic_fedavg_s0",
+                                            "synthetic_fedavgjoin_ratio0.5_s0", "fedavg_s1"]
+
+
+def test_a_dry_run_lists_every_run_and_its_state_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    (tmp_path / "record" / "fedavg_s1").mkdir(parents=True)  # recorded: done wherever its run directory went
+    (tmp_path / "record" / "fedavg_s1" / "summary.json").write_text("{}")
+    (tmp_path / "out" / "synthetic_fedavg_s0" / "checkpoints").mkdir(parents=True)  # cut short: resumes
+    (tmp_path / "out" / "synthetic_fedavg_s0" / "checkpoints" / "last.ckpt").write_text("")
+    (tmp_path / "out" / "synthetic_fedavg_s0" / "config.yaml").write_text("")
+    grid = _grid(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, out, err = run_main(["sweep", "--grid", str(grid), "--out", str(tmp_path / "out"), "--dry-run"], capsys)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    parallel = max(1, (os.cpu_count() or 1) // 2)
+    assert len(lines) == 9 and lines[-1] == (f"sweep (dry run): 8 runs, 1 done, 7 to run, {parallel} at a time, "
+                                             f"in {tmp_path / 'out'}, recorded in {tmp_path / 'record'}")
+    assert lines[0] == ("fedavg_s0 [new]: pl-fed fit --config quickstart --seed_everything 0 --data.seed 0 "
+                        "--trainer.num_rounds 3 --trainer.local_epochs 2")
+    assert lines[1].startswith("fedavg_s1 [done]: ") and lines[4].startswith("synthetic_fedavg_s0 [resume]: ")
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_finished_runs_are_recorded_and_a_recorded_run_is_not_run_again(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``record``: a finished run's three record files are copied to ``<record>/<name>/`` (also one that finished
+    before this sweep); a run with a record is done even without its run directory (a fresh machine)."""
+    from pl_fedsparse.sweep import RECORD_FILES, SweepRun, run_sweep
+
+    out, record = tmp_path / "out", tmp_path / "record"
+    runs = [SweepRun("a", "quickstart", 0), SweepRun("b", "quickstart", 1)]
+    (out / "a" / "checkpoints").mkdir(parents=True)  # finished here, not yet recorded
+    for f in RECORD_FILES:
+        (out / "a" / f).write_text(f)
+    (out / "a" / "checkpoints" / "last.ckpt").write_text("not a record")
+    (record / "b").mkdir(parents=True)  # recorded by an earlier session; its run directory is gone
+    (record / "b" / "summary.json").write_text("{}")
+    assert [r.state(out) for r in runs] == ["done", "new"]
+    assert [r.state(out, record) for r in runs] == ["done", "done"]
+    assert run_sweep(runs, out, 1, REPO, record) == []  # nothing to run
+    assert "sweep: 2 runs (2 already done)" in capsys.readouterr().out
+    assert sorted(p.name for p in (record / "a").iterdir()) == sorted(RECORD_FILES)
+    assert [(record / "a" / f).read_text() for f in RECORD_FILES] == list(RECORD_FILES)
+    assert not (out / "b").exists()
+
+
+@pytest.mark.parametrize("grid, expected", [
+    ("configs: [quickstart]\nseeds: [0, 1]\nname: '{config}'",
+     "name='{config}' is invalid: expected a pattern that names every run apart"),
+    ("configs: [quickstart]\nname: '{method}_seed{seed}'",
+     "name='{method}_seed{seed}' is invalid: expected a pattern with fields among {config}, {setting}, {seed}"),
+    ("configs: [quickstart]\nname: '../{config}'", "name='../{config}' is invalid: expected a pattern with fields"),
+    ("configs: [{name: a}]", "configs={'name': 'a'} is invalid: expected a config (a path or a shipped name) or"),
+    ("configs: [{config: quickstart, sets: {}}]", "is invalid: expected a config (a path or a shipped name) or"),
+    ("configs: [quickstart]\nrecords: x", ("is invalid: expected a mapping with keys among configs, seeds, set, "
+                                           "overrides, parallel, out, name, record, seed_first")),
+    ("configs: [{config: quickstart, name: ../x}]", "is invalid: expected a name made of letters, digits and _.=+-"),
+], ids=["not-distinct", "field", "path", "no-config", "key", "grid-key", "entry-name"])
+def test_a_bad_plan_shape_is_one_line_and_nothing_runs(tmp_path: Path, grid: str, expected: str,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    code, _, err = run_main(["sweep", "--grid", str(_grid(tmp_path, grid)), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert expected in one_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_must_match_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    code, _, err = run_main(["sweep", "--config", "quickstart", "--only", "nothing*", "--dry-run"], capsys)
+    assert code == 2
+    assert one_line(err) == ("error: --only=['nothing*'] is invalid: expected globs matching at least one run's "
+                             "name (--dry-run lists them)")

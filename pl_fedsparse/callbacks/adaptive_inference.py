@@ -31,7 +31,7 @@ from pl_fedsparse.evaluation import EvalView, view_metric_prefix
 from pl_fedsparse.functional.inference import adaptive_choice, entropy
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["AdaptiveInference"]
 
@@ -71,23 +71,23 @@ class AdaptiveInference(FederatedCallback):
         self.base_entropies: dict[int, tuple[float, float]] = {}
 
     @staticmethod
-    def _require_global(loop: FederatedLoop) -> None:
+    def _require_global(loop: FederationView) -> None:
         if loop.global_state is None or not loop.eval_global:
             raise ConfigError("trainer.callbacks is invalid: AdaptiveInference needs a global model next to the "
                               "personal ones (a server method, with trainer.eval_global: true)")
 
     @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
+    def on_federation_start(self, loop: FederationView) -> None:
         self._require_global(loop)  # before anything is trained or checkpointed
 
     @override
-    def eval_views(self, loop: FederatedLoop) -> list[EvalView]:
+    def eval_views(self, loop: FederationView) -> list[EvalView]:
         self._counts = {}  # called once at the start of every evaluation
         self._require_global(loop)
         return [EvalView(_BASE_VIEW, split="train" if self.base_split == "train" else "eval", report=False)]
 
     @override
-    def on_client_predictions(self, loop: FederatedLoop, client_idx: int, outputs: dict[str, dict[str, Tensor]],
+    def on_client_predictions(self, loop: FederationView, client_idx: int, outputs: dict[str, dict[str, Tensor]],
                               labels: dict[str, Tensor]) -> None:
         base = outputs[_BASE_VIEW]
         be_c = float(entropy(base["personal"]).mean()) if len(base["personal"]) else 0.0
@@ -109,11 +109,11 @@ class AdaptiveInference(FederatedCallback):
                 kinds["adaptive"] = adaptive
 
     @override
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("adaptive acc (DM-PFL+)", "adaptive_acc"), ("personal model alone", "personal_only_acc")]
 
     @override
-    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
         if metrics.get("acc_mean") is None:
             return
         for view, (chose_c, total) in self._counts.items():

@@ -3,7 +3,8 @@
 A ``FederatedCallback`` is a :class:`lightning.pytorch.Callback`: every Lightning hook keeps its meaning and fires
 inside one client's local fit (``on_train_batch_end``, ``on_before_optimizer_step``, ...); inside them,
 :func:`~pl_fedsparse.context.current_fit` says which fit it is. On top of those it has federation hooks, which the
-:class:`~pl_fedsparse.loop.FederatedLoop` calls with itself as first argument (as Lightning passes the trainer).
+:class:`~pl_fedsparse.loop.FederatedLoop` calls with itself as first argument (as Lightning passes the trainer);
+the hooks are annotated with what they may read of it, :class:`~pl_fedsparse.view.FederationView`.
 ``docs/extending.md`` lists them in the order they fire (a test keeps that table true).
 
 =========================================  ==========================================================================
@@ -49,10 +50,10 @@ from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
-from pl_fedsparse.evaluation import EvalView
+from pl_fedsparse.view import EvalView
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["FederatedCallback", "POLICIES"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
@@ -95,52 +96,52 @@ class FederatedCallback(pl.Callback):
         """Namespace of this callback's client state (its :attr:`state_key`)."""
         return self.state_key
 
-    def add_client_state(self, loop: FederatedLoop, name: str, init: StateInit) -> None:
+    def add_client_state(self, loop: FederationView, name: str, init: StateInit) -> None:
         """Declare a per-client entry created by ``init(client_idx)`` when the federation starts (call from
         ``setup_federation``; the working module then holds the initial weights)."""
         loop.client_store.declare(f"{self.client_state_prefix}/{name}", init)
 
-    def get_client_state(self, loop: FederatedLoop, client_idx: int, name: str) -> TensorTree:
+    def get_client_state(self, loop: FederationView, client_idx: int, name: str) -> TensorTree:
         """This callback's entry ``name`` for ``client_idx``."""
         return loop.client_store.get(client_idx, f"{self.client_state_prefix}/{name}")
 
-    def set_client_state(self, loop: FederatedLoop, client_idx: int, name: str, value: TensorTree) -> None:
+    def set_client_state(self, loop: FederationView, client_idx: int, name: str, value: TensorTree) -> None:
         """Replace this callback's entry ``name`` for ``client_idx``."""
         loop.client_store.set(client_idx, f"{self.client_state_prefix}/{name}", value)
 
-    def has_client_state(self, loop: FederatedLoop, client_idx: int, name: str) -> bool:
+    def has_client_state(self, loop: FederationView, client_idx: int, name: str) -> bool:
         """Whether the entry exists (without creating it)."""
         return loop.client_store.has(client_idx, f"{self.client_state_prefix}/{name}")
 
     # ---- federation hooks (broadcast) -------------------------------------------------------------------------
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         """Called once before the first round (and before a checkpoint is restored): declare client state here."""
 
-    def on_federation_start(self, loop: FederatedLoop) -> None:
+    def on_federation_start(self, loop: FederationView) -> None:
         """Called once when the federation starts (after a checkpoint was restored)."""
 
-    def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
+    def on_round_start(self, loop: FederationView, round_idx: int) -> None:
         """Called at the start of every round."""
 
-    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+    def on_client_message(self, loop: FederationView, client_idx: int, message: Message) -> None:
         """Called with the message ``client_idx`` receives this round (from the ``client_message`` policy); may edit it
         in place (e.g. sparsify it under the client's mask)."""
 
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         """Called after the client's starting weights are loaded into ``module`` and before its local fit;
         ``context`` says which client, round and kind of fit it is (also :func:`~pl_fedsparse.current_fit`)."""
 
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         """Called after the local fit (``update.context`` is the fit's context); may edit ``update`` (its message,
         masks, extras)."""
 
-    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+    def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         """Called with all updates of the round before aggregation."""
 
-    def on_after_aggregate(self, loop: FederatedLoop) -> None:
+    def on_after_aggregate(self, loop: FederationView) -> None:
         """Called after aggregation (``loop.global_state`` holds the new global model, if any)."""
 
-    def fit_requests(self, loop: FederatedLoop, stage: FitStage,
+    def fit_requests(self, loop: FederationView, stage: FitStage,
                      updates: Sequence[ClientUpdate]) -> list[FitSpec]:
         """Extra fits this callback needs at ``stage`` (``"before_aggregate"``: after ``on_before_aggregate``, with
         the round's ``updates``; ``"after_aggregate"``: after ``on_after_aggregate``). The loop runs them through the
@@ -148,62 +149,62 @@ class FederatedCallback(pl.Callback):
         results to :meth:`on_requested_fits_end` of this callback. Default: none."""
         return []
 
-    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+    def on_requested_fits_end(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
         """Called on the requester with the updates of the fits it asked for at ``stage``."""
 
     def on_client_evaluate_start(
-        self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str
+        self, loop: FederationView, module: pl.LightningModule, client_idx: int, kind: str
     ) -> None:
         """Called after the ``kind`` ("personal" or "global") model of a client is loaded, before it is evaluated."""
 
     def on_client_evaluate_end(
-        self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str, metrics: dict[str, float]
+        self, loop: FederationView, module: pl.LightningModule, client_idx: int, kind: str, metrics: dict[str, float]
     ) -> None:
         """Called with the client's evaluation metrics (may add entries)."""
 
-    def eval_views(self, loop: FederatedLoop) -> list[EvalView]:
+    def eval_views(self, loop: FederationView) -> list[EvalView]:
         """Extra evaluation views for the coming evaluation (shift levels, corruptions, auxiliary data; see
         :mod:`pl_fedsparse.evaluation`). Collected from every callback; default: none."""
         return []
 
-    def on_client_predictions(self, loop: FederatedLoop, client_idx: int, outputs: dict[str, dict[str, Tensor]],
+    def on_client_predictions(self, loop: FederationView, client_idx: int, outputs: dict[str, dict[str, Tensor]],
                               labels: dict[str, Tensor]) -> None:
         """Called once per client and evaluation with the CPU logits of every model kind on every view
         (``outputs[view][kind]``, kinds ``"personal"`` and, if any, ``"global"``) and the views' labels; may add
         kinds (e.g. ``outputs[view]["adaptive"]``), which the loop then reports as ``<kind>_acc``."""
 
-    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
         """Called after every client was evaluated (during ``fit`` and in ``validate``/``test``) with the evaluation's
         metrics; may add derived entries (e.g. averages over shift levels)."""
 
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         """``(label, metric key)`` lines this callback adds to the printed results table (shown when present)."""
         return []
 
-    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+    def on_round_end(self, loop: FederationView, round_idx: int, metrics: dict[str, Any]) -> None:
         """Called at the end of a round with the round's metrics row (may add entries before it is logged)."""
 
-    def on_federation_end(self, loop: FederatedLoop) -> None:
+    def on_federation_end(self, loop: FederationView) -> None:
         """Called once after the last round."""
 
     # ---- policies (one owner each; the base versions are never called) ----------------------------------------
-    def select_clients(self, loop: FederatedLoop, round_idx: int, client_ids: Sequence[int]) -> list[int]:
+    def select_clients(self, loop: FederationView, round_idx: int, client_ids: Sequence[int]) -> list[int]:
         """Return the clients that take part in ``round_idx``."""
         raise NotImplementedError
 
-    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+    def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         """Return what the server sends to ``client_idx`` this round (``None``: nothing; start from personal state)."""
         raise NotImplementedError
 
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         """Return the new global state from the round's updates (``None``: no global model)."""
         raise NotImplementedError
 
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """Return the state of ``client_idx``'s personal model (what is evaluated as "personal")."""
         raise NotImplementedError
 
-    def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+    def client_masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor] | None:
         """Return ``client_idx``'s current (bool) masks by tensor name (``None``: dense)."""
         raise NotImplementedError
 
@@ -228,7 +229,7 @@ class FederatedCallback(pl.Callback):
             return bool(cls.evaluate_in_workers)
         return cls.on_client_evaluate_end is FederatedCallback.on_client_evaluate_end
 
-    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+    def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:
         """Whether this callback's ``on_client_evaluate_start`` does the same to the ``kind`` model whatever the
         client: then a model that is the same for every client (the global model, the default personal model,
         an :func:`~pl_fedsparse.evaluation.shared_models` kind) may be evaluated on every client's data in one stream
@@ -240,7 +241,7 @@ class FederatedCallback(pl.Callback):
         """
         return type(self).on_client_evaluate_start is FederatedCallback.on_client_evaluate_start
 
-    def evaluation_batch_matters(self, loop: FederatedLoop) -> bool:
+    def evaluation_batch_matters(self, loop: FederationView) -> bool:
         """Whether the predictions this callback makes at evaluation depend on how the test samples are batched
         (pFedGate draws one mask per test batch). Then ``data.eval_batch_size: null`` is ``data.batch_size`` on every
         device instead of the device's throughput choice, so the metrics do not change with the hardware (an

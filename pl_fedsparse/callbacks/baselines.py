@@ -21,7 +21,7 @@ from pl_fedsparse.errors import check
 from pl_fedsparse.functional.aggregation import weighted_average
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["LocalTraining", "FineTune", "Ditto"]
 
@@ -41,24 +41,24 @@ class LocalTraining(FederatedCallback):
     """
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
-        loop.global_state = None  # no global model (set here, so other callbacks see it from the start)
+        loop.drop_global_model()  # no global model (set here, so other callbacks see it from the start)
 
     @override
-    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+    def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         return None
 
     @override
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         return None
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         return self.get_client_state(loop, client_idx, "weights")
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         update.message = None  # nothing is uploaded
         if update.kind == "train":
             self.set_client_state(loop, update.client_idx, "weights", update.state)
@@ -109,21 +109,21 @@ class FineTune(FederatedCallback):
         return self._generate_state_key(epochs=self.epochs, every=self.every, start=self.start)
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         self.add_client_state(loop, "weights", lambda k: {})  # {} until the client's first fine-tuning
 
-    def _due(self, loop: FederatedLoop) -> bool:
+    def _due(self, loop: FederationView) -> bool:
         r = loop.round_idx
         return r == loop.num_rounds - 1 or (self.every is not None and (r + 1) % self.every == 0)
 
-    def _start_state(self, loop: FederatedLoop) -> dict[str, Tensor] | None:
+    def _start_state(self, loop: FederationView) -> dict[str, Tensor] | None:
         if self.start == "global":
             return loop.global_state
         states = [loop.personal_state(k) for k in range(loop.num_clients)]
         return weighted_average(states, [1.0] * len(states))
 
     @override
-    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+    def fit_requests(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
         if stage != "after_aggregate" or not self._due(loop):
             return []
         start = self._start_state(loop)
@@ -135,16 +135,16 @@ class FineTune(FederatedCallback):
                 for k in range(loop.num_clients)]
 
     @override
-    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+    def on_requested_fits_end(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
         for u in updates:
             self.set_client_state(loop, u.client_idx, "weights", u.state)
 
     @override
-    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+    def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:
         return kind != "personal"  # the client's fine-tuned weights replace its personal model
 
     @override
-    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+    def on_client_evaluate_start(self, loop: FederationView, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         tuned = self.get_client_state(loop, client_idx, "weights")
         if kind == "personal" and tuned:
@@ -193,15 +193,15 @@ class Ditto(FederatedCallback):
         return self._generate_state_key(lam=self.lam, personal_epochs=self.personal_epochs)
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         self.add_client_state(loop, "weights", lambda k: dict(loop.initial_state))
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         return self.get_client_state(loop, client_idx, "weights")
 
     @override
-    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+    def fit_requests(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
         if stage != "before_aggregate" or loop.global_state is None:
             return []
         self._ref = loop.global_state  # w^t: the model every participant received this round
@@ -209,7 +209,7 @@ class Ditto(FederatedCallback):
                         epochs=self.personal_epochs) for u in updates if u.kind == "train"]
 
     @override
-    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+    def on_requested_fits_end(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
         for u in updates:
             self.set_client_state(loop, u.client_idx, "weights", u.state)
         self._ref = {}

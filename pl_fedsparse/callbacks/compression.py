@@ -1,4 +1,5 @@
-"""FedPSE's two baselines as callbacks on FedPSE's parts (``../shared/papers/002_4df165fcd9405f7c.txt`` §5.2;
+"""FedPSE's two baselines as callbacks on FedPSE's parts ("FedPSE: Personalized Sparsification with Element-wise
+Aggregation for Federated Learning", anonymous ICLR submission, §5.2 and Table 1;
 what was taken from where: ``docs/fedpse-baselines.md``).
 
 * **FedSTC** (Sattler et al. 2019) = :class:`~pl_fedsparse.callbacks.TopKUpload` with ``quantize: ternary`` +

@@ -27,7 +27,7 @@ reusable :class:`~pl_fedsparse.callbacks.masking.MaskedTraining`; readjustment i
 :mod:`~pl_fedsparse.callbacks.prune_regrow` (schedule, |w| drop, |gradient| regrowth); personal refinement is a
 fit requested after aggregation (kind ``"personal_refine"``), not run from inside a hook.
 
-Choices the paper leaves open (each an argument; documented in the README): the initial masks (one ERK draw
+Choices the paper leaves open (each an argument; documented in ``docs/methods.md``): the initial masks (one ERK draw
 shared by ``m_g`` and every ``m_c``), the readjustment rate and interval (``alpha0``, ``schedule``,
 ``every_n_rounds``), regrown positions starting at zero (RigL) and uploaded as such, whether the global mask's top-k
 is taken per layer (at the ERK layer densities) or over the whole model (``global_mask_scope``), the number of
@@ -56,7 +56,7 @@ from pl_fedsparse.functional.masks import check_density, layer_densities
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["DualMask", "FedDST"]
 
@@ -138,13 +138,13 @@ class DualMask(UsesMaskedTraining):
         return self._generate_state_key(density=self.density, iterations=self.iterations)
 
     # ---- schedule ------------------------------------------------------------------------------------------------
-    def _boundaries(self, loop: FederatedLoop) -> list[int]:
+    def _boundaries(self, loop: FederationView) -> list[int]:
         """First round of each block: ``round(i · T / (2 · iterations))`` (Python's round, half to even)."""
         blocks = 2 * self.iterations
         total = self.total_rounds or loop.num_rounds
         return [round(i * total / blocks) for i in range(blocks + 1)]
 
-    def phase(self, loop: FederatedLoop, round_idx: int) -> Phase:
+    def phase(self, loop: FederationView, round_idx: int) -> Phase:
         """``"mask"`` (Phase 1, Alg. 1) or ``"global"`` (Phase 2 global refinement, Alg. 2) for ``round_idx``."""
         if self.iterations == 0:
             return "mask"
@@ -152,7 +152,7 @@ class DualMask(UsesMaskedTraining):
         block = max(i for i in range(len(b) - 1) if b[i] <= round_idx) if round_idx < b[-1] else len(b) - 2
         return "mask" if block % 2 == 0 else "global"
 
-    def refines_personal_after(self, loop: FederatedLoop, round_idx: int) -> bool:
+    def refines_personal_after(self, loop: FederationView, round_idx: int) -> bool:
         """Whether round ``round_idx`` closes a Phase 2 block (personal refinement, Alg. 3, follows it)."""
         if self.iterations == 0:
             return False
@@ -163,21 +163,21 @@ class DualMask(UsesMaskedTraining):
     def _masked(self, name: str) -> bool:
         return name in self.global_mask
 
-    def draw_mask(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def draw_mask(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """The initial ``m_c`` (client 0's draw is also ``m_g``): random scores from the ``mask`` stream, top-k at
         the ERK (or uniform) layer densities."""
         key = 0 if self.same_mask else client_idx + 1
         densities = layer_densities(self.shapes, self.density, self.distribution, self.erk_power_scale, self.dense_1d)
         return random_top_masks(loop, self.shapes, key, self.density, densities)
 
-    def masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """``m_c`` (unpacked, bool)."""
         return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self.shapes)
 
-    def set_masks(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> None:
+    def set_masks(self, loop: FederationView, client_idx: int, masks: dict[str, Tensor]) -> None:
         self.set_client_state(loop, client_idx, "mask", pack_masks(masks))
 
-    def personal_weights(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> dict[str, Tensor]:
+    def personal_weights(self, loop: FederationView, client_idx: int, masks: dict[str, Tensor]) -> dict[str, Tensor]:
         """``w_c`` as dense tensors (zero outside ``m_c``) for the masked tensors."""
         values = self.get_client_state(loop, client_idx, "weights")
         out = {}
@@ -187,13 +187,13 @@ class DualMask(UsesMaskedTraining):
             out[name] = dense
         return out
 
-    def _store_weights(self, loop: FederatedLoop, client_idx: int, state: dict[str, Tensor],
+    def _store_weights(self, loop: FederationView, client_idx: int, state: dict[str, Tensor],
                        masks: dict[str, Tensor]) -> None:
         self.set_client_state(loop, client_idx, "weights",
                               {name: state[name][m].clone() for name, m in masks.items()})
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         total = self.total_rounds or loop.num_rounds
         check(self.iterations == 0 or total >= 2 * self.iterations, f"{type(self).__name__}.iterations",
               self.iterations, f"at most {total // 2} for {total} rounds (each phase needs a round), or 0")
@@ -220,7 +220,7 @@ class DualMask(UsesMaskedTraining):
             self._zeros_cum = [int(x) for x in state_dict["upload_zeros"].tolist()]
 
     # ---- policies ------------------------------------------------------------------------------------------------
-    def _global_message(self, loop: FederatedLoop) -> Message:
+    def _global_message(self, loop: FederationView) -> Message:
         """``m_g`` and ``m_g ⊙ w_g``; the masked tensors are computed once per (w_g, m_g) pair and shared by every
         recipient (aggregation and resume replace both objects, which invalidates the cache); each call returns its
         own Message, so ``on_client_message`` hooks may replace entries."""
@@ -233,15 +233,15 @@ class DualMask(UsesMaskedTraining):
         return Message(dict(cached[2].tensors), dict(cached[2].masks))
 
     @override
-    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+    def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         return self._global_message(loop)  # Alg. 1 line 4 / Alg. 2 line 4: m_g and m_g ⊙ w_g
 
     @override
-    def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+    def client_masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor] | None:
         return self.masks(loop, client_idx)
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """Eq. 4: ``θ_c = w_g ⊙ (m_g ∩ m_c) + w_c ⊙ (m_c − m_g)`` (unmasked tensors: ``w_g``)."""
         assert loop.global_state is not None
         masks = self.masks(loop, client_idx)
@@ -252,7 +252,7 @@ class DualMask(UsesMaskedTraining):
         return state
 
     @override
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state
         sent = [u for u in updates if u.message is not None]
         if glob is None or not sent:
@@ -275,12 +275,12 @@ class DualMask(UsesMaskedTraining):
         return new
 
     # ---- client fits ---------------------------------------------------------------------------------------------
-    def fit_mode(self, loop: FederatedLoop, context: FitContext) -> str:
+    def fit_mode(self, loop: FederationView, context: FitContext) -> str:
         """``"personal"`` (Alg. 3) for a personal-refinement fit, else the round's phase."""
         return "personal" if context.kind == "personal_refine" else self.phase(loop, context.round_idx)
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         mode = self.fit_mode(loop, context)
         params: dict[str, Tensor] = dict(module.named_parameters())
         if mode == "global":  # Alg. 2: train w_g ⊙ m_g
@@ -305,7 +305,7 @@ class DualMask(UsesMaskedTraining):
         self.training.begin(module, trainable, frozen, apply=False)
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         assert update.context is not None
         mode = self.fit_mode(loop, update.context)
         self.training.end()
@@ -334,7 +334,7 @@ class DualMask(UsesMaskedTraining):
                                  dict(new))
 
     @override
-    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+    def fit_requests(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
         if stage != "after_aggregate" or not self.refines_personal_after(loop, loop.round_idx):
             return []
         assert loop.global_state is not None
@@ -345,11 +345,11 @@ class DualMask(UsesMaskedTraining):
 
     # ---- evaluation and reporting --------------------------------------------------------------------------------
     @override
-    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+    def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:
         return True  # the global kind gets the global mask m_g, the same for every client; nothing else changes
 
     @override
-    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+    def on_client_evaluate_start(self, loop: FederationView, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "global":  # θ_g = w_g ⊙ m_g
             with torch.no_grad():
@@ -358,7 +358,7 @@ class DualMask(UsesMaskedTraining):
                         p.mul_(self.global_mask[name].to(p.device, p.dtype))
 
     @override
-    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+    def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         # the share of uploaded mask positions that carry an exact zero (regrown positions start at zero and go into
         # Eq. 5 as such): what the readjustment rate α_s costs the aggregation (the α_s study, docs/reproduce/dmpfl.md)
         zeros = sent = 0
@@ -376,7 +376,7 @@ class DualMask(UsesMaskedTraining):
         self._zeros_cum = [self._zeros_cum[0] + zeros, self._zeros_cum[1] + sent]
 
     @override
-    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+    def on_round_end(self, loop: FederationView, round_idx: int, metrics: dict[str, Any]) -> None:
         share, self._upload_zero_share = self._upload_zero_share, None
         if share is not None:
             metrics["upload_zero_share"] = share  # this round's uploads
@@ -413,13 +413,13 @@ class FedDST(DualMask):
                          dense_1d=dense_1d)
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         assert loop.global_state is not None
         self.set_masks(loop, context.client_idx, self.global_mask)  # masks are synchronised by the server
         self._store_weights(loop, context.client_idx, loop.global_state, self.global_mask)
         super().on_client_fit_start(loop, module, context)
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         assert loop.global_state is not None
         return self._global_message(loop).tensors

@@ -70,7 +70,7 @@ from pl_fedsparse.functional.mixture import component_log_likelihood, e_step, we
 from pl_fedsparse.models.mixture import Mixture
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["WEIGHTS", "FedEM"]
 
@@ -136,7 +136,7 @@ class FedEM(FederatedCallback):
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         model = loop.model
         assert model is not None
         mixture = getattr(model, "backbone", None)
@@ -158,14 +158,14 @@ class FedEM(FederatedCallback):
         self.add_client_state(loop, "weights", lambda k: loop.initial_state[WEIGHTS])  # uniform 1/M
 
     @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
+    def on_federation_start(self, loop: FederationView) -> None:
         if loop.global_state is None:
             raise ConfigError("trainer.topology is invalid for FedEM: expected a server (Star); the components are "
                               "averaged by the server")
 
     # ---- policies ---------------------------------------------------------------------------------------------
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         if loop.global_state is None:
             raise ConfigError("trainer.topology is invalid for FedEM: expected a server (Star)")
         return {**loop.global_state, WEIGHTS: self.get_client_state(loop, client_idx, "weights")}
@@ -178,12 +178,12 @@ class FedEM(FederatedCallback):
         message.masks = {n: m for n, m in message.masks.items() if n != WEIGHTS}
 
     @override
-    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+    def on_client_message(self, loop: FederationView, client_idx: int, message: Message) -> None:
         self._strip(message)
 
     # ---- a local fit ------------------------------------------------------------------------------------------
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         self._uninstall()
         self._ctx = context if context.kind == "train" else None
         self._q_sum, self._q_n, self._captured = None, 0, None
@@ -248,7 +248,7 @@ class FedEM(FederatedCallback):
         self._uninstall()
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._uninstall()
         ctx, self._ctx = self._ctx, None
         captured, self._captured = self._captured, None
@@ -263,11 +263,11 @@ class FedEM(FederatedCallback):
         loop.accounting.charge_flops(k, self.estep_flops * loop.datamodule.num_samples(k, "train"), update)
 
     @override
-    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+    def on_round_end(self, loop: FederationView, round_idx: int, metrics: dict[str, Any]) -> None:
         # how personal the mixtures are: the mean over clients of max_m π_m (1/M: uniform, 1: one component)
         top = [float(self.get_client_state(loop, k, "weights").max()) for k in range(loop.num_clients)]
         metrics["fedem_pi_max"] = sum(top) / len(top) if top else None
 
     @override
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("FedEM mean max π", "fedem_pi_max")]

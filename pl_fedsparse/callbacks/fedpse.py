@@ -1,4 +1,5 @@
-"""FedPSE's three parts as reusable callbacks (``../shared/papers/002_4df165fcd9405f7c.txt``, Alg. 1-4):
+"""FedPSE's three parts as reusable callbacks ("FedPSE: Personalized Sparsification with Element-wise Aggregation
+for Federated Learning", anonymous ICLR submission, Alg. 1-4):
 
 * :class:`TopKUpload` (UPS, Alg. 1 lines 9-11) — the client uploads ``Top-K(W^{r,T} − W^{r,0} + e)`` and keeps the
   rest as its error residual ``e`` (client state). Any delta-aware aggregation can use it (a FedAvg with top-k uploads).
@@ -55,7 +56,7 @@ from pl_fedsparse.functional.pse import (
 from pl_fedsparse.streams import register_stream
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["ResidualUpload", "TopKUpload", "ElementwiseAggregation", "PersonalizedDownstream", "DELTA"]
 
@@ -101,18 +102,18 @@ class ResidualUpload(FederatedCallback):
         raise NotImplementedError
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         init = loop.initial_state
         names = self.residual_names(init)
         self.add_client_state(loop, "residual", lambda k: {n: torch.zeros_like(init[n]) for n in names})
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
                        if t.is_floating_point()}
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         start, self._start = self._start, {}
         if update.kind != "train" or update.message is None:
             return
@@ -179,15 +180,15 @@ class ElementwiseAggregation(FederatedCallback):
         self.mode = mode
 
     @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
+    def on_federation_start(self, loop: FederationView) -> None:
         if loop.global_state is None:
             raise ConfigError("trainer.topology is invalid for ElementwiseAggregation: expected a server (Star)")
 
     @override
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state
         sent = [u for u in updates if u.message is not None]
-        loop.server_update = None
+        loop.set_server_update(None)
         if glob is None or not sent:
             return glob
         if not all(u.extras.get(DELTA) for u in sent):
@@ -199,7 +200,7 @@ class ElementwiseAggregation(FederatedCallback):
             server_update = {n: elementwise_average([t[n] for t in uploads], weights) for n in uploads[0]}
         else:  # FedAvg's weighted mean, zeros included
             server_update = weighted_average(uploads, weights)
-        loop.server_update = server_update
+        loop.set_server_update(server_update)
         return {n: (t + server_update[n] if n in server_update else t) for n, t in glob.items()}
 
 
@@ -241,20 +242,20 @@ class PersonalizedDownstream(FederatedCallback):
             self.server_residual = {n: t.clone() for n, t in state_dict["server_residual"].items()}
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         init, names = loop.initial_state, _float_names(loop.initial_state)
         if self.error_feedback:
             self.server_residual = {n: torch.zeros_like(init[n]) for n in names}
         self.add_client_state(loop, "start", lambda k: dict(init))  # W_i^{r−1,0}: the start of its last round
         self.add_client_state(loop, "pending", lambda k: {n: torch.zeros_like(init[n]) for n in names})
 
-    def _next_start(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def _next_start(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         start = self.get_client_state(loop, client_idx, "start")
         pending = self.get_client_state(loop, client_idx, "pending")
         return {n: (t + pending[n] if n in pending else t) for n, t in start.items()}
 
     @override
-    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+    def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         # Alg. 1 line 1: W^{r,0} = W^{r−1,0} + ΔŴ_{s,i}; only the pending update's non-zeros travel
         pending = self.get_client_state(loop, client_idx, "pending")
         # a pending update made of one ternary broadcast travels as one; sums of several (a client that missed
@@ -263,11 +264,11 @@ class PersonalizedDownstream(FederatedCallback):
         return Message(self._next_start(loop, client_idx), {n: t != 0 for n, t in pending.items()}, ternary)
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         return self._next_start(loop, client_idx)
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         if update.kind != "train":
             return
         k = update.client_idx  # the pending update was applied at this fit's start
@@ -276,12 +277,12 @@ class PersonalizedDownstream(FederatedCallback):
                                                    self.get_client_state(loop, k, "pending").items()})
 
     @override
-    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+    def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         self._uploads = {u.client_idx: u.message.tensors for u in updates
                          if u.message is not None and u.extras.get(DELTA)}
 
     @override
-    def on_after_aggregate(self, loop: FederatedLoop) -> None:
+    def on_after_aggregate(self, loop: FederationView) -> None:
         dense = loop.server_update
         uploads, self._uploads = self._uploads, {}
         if dense is None:

@@ -25,7 +25,7 @@ from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.errors import check
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["FedSpaAggregation"]
 
@@ -53,7 +53,7 @@ class FedSpaAggregation(FederatedCallback):
         self.weighting = weighting
 
     @override
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state
         if glob is None or not updates:
             return glob

@@ -48,12 +48,12 @@ from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["Gossip", "consensus_state"]
 
 
-def consensus_state(loop: FederatedLoop) -> dict[str, Tensor]:
+def consensus_state(loop: FederationView) -> dict[str, Tensor]:
     """The *consensus* of a federation: the uniform average of every client's personal model.
 
     The DisPFL code's D-PSGD "global" model (``dpsgd_api.py:85``, averaged over all clients at ``:159-167``) and the
@@ -133,7 +133,7 @@ class Gossip(FederatedCallback):
         self._consensus: dict[str, Tensor] | None = None
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         if loop.topology.has_server:
             raise ConfigError(f"trainer.topology={type(loop.topology).__name__} is invalid for Gossip: expected a "
                               "peer topology (pl_fedsparse.topology.Ring, FullyConnected or RandomPeers)")
@@ -145,7 +145,7 @@ class Gossip(FederatedCallback):
         self.add_client_state(loop, "mask", lambda k: pack_masks(loop.client_masks(k) or {}))
 
     @override
-    def on_round_start(self, loop: FederatedLoop, round_idx: int) -> None:
+    def on_round_start(self, loop: FederationView, round_idx: int) -> None:
         # references to the stored tensors, as stored (encoded with trainer.client_state_codec: lossless — decoded
         # per message, so the snapshot of every client costs no memory): entries are replaced, never mutated, when
         # clients finish training
@@ -174,7 +174,7 @@ class Gossip(FederatedCallback):
         return Message(self._expand(self._decode(weights), masks), masks)
 
     @override
-    def client_message(self, loop: FederatedLoop, client_idx: int) -> Message | None:
+    def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         topo, r, n = loop.topology, loop.round_idx, loop.num_clients
         own = self.sender_message(client_idx)
         if topo.skips_aggregation(r, client_idx, n, loop.seed):
@@ -188,7 +188,7 @@ class Gossip(FederatedCallback):
         return Message(avg)
 
     @override
-    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+    def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         # after every callback's on_client_fit_end, so update.masks is final whatever the callback order; only the
         # round's own fits are here (fine-tuning fits never become a client's gossip model)
         self._consensus = None  # (the clients' models change here: never evaluate a consensus of older ones)
@@ -200,16 +200,16 @@ class Gossip(FederatedCallback):
             self.set_client_state(loop, update.client_idx, "mask", pack_masks(masks) if masks else {})
 
     @override
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         return None
 
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         packed = self.get_client_state(loop, client_idx, "mask")
         weights = self.get_client_state(loop, client_idx, "weights")
         return self._expand(weights, unpack_masks(packed, self._shapes) if packed else {})
 
-    def eval_models(self, loop: FederatedLoop) -> dict[str, dict[str, Tensor]]:
+    def eval_models(self, loop: FederationView) -> dict[str, dict[str, Tensor]]:
         """The evaluation-only models of this evaluation (:func:`pl_fedsparse.evaluation.shared_models`):
         ``{"consensus": consensus_state(loop)}`` with ``consensus_eval``, else none.
 
@@ -224,9 +224,9 @@ class Gossip(FederatedCallback):
         return {"consensus": self._consensus}
 
     @override
-    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
         self._consensus = None  # a dense model: not kept (nor shipped to workers) between evaluations
 
     @override
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("consensus model acc", "consensus_acc")] if self.consensus_eval else []

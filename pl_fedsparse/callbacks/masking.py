@@ -35,12 +35,12 @@ from pl_fedsparse.functional.masks import apply_masks, check_density, layer_dens
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["MaskedTraining", "SparseMask", "UsesMaskedTraining", "random_mask_scores", "top_masks"]
 
 
-def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], key: int,
+def random_mask_scores(loop: FederationView, shapes: dict[str, tuple[int, ...]], key: int,
                        density: float) -> dict[str, Tensor]:
     """The default initial-mask scores: one ``randperm`` per tensor (in order) from the ``mask`` stream at
     ``(key, density·1e6)`` — DisPFL's ``init_masks`` draw; ``key`` 0 is shared by all clients."""
@@ -48,7 +48,7 @@ def random_mask_scores(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], 
     return {k: permutation_scores(s, gen) for k, s in shapes.items()}
 
 
-def random_top_masks(loop: FederatedLoop, shapes: dict[str, tuple[int, ...]], key: int, density: float,
+def random_top_masks(loop: FederationView, shapes: dict[str, tuple[int, ...]], key: int, density: float,
                      densities: dict[str, float]) -> dict[str, Tensor]:
     """``top_masks(random_mask_scores(loop, shapes, key, density), densities)`` without sorting: the top ``k`` of a
     permutation score are the permutation's first ``k`` entries (the same draws, in the same order, so the same
@@ -277,7 +277,7 @@ class SparseMask(UsesMaskedTraining):
         return layer_densities(self.shapes, self.client_density(client_idx), self.distribution, self.erk_power_scale,
                                self.dense_1d)
 
-    def mask_scores(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def mask_scores(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """Scores of every position of every tensor; the initial mask keeps the top ``floor(d_l · n_l)`` of each layer.
 
         Called once per client when the federation starts, with the initial weights in ``loop.model`` (and in
@@ -288,7 +288,7 @@ class SparseMask(UsesMaskedTraining):
         key = 0 if self.same_mask else client_idx + 1
         return random_mask_scores(loop, self.shapes, key, self.client_density(client_idx))
 
-    def draw_mask(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def draw_mask(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """The initial mask of ``client_idx``: per tensor with density < 1, the top-k of :meth:`mask_scores`."""
         if type(self).mask_scores is SparseMask.mask_scores:  # the default random scores: no sort needed
             key = 0 if self.same_mask else client_idx + 1
@@ -296,15 +296,15 @@ class SparseMask(UsesMaskedTraining):
                                     self.layer_densities(client_idx))
         return top_masks(self.mask_scores(loop, client_idx), self.layer_densities(client_idx))
 
-    def masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """The current (unpacked, bool) mask of ``client_idx``."""
         return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self.shapes)
 
-    def set_masks(self, loop: FederatedLoop, client_idx: int, masks: dict[str, Tensor]) -> None:
+    def set_masks(self, loop: FederationView, client_idx: int, masks: dict[str, Tensor]) -> None:
         """Replace the mask of ``client_idx`` (stored bit-packed)."""
         self.set_client_state(loop, client_idx, "mask", pack_masks(masks))
 
-    def next_masks(self, loop: FederatedLoop, module: pl.LightningModule,
+    def next_masks(self, loop: FederationView, module: pl.LightningModule,
                    update: ClientUpdate) -> dict[str, Tensor] | None:
         """The client's mask for its next round, computed after local training (``None``: keep it). Override for
         dynamic sparse training; ``module`` holds the trained weights."""
@@ -312,27 +312,27 @@ class SparseMask(UsesMaskedTraining):
 
     # ---- federation hooks ----------------------------------------------------------------------------------------
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         self.shapes = {k: tuple(v.shape) for k, v in loop.initial_state.items() if v.is_floating_point()}
         self.add_client_state(loop, "mask", lambda k: pack_masks(self.draw_mask(loop, k)))
 
     @override
-    def client_masks(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor] | None:
+    def client_masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor] | None:
         return self.masks(loop, client_idx)
 
     @override
-    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+    def on_client_message(self, loop: FederationView, client_idx: int, message: Message) -> None:
         # the client receives (and starts from) its sparse share: m_k ⊙ W (FedSpa), m_k ⊙ gossip average (DisPFL)
         masks = self.masks(loop, client_idx)
         message.tensors = apply_masks(message.tensors, masks)
         message.masks.update({k: m for k, m in masks.items() if k in message.tensors})
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         self.training.begin(module, self.masks(loop, context.client_idx))
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         masks = self.training.end()
         update.masks = masks
         nxt = self.next_masks(loop, module, update)
@@ -346,11 +346,11 @@ class SparseMask(UsesMaskedTraining):
             update.message = Message(apply_masks(update.message.tensors, masks), sent)
 
     @override
-    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+    def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:
         return kind != "personal" or not self.mask_personal_eval  # the client's own mask on its personal model
 
     @override
-    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+    def on_client_evaluate_start(self, loop: FederationView, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "personal" and self.mask_personal_eval:  # the personal model is the client's masked model
             with torch.no_grad():

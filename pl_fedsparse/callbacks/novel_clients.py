@@ -40,7 +40,7 @@ from pl_fedsparse.metrics import bottom_decile
 from pl_fedsparse.streams import register_stream
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["NovelClients"]
 
@@ -76,7 +76,7 @@ class NovelClients(FederatedCallback):
         self._acc: dict[int, tuple[float, float]] = {}
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         n = loop.num_clients
         if n < 2:
             raise ConfigError(f"data.num_clients={n} is invalid for NovelClients: expected at least 2 clients")
@@ -90,7 +90,7 @@ class NovelClients(FederatedCallback):
         return client_idx in self.novel
 
     @override
-    def select_clients(self, loop: FederatedLoop, round_idx: int, client_ids: Sequence[int]) -> list[int]:
+    def select_clients(self, loop: FederationView, round_idx: int, client_ids: Sequence[int]) -> list[int]:
         dropped = loop.topology.dropped(round_idx, len(client_ids), loop.seed)
         ids = [k for k in client_ids if k not in self.novel and k not in dropped]
         m = loop.clients_per_round or max(1, int(loop.join_ratio * (loop.num_clients - len(self.novel)) + 1e-9))
@@ -100,23 +100,23 @@ class NovelClients(FederatedCallback):
         return sorted(ids[int(i)] for i in rng.choice(len(ids), size=m, replace=False))
 
     @override
-    def fit_requests(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
+    def fit_requests(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> list[FitSpec]:
         if stage != "after_aggregate" or loop.round_idx != loop.num_rounds - 1 or loop.global_state is None:
             return []
         start = loop.global_state
         return [FitSpec(k, "finetune", start, epochs=self.epochs, download=Message(start)) for k in self.novel]
 
     @override
-    def on_requested_fits_end(self, loop: FederatedLoop, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
+    def on_requested_fits_end(self, loop: FederationView, stage: FitStage, updates: Sequence[ClientUpdate]) -> None:
         for u in updates:
             self.set_client_state(loop, u.client_idx, "weights", u.state)
 
     @override
-    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+    def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:
         return kind != "personal"  # a novel client's fine-tuned weights replace its personal model
 
     @override
-    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+    def on_client_evaluate_start(self, loop: FederationView, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind == "personal" and self.is_novel(client_idx):
             tuned: dict[str, Tensor] = self.get_client_state(loop, client_idx, "weights")
@@ -124,13 +124,13 @@ class NovelClients(FederatedCallback):
                 loop.load_state(tuned)
 
     @override
-    def on_client_evaluate_end(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str,
+    def on_client_evaluate_end(self, loop: FederationView, module: pl.LightningModule, client_idx: int, kind: str,
                                metrics: dict[str, float]) -> None:
         if kind == "personal":
             self._acc[client_idx] = (float(metrics["acc"]), float(metrics["n"]))
 
     @override
-    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
         acc, self._acc = self._acc, {}
         for group, members in (("seen", [k for k in acc if not self.is_novel(k)]), ("novel", self.novel)):
             rows = [acc[k] for k in members if k in acc and acc[k][1] > 0]
@@ -143,7 +143,7 @@ class NovelClients(FederatedCallback):
         metrics["novel/gap"] = seen - novel if seen is not None and novel is not None else None
 
     @override
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("seen clients acc (weighted)", "seen/acc_weighted"),
                 ("seen clients bottom decile", "seen/acc_bottom10"),
                 ("novel clients acc (weighted)", "novel/acc_weighted"), ("novel gap Δ", "novel/gap")]

@@ -21,7 +21,7 @@ from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["KeepOptimizerState"]
 
@@ -48,11 +48,11 @@ class KeepOptimizerState(FederatedCallback):
         self._captured: dict[str, Tensor] | None = None  # the state at the end of this fit
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         self.add_client_state(loop, "state", lambda k: {})
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         self._pending = self.get_client_state(loop, context.client_idx, "state") if context.kind == "train" else None
         self._captured = None
 
@@ -78,7 +78,7 @@ class KeepOptimizerState(FederatedCallback):
                           else torch.as_tensor(v) for i, entries in state.items() for name, v in entries.items()}
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         if self._captured is not None:
             self.set_client_state(loop, update.client_idx, "state", self._captured)
         self._pending = self._captured = None

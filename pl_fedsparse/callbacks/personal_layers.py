@@ -60,7 +60,7 @@ from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.executors.base import load_state
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["PersonalLayers", "layer_names", "personal_tensor_names"]
 
@@ -209,7 +209,7 @@ class PersonalLayers(FederatedCallback):
 
     # ---- set-up -----------------------------------------------------------------------------------------------
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         model = loop.model
         assert model is not None
         self.personal_names = tuple(personal_tensor_names(model, self.personal, self.head_layers))
@@ -232,7 +232,7 @@ class PersonalLayers(FederatedCallback):
         self.add_client_state(loop, "weights", lambda k: {n: loop.initial_state[n] for n in personal})
 
     @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
+    def on_federation_start(self, loop: FederationView) -> None:
         if loop.global_state is None:
             raise ConfigError("trainer.topology is invalid for PersonalLayers: expected a server (Star); the shared "
                               "layers are averaged by the server")
@@ -243,7 +243,7 @@ class PersonalLayers(FederatedCallback):
 
     # ---- policies ---------------------------------------------------------------------------------------------
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         glob = loop.global_state
         if glob is None:
             raise ConfigError("trainer.topology is invalid for PersonalLayers: expected a server (Star)")
@@ -259,14 +259,14 @@ class PersonalLayers(FederatedCallback):
                        frozenset(n for n in message.ternary if n not in keep))
 
     @override
-    def on_client_message(self, loop: FederatedLoop, client_idx: int, message: Message) -> None:
+    def on_client_message(self, loop: FederationView, client_idx: int, message: Message) -> None:
         if self.split_active(loop.round_idx):  # only the shared layers are downloaded
             stripped = self._strip(message)
             message.tensors, message.masks, message.ternary = stripped.tensors, stripped.masks, stripped.ternary
 
     # ---- a local fit ------------------------------------------------------------------------------------------
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         self._restore()
         active = context.kind == "train" and self.split_active(context.round_idx)
         self._ctx = context if active else None
@@ -320,7 +320,7 @@ class PersonalLayers(FederatedCallback):
         self._params, self._flags = {}, {}
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._restore()
         ctx, self._ctx = self._ctx, None
         samples, self._samples = self._samples, {}
@@ -338,7 +338,7 @@ class PersonalLayers(FederatedCallback):
 
     # ---- FedAvg rounds (fedavg_rounds > 0) ----------------------------------------------------------------------
     @override
-    def on_after_aggregate(self, loop: FederatedLoop) -> None:
+    def on_after_aggregate(self, loop: FederationView) -> None:
         if self.fedavg_rounds and loop.round_idx == self.fedavg_rounds - 1 and loop.global_state is not None:
             start = {n: loop.global_state[n] for n in self.personal_names}  # the same tensors for every client
             for k in range(loop.num_clients):

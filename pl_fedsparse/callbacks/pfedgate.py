@@ -1,6 +1,6 @@
 """pFedGate in a federation: :class:`PFedGate` (Chen, Yao, Gao, Ding, Li, "Efficient Personalized Federated Learning
-via Sparse Model-Adaptation", ICML 2023, ``../shared/papers/000_5863d9cc8384cb45.txt``; the authors' code
-``yxdyc/pFedGate@b8cfa156``, studied in ``../shared/methods/pfedgate.md``, "the notes" below).
+via Sparse Model-Adaptation", ICML 2023, arXiv 2305.02776; the authors' code ``yxdyc/pFedGate@b8cfa156``, "the
+code" below).
 
 Every client owns a private gating layer φ_i (:class:`~pl_fedsparse.models.gate.GatingLayer`). On every batch
 (Alg. 1 lines 3-7) the gate maps the raw input to block importances ``G`` and gated weights ``M``; the knapsack turns
@@ -39,7 +39,8 @@ gradients of θ and φ; the gate steps with its own SGD, the model with the modu
   a layer's FLOPs are linear in its density, so the average is exact), and the gate's own forward/backward FLOPs
   are charged on top. The round's union of kept blocks is ``update.extras["pfedgate_union"]``.
 
-Paper-vs-code choices (notes §12), each an argument (the functional core documents the block maths ones):
+Where the paper and the authors' code differ, each choice is an argument (the functional core documents the
+block maths ones):
 
 ==========================  ==================================  ==================================================
 argument                    default                             other value(s)
@@ -120,7 +121,7 @@ from pl_fedsparse.models.gate import GatingLayer, adapted_forward
 from pl_fedsparse.streams import register_stream
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["BLOCKS", "UNION", "PFedGate"]
 
@@ -166,8 +167,8 @@ class PFedGate(FederatedCallback):
         gate_clip: clip the gate's gradient norm at this value before its step (code: 10); ``null``: no clipping.
         schedule: ``"joint"`` (one backward, both steps on every batch) or ``"bilevel"`` (the code's CLI default
             ``--bi_level_opt 1``: within a fit, even epochs train only the gate, odd epochs only the model, both
-            through the gated forward; set ``trainer.local_epochs`` to twice the code's ``--local_steps``). The
-            notes do not say whether the code's model epochs keep the gate in training mode; here they do, so its
+            through the gated forward; set ``trainer.local_epochs`` to twice the code's ``--local_steps``). Whether
+            the code's model epochs keep the gate in training mode was not established; here they do, so its
             BN/SN running statistics move in both kinds of epoch.
         lr_milestones: fractions of ``trainer.num_rounds`` from which both learning rates (η and the module's η_g)
             are multiplied by another ``lr_gamma`` (the code's ``multi_step``: ``[0.75]``); ``null``: none.
@@ -302,7 +303,7 @@ class PFedGate(FederatedCallback):
                                input_size=(int(in_shape[1]), int(in_shape[2])), separate_paths=self.separate_paths)
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         assert loop.model is not None
         x = loop.datamodule.example_input(2)
         if not (x.dim() == 4 and x.shape[2] * x.shape[3] >= 2):
@@ -332,14 +333,14 @@ class PFedGate(FederatedCallback):
         self.add_client_state(loop, "gate_optimizer", lambda k: {})
 
     @override
-    def on_federation_start(self, loop: FederatedLoop) -> None:
+    def on_federation_start(self, loop: FederationView) -> None:
         if loop.global_state is None:
             raise ConfigError("trainer.topology is invalid for PFedGate: expected a server (Star); the gates adapt "
                               "a global model")
 
     # ---- policies ---------------------------------------------------------------------------------------------
     @override
-    def personal_state(self, loop: FederatedLoop, client_idx: int) -> dict[str, Tensor]:
+    def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         # the global θ, seen through the client's gate (a new dict, so that the evaluator never reuses these
         # logits for the "global" kind, which runs without the gate)
         if loop.global_state is None:
@@ -347,10 +348,10 @@ class PFedGate(FederatedCallback):
         return dict(loop.global_state)
 
     @override
-    def aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+    def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state
         sent = [u for u in updates if u.message is not None and u.kind == "train"]
-        loop.server_update = None
+        loop.set_server_update(None)
         if glob is None or not sent:
             return glob
         weights = [float(u.n_samples) for u in sent]
@@ -373,7 +374,7 @@ class PFedGate(FederatedCallback):
                 server.update(weighted_average([{n: d[n] for n in rest_names} for d in deltas], weights))
         else:  # EWA: every element over the clients whose update is non-zero there
             server = {n: elementwise_average([d[n] for d in deltas], weights) for n in names}
-        loop.server_update = server
+        loop.set_server_update(server)
         return {n: (t + server[n].to(t.dtype) if n in server else t) for n, t in glob.items()}
 
     def decode_upload(self, message: Message) -> dict[str, Tensor]:
@@ -445,14 +446,14 @@ class PFedGate(FederatedCallback):
             s["union"] = keep.clone() if "union" not in s else s["union"] | keep
 
     # ---- a local fit ------------------------------------------------------------------------------------------
-    def _load_gate(self, loop: FederatedLoop, client_idx: int) -> None:
+    def _load_gate(self, loop: FederationView, client_idx: int) -> None:
         assert self.gate is not None
         self.gate.load_state_dict(self.get_client_state(loop, client_idx, "gate"))
         density = self.client_density(client_idx)
         self._client_density, self._clip_floor = density, self.clip_floor(density)
 
     @override
-    def on_client_fit_start(self, loop: FederatedLoop, module: pl.LightningModule, context: FitContext) -> None:
+    def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         self._uninstall()
         self._ctx = context if context.kind in ("train", "finetune") else None
         self._captured, self._stats, self._skip_step = None, {}, False
@@ -537,7 +538,7 @@ class PFedGate(FederatedCallback):
         self._gate_opt = None
 
     @override
-    def on_client_fit_end(self, loop: FederatedLoop, module: pl.LightningModule, update: ClientUpdate) -> None:
+    def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._uninstall()
         ctx, self._ctx, self._gate_opt = self._ctx, None, None
         start, self._start = self._start, {}
@@ -580,15 +581,15 @@ class PFedGate(FederatedCallback):
 
     # ---- evaluation of the personal model ---------------------------------------------------------------------
     @override
-    def evaluation_start_is_shared(self, loop: FederatedLoop, kind: str) -> bool:
+    def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:
         return kind != "personal"  # the client's gate is installed on its personal model
 
     @override
-    def evaluation_batch_matters(self, loop: FederatedLoop) -> bool:
+    def evaluation_batch_matters(self, loop: FederationView) -> bool:
         return True  # one mask per test batch: the personal model's predictions depend on the batch
 
     @override
-    def on_client_evaluate_start(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int,
+    def on_client_evaluate_start(self, loop: FederationView, module: pl.LightningModule, client_idx: int,
                                  kind: str) -> None:
         if kind != "personal":
             return
@@ -600,7 +601,7 @@ class PFedGate(FederatedCallback):
         self._install(module)
 
     @override
-    def on_client_evaluate_end(self, loop: FederatedLoop, module: pl.LightningModule, client_idx: int, kind: str,
+    def on_client_evaluate_end(self, loop: FederationView, module: pl.LightningModule, client_idx: int, kind: str,
                                metrics: dict[str, float]) -> None:
         if kind != "personal":
             return
@@ -613,24 +614,24 @@ class PFedGate(FederatedCallback):
         self._stats = {}
 
     @override
-    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
         values, self._eval_density = list(self._eval_density.values()), {}
         metrics["gate_density"] = sum(values) / len(values) if values else None
 
     # ---- round metrics ----------------------------------------------------------------------------------------
     @override
-    def on_before_aggregate(self, loop: FederatedLoop, updates: Sequence[ClientUpdate]) -> None:
+    def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         self._round_train = [(u.metrics["gate_density"], u.metrics["gate_upload_ratio"]) for u in updates
                              if u.kind == "train" and "gate_density" in u.metrics]
 
     @override
-    def on_round_end(self, loop: FederatedLoop, round_idx: int, metrics: dict[str, Any]) -> None:
+    def on_round_end(self, loop: FederationView, round_idx: int, metrics: dict[str, Any]) -> None:
         stats, self._round_train = self._round_train, []
         metrics["gate_density_train"] = sum(s for s, _ in stats) / len(stats) if stats else None
         metrics["gate_upload_ratio"] = sum(q for _, q in stats) / len(stats) if stats else None
 
     @override
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("gate density s'", "gate_density"), ("upload ratio q", "gate_upload_ratio")]
 
 

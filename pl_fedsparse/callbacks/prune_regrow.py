@@ -31,7 +31,7 @@ from pl_fedsparse.errors import check
 from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, prune_regrow_count
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["MaskPruneRegrow", "GradientRegrow", "RandomRegrow", "PruneRegrowSchedule", "prune_regrow",
            "gradient_scores"]
@@ -56,7 +56,7 @@ class PruneRegrowSchedule:
         self.alpha0, self.schedule = float(alpha0), schedule
         self.every_n_rounds, self.total_rounds = every_n_rounds, total_rounds
 
-    def rate(self, loop: FederatedLoop, round_idx: int) -> float:
+    def rate(self, loop: FederationView, round_idx: int) -> float:
         """α_t of ``round_idx`` (0 in rounds that do not readjust)."""
         if round_idx % self.every_n_rounds != 0:
             return 0.0
@@ -80,7 +80,7 @@ def prune_regrow(masks: dict[str, Tensor], drop: dict[str, Tensor], grow: dict[s
     return out
 
 
-def gradient_scores(loop: FederatedLoop, update: ClientUpdate, names: list[str], batches: int) -> dict[str, Tensor]:
+def gradient_scores(loop: FederationView, update: ClientUpdate, names: list[str], batches: int) -> dict[str, Tensor]:
     """|dense gradient| of ``names`` at the working module's (trained) weights over ``batches`` local batches from
     the ``grow`` stream of (round, client); its FLOPs are charged to the client (``loop.local_gradients``)."""
     grads = loop.local_gradients(update.client_idx, names, keys=(update.round_idx, update.client_idx),
@@ -116,21 +116,21 @@ class MaskPruneRegrow(SparseMask):
         self.alpha0, self.schedule = self.rule.alpha0, schedule
         self.every_n_rounds, self.total_rounds = every_n_rounds, total_rounds
 
-    def prune_rate(self, loop: FederatedLoop, round_idx: int) -> float:
+    def prune_rate(self, loop: FederationView, round_idx: int) -> float:
         """α_t of ``round_idx`` (0 in rounds that do not readjust)."""
         return self.rule.rate(loop, round_idx)
 
-    def drop_score(self, loop: FederatedLoop, update: ClientUpdate, name: str, weight: Tensor) -> Tensor:
+    def drop_score(self, loop: FederationView, update: ClientUpdate, name: str, weight: Tensor) -> Tensor:
         """Score of keeping each entry; the lowest active ones are dropped (default |w|, all papers)."""
         return weight.abs()
 
-    def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
+    def grow_scores(self, loop: FederationView, module: pl.LightningModule,
                     update: ClientUpdate) -> dict[str, Tensor]:
         """Score of regrowing each entry of every masked tensor; the highest inactive ones are grown."""
         raise NotImplementedError(f"{type(self).__name__} must implement grow_scores (see GradientRegrow)")
 
     @override
-    def next_masks(self, loop: FederatedLoop, module: pl.LightningModule,
+    def next_masks(self, loop: FederationView, module: pl.LightningModule,
                    update: ClientUpdate) -> dict[str, Tensor] | None:
         rate = self.prune_rate(loop, update.round_idx)
         masks = update.masks or {}
@@ -146,7 +146,7 @@ class RandomRegrow(MaskPruneRegrow):
     seeded by ``(seed, round, client)``, so results do not depend on client order."""
 
     @override
-    def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
+    def grow_scores(self, loop: FederationView, module: pl.LightningModule,
                     update: ClientUpdate) -> dict[str, Tensor]:
         gen = loop.streams.generator("grow", update.round_idx, update.client_idx)
         return {name: torch.rand(m.shape, generator=gen) for name, m in (update.masks or {}).items()}
@@ -170,6 +170,6 @@ class GradientRegrow(MaskPruneRegrow):
         self.grow_batches = grow_batches
 
     @override
-    def grow_scores(self, loop: FederatedLoop, module: pl.LightningModule,
+    def grow_scores(self, loop: FederationView, module: pl.LightningModule,
                     update: ClientUpdate) -> dict[str, Tensor]:
         return gradient_scores(loop, update, list(update.masks or {}), self.grow_batches)

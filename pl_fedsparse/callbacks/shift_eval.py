@@ -25,7 +25,7 @@ from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import CLEAN, EvalView, view_metric_prefix
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["ShiftEvaluation"]
 
@@ -95,28 +95,28 @@ class ShiftEvaluation(FederatedCallback):
         return out
 
     @override
-    def setup_federation(self, loop: FederatedLoop) -> None:
+    def setup_federation(self, loop: FederationView) -> None:
         dm = loop.datamodule
         if self.corruptions and not getattr(dm, "supports_corruptions", True):
             raise ConfigError(f"ShiftEvaluation.corruptions={self.corruptions!r} is invalid: expected [] for "
                               f"{dm.source_label()} (corruptions are image transforms; its inputs are "
                               f"{dm.input_kind}); shifts work for any data")
 
-    def _due(self, loop: FederatedLoop) -> bool:
+    def _due(self, loop: FederationView) -> bool:
         return self.when == "every" or loop.round_idx >= loop.num_rounds - 1
 
     @override
-    def eval_views(self, loop: FederatedLoop) -> list[EvalView]:
+    def eval_views(self, loop: FederationView) -> list[EvalView]:
         return self.views() if self._due(loop) else []
 
     @override
-    def report_rows(self, loop: FederatedLoop) -> list[tuple[str, str]]:
+    def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("personal acc @ 100 % shift", "shift100/acc_mean"), ("global acc @ 100 % shift", "shift100/global_acc"),
                 ("personal acc, mean over shifts", "shift_avg/acc_mean"),
                 ("personal acc, mean over corruptions", "corruption_avg/acc_mean")]
 
     @override
-    def on_evaluation_end(self, loop: FederatedLoop, metrics: dict[str, Any]) -> None:
+    def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
         views = self.views()
         if not views or f"{views[0].name}/acc_mean" not in metrics:  # not evaluated under shift this round
             return

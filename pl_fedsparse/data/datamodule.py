@@ -53,7 +53,7 @@ import lightning
 import numpy as np
 import torch
 
-from pl_fedsparse.data.corruptions import CORRUPTIONS, corrupt
+from pl_fedsparse.data.corruptions import CIFAR10C, CORRUPTION_NAMES, CORRUPTIONS, corrupt
 from pl_fedsparse.data.datasets import (
     DATASETS,
     EMNIST_SPLITS,
@@ -71,7 +71,7 @@ from pl_fedsparse.data.partition import (
     fedem_dirichlet,
     partition,
 )
-from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
+from pl_fedsparse.data.shift import label_matched_rows, shifted_test_indices, shifted_test_split
 from pl_fedsparse.data.sources import image_size_pair, resolve_torchvision_class, validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check, user_code
 
@@ -122,8 +122,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         noniid_ratio: FedPSE's λ for ``partition="noniid_ratio"``.
         noniid_order: how ``partition="noniid_ratio"`` orders its heterogeneous share
             (:func:`~pl_fedsparse.data.partition.noniid_ratio`): ``"sorted"`` (by label: at λ = 1 with ``K >= C``
-            every client holds one label) or ``"halves"`` (the Flower code FedPSE follows, App. C.1 and §5.1 of
-            ``shared/papers/002_4df165fcd9405f7c.txt``, lines 528 and 219: two shuffled label halves, about five
+            every client holds one label) or ``"halves"`` (the Flower code FedPSE follows, its App. C.1 and §5.1
+            "Non-IID Setting": two shuffled label halves, about five
             of ten labels per client at λ = 1). Ignored by the other schemes.
         min_samples: least number of samples per client (Dirichlet).
         sample_fraction: FedEM's ``s_frac`` for ``partition="fedem_dirichlet"``: the fraction of the data (the pool
@@ -159,6 +159,10 @@ class FederatedDataModule(lightning.LightningDataModule):
         torchvision_class: for ``name="torchvision"``: a class of ``torchvision.datasets`` (``SVHN``, ``KMNIST``,
             ``QMNIST``, ``STL10``, ``USPS``, ...) or the dotted path of a class with torchvision's constructor.
         torchvision_args: extra constructor arguments of that class (e.g. ``{split: digits}`` for ``EMNIST``).
+        cifar10c_root: a folder holding the published CIFAR-10-C arrays (``<corruption>.npy`` of shape
+            ``(50000, 32, 32, 3)`` and ``labels.npy``; :class:`~pl_fedsparse.data.corruptions.CIFAR10C`): corruption
+            views of all 15 corruptions are then read from it instead of generated (:attr:`available_corruptions`).
+            It is checked at setup against the base test split (same size, same labels in the same order).
 
     Example:
         A subclass providing its own data (float features; ``partition: natural`` would use ``train_client``)::
@@ -191,7 +195,8 @@ class FederatedDataModule(lightning.LightningDataModule):
                  download: bool = True, device: str | None = None,
                  synthetic: dict | None = None, emnist_split: str = "balanced", seed: int = 0,
                  test_fraction: float = 0.2, image_size: int | tuple[int, int] | None = None,
-                 torchvision_class: str | None = None, torchvision_args: dict | None = None) -> None:
+                 torchvision_class: str | None = None, torchvision_args: dict | None = None,
+                 cifar10c_root: str | None = None) -> None:
         super().__init__()
         check(name in DATASETS, "data.name", name, f"one of {', '.join(DATASETS)}")
         check(root is None or isinstance(root, str), "data.root", root, "a folder path or None")
@@ -242,6 +247,10 @@ class FederatedDataModule(lightning.LightningDataModule):
         check(torchvision_args is None or (isinstance(torchvision_args, dict) and name == "torchvision"),
               "data.torchvision_args", torchvision_args, "None, or a dict of constructor arguments with "
               "data.name='torchvision'")
+        check(cifar10c_root is None or (isinstance(cifar10c_root, str) and cifar10c_root != ""),
+              "data.cifar10c_root", cifar10c_root, "null or the folder of the published CIFAR-10-C arrays")
+        self.cifar10c_root = cifar10c_root
+        self._cifar10c: CIFAR10C | None = None
         self._synthetic = synthetic_params(synthetic) if name == "synthetic" else None
         if device is not None:
             try:
@@ -259,11 +268,6 @@ class FederatedDataModule(lightning.LightningDataModule):
             test_per_client
         self.max_train_samples, self.batch_size, self.eval_batch_size = max_train_samples, batch_size, eval_batch_size
         self.augment, self.download, self.device = augment, download, device
-        #: the device the evaluated model runs on (set by the loop): what ``eval_batch_size: null`` is chosen for
-        self.eval_device: str | None = None
-        #: set by the loop when the evaluation depends on the batch (a callback's ``evaluation_batch_matters``, a
-        #: module whose eval forward mixes samples): what ``eval_batch_size: null`` is on every device
-        self.eval_batch_fixed: int | None = None
         self.emnist_split, self.seed = emnist_split, seed
         self.test_fraction = float(test_fraction)
         self.torchvision_class = torchvision_class
@@ -465,6 +469,7 @@ class FederatedDataModule(lightning.LightningDataModule):
             self._train_x, self._train_y, self._test_x, self._test_y = (
                 t.to(self.device) for t in (train_x, train_t, base.test_x, base.test_y))
         self._train_y_np, self._test_y_np = train_y, base.test_y.numpy()
+        self._cifar10c = self._open_cifar10c(base)
         self._base = base
 
     # ------------------------------------------------------------------------------------------- properties
@@ -551,25 +556,33 @@ class FederatedDataModule(lightning.LightningDataModule):
                                  mean=self.base.mean, std=self.base.std, augment=self.augment, indices=idx)
 
     def eval_loader(self, client_idx: int, split: Literal["train", "val", "test"] = "test", shift: float = 0.0,
-                    seed: int = 0, corruption: str | None = None,
-                    severity: int = 0) -> TensorBatchLoader | torch.utils.data.DataLoader:
-        """Unshuffled, unaugmented evaluation batches of a client's train/val/test split.
+                    seed: int = 0, corruption: str | None = None, severity: int = 0,
+                    batch_size: int | None = None) -> TensorBatchLoader | torch.utils.data.DataLoader:
+        """Unshuffled, unaugmented evaluation batches of a client's train/val/test split, ``batch_size`` each
+        (default :meth:`eval_batch`; the loop's evaluator passes its own choice).
 
         With ``shift > 0`` a fraction ``shift`` of the samples is replaced by samples drawn uniformly from the base
         test split (DM-PFL, :mod:`pl_fedsparse.data.shift`), seeded by ``(seed, client_idx)``; this works for every
         kind of input. With ``corruption`` every image is corrupted at ``severity`` (1-5;
         :mod:`pl_fedsparse.data.corruptions`), seeded by ``(seed, client_idx, corruption, severity)``; images only
-        (:attr:`supports_corruptions`), anything else is refused in one line.
+        (:attr:`supports_corruptions`), anything else is refused in one line. With ``data.cifar10c_root`` the
+        published CIFAR-10-C images are read instead (:meth:`_cifar10c_loader`; every name of
+        :attr:`available_corruptions`).
         """
         self._check_client(client_idx, split)
         check(_is_num(shift) and 0 <= shift <= 1, "shift", shift, "a number in [0, 1]")
+        check(batch_size is None or (_is_int(batch_size) and batch_size >= 1), "batch_size", batch_size,
+              "null or an int >= 1")
+        batch = self.eval_batch() if batch_size is None else int(batch_size)
         if corruption is not None and not self.supports_corruptions:
             raise ConfigError(f"corruption={corruption!r} is invalid: expected None for {self.source_label()} "
                               f"({self._not_images(self.base)})")
         own = self.client_indices(client_idx, split)
         images, labels, _ = self._source(split)
+        if corruption is not None and self._cifar10c is not None and corruption in self._cifar10c.names:
+            return self._cifar10c_loader(client_idx, split, own, shift, seed, corruption, severity, batch)
         if not isinstance(images, torch.Tensor):
-            return self._dataset_eval_loader(client_idx, own, images, labels, shift, seed)
+            return self._dataset_eval_loader(client_idx, own, images, labels, shift, seed, batch)
         idx: np.ndarray | None = own
         mean, std = self.base.mean, self.base.std
         if shift > 0:
@@ -587,18 +600,68 @@ class FederatedDataModule(lightning.LightningDataModule):
             if idx is not None:
                 rows = torch.as_tensor(np.array(idx, dtype=np.int64, copy=True), device=images.device)
                 images, labels, idx = images[rows], labels[rows], None
-            check(corruption in CORRUPTIONS, "corruption", corruption, "one of " + ", ".join(CORRUPTIONS))
+            check(corruption in CORRUPTIONS, "corruption", corruption, "one of " + ", ".join(CORRUPTIONS)
+                  + " (generated); the other CIFAR-10-C corruptions need the published arrays (data.cifar10c_root)")
             gen = torch.Generator().manual_seed(int(np.random.SeedSequence(
                 [seed, client_idx, 101, CORRUPTIONS.index(corruption) + 1, int(severity)]).generate_state(1)[0]))
             images = corrupt(images.cpu(), corruption, severity, gen).to(labels.device)
-        return TensorBatchLoader(images, labels, self.eval_batch(), shuffle=False, generator_seed=seed, mean=mean,
+        return TensorBatchLoader(images, labels, batch, shuffle=False, generator_seed=seed, mean=mean,
                                  std=std, augment=False, indices=idx)
+
+    @property
+    def available_corruptions(self) -> tuple[str, ...]:
+        """The corruptions :meth:`eval_loader` can give: the generator's
+        (:data:`~pl_fedsparse.data.corruptions.CORRUPTIONS`) or, with ``data.cifar10c_root``, the published 15 in Hendrycks & Dietterich's order, then the generator's
+        others."""
+        self.setup()
+        if self._cifar10c is None:
+            return CORRUPTIONS
+        return tuple(c for c in CORRUPTION_NAMES if c in self._cifar10c.names or c in CORRUPTIONS)
+
+    def _open_cifar10c(self, base: BaseDataset) -> CIFAR10C | None:
+        """The reader of ``data.cifar10c_root``, checked against ``base``'s test split (``None`` when unset)."""
+        if self.cifar10c_root is None:
+            return None
+        if base.kind != "image":
+            raise ConfigError(f"data.cifar10c_root={self.cifar10c_root!r} is invalid: expected null for "
+                              f"{self.source_label()} ({self._not_images(base)})")
+        return CIFAR10C(self.cifar10c_root, base.test_y.numpy(), base.sample_shape)
+
+    def _cifar10c_loader(self, client_idx: int, split: str, own: np.ndarray, shift: float, seed: int,
+                         corruption: str, severity: int, batch: int) -> TensorBatchLoader:
+        """:meth:`eval_loader`'s corruption view read from the published arrays: the rows a generated view has (the
+        client's samples; with ``shift``, the same draws from the base test split), each read at its base test index
+        and ``severity``. A row that is not a base test image (a base train image: ``test_mode`` ``"split"``, or the
+        train part of ``"pooled"``) is stood in for by a test image of the same label
+        (:func:`~pl_fedsparse.data.shift.label_matched_rows`, seeded by ``(seed, client_idx)``: the same images for
+        every corruption and severity)."""
+        assert self._cifar10c is not None
+        check(_is_int(severity) and 1 <= severity <= 5, "severity", severity, "an int in 1..5")
+        images, _, _ = self._source(split)
+        n_test = len(self._test_y)
+        shift_seed = int(np.random.SeedSequence([seed, client_idx]).generate_state(1)[0])
+        if images is self._test_x:  # the client's rows index the base test split
+            rows = shifted_test_indices(own, n_test, shift, shift_seed) if shift > 0 else np.asarray(own)
+        else:
+            kept, drawn = (shifted_test_split(own, n_test, shift, shift_seed) if shift > 0
+                           else (np.asarray(own), np.empty(0, np.int64)))
+            n_train = len(self._train_y) - (n_test if self.test_mode == "pooled" else 0)  # pooled: train, then test
+            stand_in = label_matched_rows(self._train_y_np[own], self._test_y_np,
+                                          int(np.random.SeedSequence([seed, client_idx, 102]).generate_state(1)[0]))
+            order = np.argsort(own, kind="stable")
+            at = order[np.searchsorted(np.asarray(own)[order], kept)]  # each kept row's position in ``own``
+            rows = np.concatenate([np.where(kept >= n_train, kept - n_train, stand_in[at]), drawn])
+        rows = np.array(rows, dtype=np.int64, copy=True)  # the client's index arrays are read-only
+        labels = self._test_y[torch.as_tensor(rows, device=self._test_y.device)]
+        images = self._cifar10c.images(corruption, int(severity), rows).to(labels.device)
+        return TensorBatchLoader(images, labels, batch, shuffle=False, generator_seed=seed, mean=self.base.mean,
+                                 std=self.base.std, augment=False, indices=None)
 
     def eval_batch(self, device: str | torch.device | None = None) -> int:
         """The evaluation batch size: ``data.eval_batch_size``, or when it is ``None`` the throughput choice for
-        ``device`` (default: :attr:`eval_device`, which the loop sets to the device its model runs on, else where
-        the data lives) from :data:`AUTO_EVAL_BATCH_SIZE` — unless the evaluation depends on the batch
-        (:attr:`eval_batch_fixed`, set by the loop): then the same size on every device.
+        ``device`` (default: where the data lives) from :data:`AUTO_EVAL_BATCH_SIZE`. The loop's evaluator
+        (:meth:`pl_fedsparse.evaluation.Evaluator.batch_size`) asks it for the device its model runs on — or, where
+        the evaluation depends on the batch, uses ``data.batch_size`` on every device.
 
         Example:
             >>> FederatedDataModule(eval_batch_size=None).eval_batch("cpu"), FederatedDataModule().eval_batch("cuda")
@@ -608,14 +671,12 @@ class FederatedDataModule(lightning.LightningDataModule):
         """
         if self.eval_batch_size is not None:
             return int(self.eval_batch_size)
-        if self.eval_batch_fixed is not None:
-            return int(self.eval_batch_fixed)
-        where = device if device is not None else (self.eval_device or self.device or "cpu")
+        where = device if device is not None else (self.device or "cpu")
         kind = torch.device(where).type
         return AUTO_EVAL_BATCH_SIZE.get(kind, AUTO_EVAL_BATCH_SIZE["cpu"])
 
     def _dataset_eval_loader(self, client_idx: int, idx: np.ndarray, data: Any, labels: torch.Tensor, shift: float,
-                             seed: int) -> torch.utils.data.DataLoader:
+                             seed: int, batch_size: int) -> torch.utils.data.DataLoader:
         """:meth:`eval_loader` for a base dataset of ``Dataset`` objects (the same shift draws as in memory)."""
         parts = [(data, labels, idx)]
         if shift > 0:
@@ -625,7 +686,7 @@ class FederatedDataModule(lightning.LightningDataModule):
             else:
                 kept, drawn = shifted_test_split(idx, len(self._test_y), shift, shift_seed)
                 parts = [(data, labels, kept), (self._test_x, self._test_y, drawn)]
-        return dataset_loader(parts, self.eval_batch(), shuffle=False, seed=seed)
+        return dataset_loader(parts, batch_size, shuffle=False, seed=seed)
 
     def example_input(self, batch_size: int = 2) -> torch.Tensor:
         """The first ``batch_size`` base train inputs as the loaders yield them (normalised float images, float32

@@ -253,12 +253,13 @@ def noniid_ratio(labels: np.ndarray, num_clients: int, ratio: float, seed: int,
     """FedPSE's λ-heterogeneity (App. C.1): a fraction ``ratio`` of the data is the heterogeneous part, label-ordered
     and cut into ``K`` contiguous chunks (client k gets chunk k); the rest is split i.i.d.; client k = union of both.
 
-    FedPSE (``shared/papers/002_4df165fcd9405f7c.txt``) describes it in one sentence, line 528: "the whole
-    training/test samples are separated into two parts, including the heterogeneous subset with λ percent and the
-    homogeneous subset with (1.0 − λ) percent. On one hand, the homogeneous subset is averaged partitioned into N
-    clients randomly. On the other hand, the heterogeneous subset is sorted by labels and split into N clients by
-    order", and line 219 says the ratio "is the same with Beutel et al. (2020)" — Flower, whose FMNIST baseline
-    (``flwr_experimental/baseline/dataset/dataset.py``, ``create_partitions``) is the code behind that sentence.
+    FedPSE ("Personalized Sparsification with Element-wise Aggregation", anonymous ICLR submission) describes it in
+    one sentence, App. C.1: "the whole training/test samples are separated into two parts, including the
+    heterogeneous subset with λ percent and the homogeneous subset with (1.0 − λ) percent. On one hand, the
+    homogeneous subset is averaged partitioned into N clients randomly. On the other hand, the heterogeneous subset
+    is sorted by labels and split into N clients by order", and §5.1 ("Non-IID Setting") says the ratio "is the same
+    with Beutel et al. (2020)" — Flower, whose FMNIST baseline (``flwr_experimental/baseline/dataset/dataset.py``,
+    ``create_partitions``) is the code behind that sentence.
     ``order`` picks how literally the heterogeneous part is ordered:
 
     * ``"sorted"`` — the sentence read literally: the heterogeneous part (a random ``ratio`` share) is sorted by

@@ -6,7 +6,9 @@ samples is replaced by samples from the *global* test distribution. ``shift=0`` 
 
 :func:`shifted_test_split` returns the kept client indices and the drawn pool indices separately (they may index
 different arrays, e.g. a client's held-out train samples and the global test split); :func:`shifted_test_indices`
-concatenates them for the case where both index the same array.
+concatenates them for the case where both index the same array. :func:`label_matched_rows` finds base test samples
+standing in for samples the published CIFAR-10-C arrays do not contain (a client's own test samples taken from the
+base train split).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from pl_fedsparse.errors import check
 
-__all__ = ["shifted_test_split", "shifted_test_indices"]
+__all__ = ["label_matched_rows", "shifted_test_split", "shifted_test_indices"]
 
 
 def shifted_test_split(client_test_idx: np.ndarray, pool_size: int, shift: float,
@@ -70,3 +72,38 @@ def shifted_test_indices(client_test_idx: np.ndarray, pool_size: int, shift: flo
     """
     kept, drawn = shifted_test_split(client_test_idx, pool_size, shift, seed)
     return np.sort(np.concatenate([kept, drawn]))
+
+
+def label_matched_rows(labels: np.ndarray, pool_labels: np.ndarray, seed: int) -> np.ndarray:
+    """For every sample of label ``labels[i]``, a row of the pool with the same label.
+
+    The published CIFAR-10-C arrays corrupt the 10,000 CIFAR-10 test images only; a client's own test samples in
+    ``test_mode="split"`` (DM-PFL: each client's data split 0.75 / 0.25) are base *train* images, so a corruption view
+    read from the arrays stands each of them in by a test image of the same label: per class, rows drawn uniformly
+    without replacement (with replacement only where a class has fewer pool rows than samples). The client's test set
+    keeps its size and label distribution; the stand-ins depend on ``seed`` only, so every corruption and severity of
+    one evaluation sees the same images.
+
+    Args:
+        labels: ``int [n]`` labels of the samples to stand in for.
+        pool_labels: ``int [M]`` labels of the pool (the base test split).
+        seed: random seed.
+
+    Returns:
+        ``int64 [n]`` pool rows, ``pool_labels[out] == labels``.
+
+    Example:
+        >>> rows = label_matched_rows(np.array([1, 0, 1]), np.array([0, 1, 0, 1, 1]), seed=0)
+        >>> np.array([0, 1, 0, 1, 1])[rows].tolist(), len(set(rows.tolist()))
+        ([1, 0, 1], 3)
+    """
+    labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+    pool_labels = np.asarray(pool_labels, dtype=np.int64).reshape(-1)
+    out = np.empty(len(labels), dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    for c in np.unique(labels):
+        where = np.flatnonzero(labels == c)
+        pool = np.flatnonzero(pool_labels == c)
+        check(len(pool) > 0, "label", int(c), "a label that the base test split holds (no test sample has it)")
+        out[where] = rng.choice(pool, size=len(where), replace=len(where) > len(pool))
+    return out

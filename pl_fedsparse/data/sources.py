@@ -48,6 +48,7 @@ import logging
 import os
 import pickle
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -238,7 +239,9 @@ def _read_tensor_file(path: str) -> dict[str, Any]:
             with np.load(path, allow_pickle=False) as npz:
                 blob: Any = {k: npz[k] for k in npz.files}
         else:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch warns about a foreign pickle protocol: the error says it)
+                warnings.simplefilter("ignore")
+                blob = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         why = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise ConfigError(f"data.root={path!r} is invalid: cannot read it ({why}); expected {expected}") from None
@@ -248,8 +251,17 @@ def _read_tensor_file(path: str) -> dict[str, Any]:
     return blob
 
 
-def _as_tensor(value: Any) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+def _as_tensor(value: Any, key: str, path: str) -> torch.Tensor:
+    """The file's array ``key`` as a tensor; one line naming it when it holds no numbers (e.g. strings)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    arr = np.asarray(value)
+    try:
+        return torch.as_tensor(arr)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"data.root={path!r} is invalid: its {key} holds {arr.dtype} values; expected numbers "
+                          "(integer labels and client ids, float features, uint8 images or integer token ids)"
+                          ) from None
 
 
 def _load_tensors(root: str | None, test_fraction: float, seed: int) -> BaseDataset:
@@ -258,7 +270,7 @@ def _load_tensors(root: str | None, test_fraction: float, seed: int) -> BaseData
     if not os.path.isfile(root):
         raise DataNotFoundError(f"data.root={root!r} is invalid: expected an existing .pt or .npz file for "
                                 f"data.name='tensors'")
-    blob = {k: (v if k == "num_classes" else _as_tensor(v)) for k, v in _read_tensor_file(root).items()}
+    blob = {k: (v if k == "num_classes" else _as_tensor(v, k, root)) for k, v in _read_tensor_file(root).items()}
     if "x" in blob or "y" in blob:
         check("x" in blob and "y" in blob and not {"train_x", "train_y", "test_x", "test_y"} & set(blob),
               "data.root", root, "either x and y (split by data.test_fraction) or train_x, train_y, test_x and test_y")

@@ -30,11 +30,11 @@ from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.errors import ConfigError, RunStoppedError
+from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
 from pl_fedsparse.protocol import check_model, training_loss
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = [
     "NO_LOSS_STEPS",
@@ -80,7 +80,7 @@ class ClientFaultError(RunStoppedError, RuntimeError):
 class ClientExecutor(ABC):
     """Runs local fits: ``run(requests) -> updates`` (one update per request, same order)."""
 
-    def setup(self, loop: FederatedLoop) -> None:
+    def setup(self, loop: FederationView) -> None:
         """Called once when the federation is set up (the loop's module, data and callbacks are ready)."""
 
     @abstractmethod
@@ -200,7 +200,7 @@ class FitMeter(pl.Callback):
         return {"train_loss": loss, "samples_seen": float(n)}
 
 
-def begin_fit(loop: FederatedLoop, request: FitRequest, load: bool = True) -> tuple[Any, int]:
+def begin_fit(loop: FederationView, request: FitRequest, load: bool = True) -> tuple[Any, int]:
     """The start of every local fit, whatever runs it: the client's state in the store, the start weights in the
     working module (unless ``load`` is false: the caller takes them from the request itself), the torch RNG seeded
     from the fit's stream, the callback contract's watch begun. Returns the watch and the client's number of
@@ -240,7 +240,7 @@ def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, 
                         message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
 
 
-def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
+def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
             error: Exception | None, finite: Iterable[int] = ()) -> ClientUpdate:
     """The end of every local fit: the contract checked, the compute charged, faults found and rolled back (the
     client keeps its previous state), the client's state exported into the update. ``finite``: ids of tensors the
@@ -249,7 +249,7 @@ def end_fit(loop: FederatedLoop, request: FitRequest, watch: Any, n_samples: int
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
                               kind=ctx.kind, context=ctx, fault="exception",
-                              fault_detail=f"{type(error).__name__}: {error}")
+                              fault_detail=f"{type(error).__name__}: {one_line_text(error)}")
     else:
         loop.contract.check_fit(watch, ctx)  # the user's error, not a client fault
         samples = update.metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))
@@ -291,7 +291,7 @@ def find_fault(update: ClientUpdate, finite: Iterable[int] = ()) -> tuple[str | 
     return None, None
 
 
-def check_environment(loop: FederatedLoop) -> None:
+def check_environment(loop: FederationView) -> None:
     """Validate the device, the precision and the model protocol on the data
     (:func:`~pl_fedsparse.protocol.check_model`; one-line ConfigErrors)."""
     if loop.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():

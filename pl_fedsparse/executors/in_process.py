@@ -33,7 +33,7 @@ from pl_fedsparse.executors.runner import FitRunner, RunnerUnsupported, runner_s
 from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["InProcessExecutor"]
 
@@ -46,12 +46,12 @@ class InProcessExecutor(ClientExecutor):
     (``trainer.fit_runner``; see the module docstring)."""
 
     def __init__(self) -> None:
-        self.loop: FederatedLoop | None = None
+        self.loop: FederationView | None = None
         self.runner: FitRunner | None = None
         #: why the runner does not apply to this federation (``None``: it does, or it has not been asked yet)
         self.runner_off: str | None = None
 
-    def setup(self, loop: FederatedLoop) -> None:
+    def setup(self, loop: FederationView) -> None:
         self.loop = loop
         self.runner, self.runner_off = None, None
         mode = getattr(loop, "fit_runner", "auto")

@@ -57,7 +57,7 @@ from pl_fedsparse.executors.in_process import InProcessExecutor
 from pl_fedsparse.executors.vectorized import VectorizedExecutor
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["FitWorker", "RayExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree",
            "worker_spec"]
@@ -169,18 +169,21 @@ def _unpack_update(update: ClientUpdate) -> ClientUpdate:
 
 
 # ------------------------------------------------------------------------------------------------ what travels
-def worker_spec(loop: FederatedLoop) -> dict[str, Any]:
+def worker_spec(loop: FederationView) -> dict[str, Any]:
     """What a worker needs once: the loop's attributes minus the driver's state (:data:`_DRIVER_ONLY`), plus the
     names of the declared client-state entries — not their initialisers: a worker never creates client state, and
     an initialiser's closure usually holds the loop, whose pickle would carry every client's state (at 1,000
     ResNet18 clients resumed from a checkpoint, ~25 GB to every worker)."""
     spec = {k: v for k, v in vars(loop).items() if k not in _DRIVER_ONLY}
     spec["_state_keys"] = loop.client_store.keys
+    spec["_loop_class"] = type(loop)  # the worker's replica is one (pickled by reference: nothing here imports it)
+    # the driver evaluator's choice of evaluation batch size (what data.eval_batch_size: null is), on every worker
+    spec["_eval_batch"] = (loop.evaluator.device_type, loop.evaluator.fixed_batch_size)
     spec["run_dir"] = None
     return spec
 
 
-def sync_state(loop: FederatedLoop) -> dict[str, Any]:
+def sync_state(loop: FederationView) -> dict[str, Any]:
     """What a worker needs before a stage's fits: the attributes the driver changes between fits (:data:`_SYNCED`),
     in one object so that tensors shared between them stay shared; callbacks without their
     ``driver_only_attributes``."""
@@ -232,14 +235,13 @@ class FitWorker:
     """
 
     def __init__(self, spec: Mapping[str, Any], threads: int | None = None, vectorize: bool = False) -> None:
-        from pl_fedsparse.loop import FederatedLoop
-
         tune_malloc()
         if threads is not None:
             torch.set_num_threads(max(1, int(threads)))
         spec = dict(spec)
         keys = spec.pop("_state_keys")
-        loop = FederatedLoop.__new__(FederatedLoop)
+        loop_class, eval_batch = spec.pop("_loop_class"), spec.pop("_eval_batch")
+        loop = loop_class.__new__(loop_class)
         vars(loop).update(spec)
         loop.callbacks, loop.global_state, loop.server_update, loop.round_faults = [], None, None, []
         loop.history, loop.last_client_acc, loop.config_text = [], [], None
@@ -247,7 +249,7 @@ class FitWorker:
         for key in keys:
             loop.client_store.declare(key, _created_by_the_driver)
         loop.client_store._sealed = True  # a worker never creates client state: it arrives with the request
-        loop.evaluator = Evaluator(loop)
+        loop.evaluator = Evaluator(loop, *eval_batch)
         loop._owners = {}
         apply_flush_denormal(getattr(loop, "flush_denormal", False))  # (the driver's trainer.flush_denormal)
         loop.run_dir = None  # a fit writes nothing (no logger, no checkpoints)
@@ -426,6 +428,40 @@ def _loopback_node(local: bool) -> Iterator[None]:
             ray_constants.ENABLE_RAY_CLUSTER = before
 
 
+#: Ray's notice, at every ``ray.init`` that starts a local instance, that token authentication is on (its default for
+#: local instances since Ray 2.59) and how to turn it off
+_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_TOKEN_NOTICE)
+
+
+@contextlib.contextmanager
+def _quiet_local_start(local: bool) -> Iterator[None]:
+    """While ``ray.init`` starts a local instance: leave out Ray's notice that token authentication is on.
+
+    The notice is about the protection this instance has anyway (on, with a token Ray generates, and the instance
+    bound to 127.0.0.1 besides: ``_loopback_node``), and tells the user how to turn it off. Ray prints it only when
+    ``RAY_AUTH_MODE`` is unset (its documented switch), but that variable cannot be set here: Ray reads its
+    configuration when imported, and a driver that sets ``RAY_AUTH_MODE=token`` afterwards starts an instance that
+    rejects the driver itself. So only that one record of Ray's logger is dropped, for the ``ray.init`` call:
+    every other warning, and the notice that authentication is *off* (``RAY_AUTH_MODE=disabled``), still shows.
+    A cluster given by ``address`` is left as it is.
+    """
+    if not local:
+        yield
+        return
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    quiet = _DropTokenNotice()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 class RayExecutor(ClientExecutor):
     """Run a stage's fits in parallel on long-lived Ray actors; the driver keeps every piece of state.
 
@@ -477,7 +513,7 @@ class RayExecutor(ClientExecutor):
         self.vectorize = vectorize
         #: how long a restarting worker may take to answer again before the run stops
         self.restart_timeout_s = 600.0
-        self.loop: FederatedLoop | None = None
+        self.loop: FederationView | None = None
         self.actors: list[Any] = []
         self._started_ray = False
         self._sentinel: subprocess.Popen[bytes] | None = None  # stops our local Ray instance if this process dies
@@ -491,7 +527,7 @@ class RayExecutor(ClientExecutor):
         self.stats: dict[str, float] = {"fits": 0, "worker_fit_s": 0.0, "run_wall_s": 0.0, "fit_overhead_s": 0.0}
 
     # ---------------------------------------------------------------- life cycle
-    def setup(self, loop: FederatedLoop) -> None:
+    def setup(self, loop: FederationView) -> None:
         try:
             import ray
         except ImportError:
@@ -519,7 +555,8 @@ class RayExecutor(ClientExecutor):
             _check_reachable(self.address)
             try:
                 # "local": a fresh instance even if this machine runs a cluster (ray start) the user did not name
-                with _loopback_node(self.address is None), _keep_signal_handlers():
+                with _loopback_node(self.address is None), _quiet_local_start(self.address is None), \
+                        _keep_signal_handlers():
                     ray.init(address=self.address or "local", **kwargs)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise ConfigError(f"trainer.executor.address={self.address!r} is invalid: expected a reachable Ray "

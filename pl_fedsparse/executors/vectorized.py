@@ -74,7 +74,7 @@ from pl_fedsparse.executors.stacked import (
 from pl_fedsparse.protocol import training_loss
 
 if TYPE_CHECKING:
-    from pl_fedsparse.loop import FederatedLoop
+    from pl_fedsparse.view import FederationView
 
 __all__ = ["IN_FIT_HOOKS", "StackedFit", "VectorizedExecutor", "VectorizedFitHooks", "in_fit_hooks"]
 
@@ -114,7 +114,7 @@ class VectorizedExecutor(ClientExecutor):
         check(unsupported in ("error", "sequential"), "VectorizedExecutor.unsupported", unsupported,
               "one of error, sequential")
         self.max_group_size, self.unsupported = max_group_size, unsupported
-        self.loop: FederatedLoop | None = None
+        self.loop: FederationView | None = None
         self.sequential = InProcessExecutor()
         self.hooks: list[tuple[Any, VectorizedFitHooks]] = []
         self._all_sequential = False
@@ -122,7 +122,7 @@ class VectorizedExecutor(ClientExecutor):
         self._optimizers: dict[tuple[Any, ...], ElementwiseOptim] = {}
         self._params: list[Tensor] = []  # the working module's parameters (the optimizer cache's key reads them)
 
-    def setup(self, loop: FederatedLoop) -> None:
+    def setup(self, loop: FederationView) -> None:
         self.loop = loop
         self.sequential.setup(loop)
         assert loop.model is not None

@@ -1,6 +1,6 @@
 """Communication accounting: bytes of a message as it would travel on the wire.
 
-Rules (documented in the README):
+Rules (documented in ``docs/outputs.md``, "How are bytes and FLOPs counted?"):
 
 * A dense floating tensor costs 4 bytes per value (float32 on the wire, whatever the training precision).
   Non-floating tensors cost their element size per value.

@@ -1,12 +1,12 @@
 """pFedGate's tensor maths (Chen et al., "Efficient Personalized Federated Learning via Sparse Model-Adaptation",
-ICML 2023; ``../shared/papers/000_5863d9cc8384cb45.txt``; the authors' code ``yxdyc/pFedGate@b8cfa156``, studied in
-``../shared/methods/pfedgate.md``): the operator-type-free block split (§5.2.2), the block-size look-up table ``W``,
+ICML 2023, arXiv 2305.02776; the authors' code ``yxdyc/pFedGate@b8cfa156``, ``models/gating_layers.py`` and
+``gated_learner.py``): the operator-type-free block split (§5.2.2), the block-size look-up table ``W``,
 the knapsack that turns block importances ``G`` into the binary index ``I*`` under a density budget ``s`` (Eq. 6),
 the straight-through estimator ``M' = I_ST ⊙ M`` (App. A) and the sparse personalised parameters
 ``θ' = θ ⊙ expand(M')`` for a functional forward (§5.1, Alg. 1 line 4). The gating layer itself (an ``nn.Module``
 with buffers) is :class:`pl_fedsparse.models.gate.GatingLayer`.
 
-Paper-vs-code choices (method notes §12), each an argument:
+Where the paper and the authors' code differ, each choice is an argument:
 
 * **Block split** (``split``): ``"equal"`` (default, the code's ``GatingLayer.__init__``, ``models/gating_layers.py``):
   every flattened parameter tensor is cut into ``B`` equal chunks (the last one shorter) and the first chunk of every

@@ -1,9 +1,9 @@
 """pFedGate's ``compute: sliced`` forward: the block-sparse personalised model ``θ' = θ ⊙ expand(M')`` run with
 smaller dense ops that skip the output rows ``θ'`` has dropped entirely (Chen et al., "Efficient Personalized
-Federated Learning via Sparse Model-Adaptation", ICML 2023, ``../shared/papers/000_5863d9cc8384cb45.txt``, §7.4 and
-Table 2: "the intermediate tensor involved in the forward and backward processes through the sparse model is
-correspondingly smaller based on block sparsity"). The authors' code masks densely (method notes
-``../shared/methods/pfedgate.md`` §6: "Table 2 cannot come from this code path"), as does the default
+Federated Learning via Sparse Model-Adaptation", ICML 2023, arXiv 2305.02776, App. F "Storage": "the intermediate
+tensor involved in the forward and backward processes through the sparse model is correspondingly smaller based on
+block sparsity", measured in §7.4, Table 2). The authors' code masks densely (``yxdyc/pFedGate@b8cfa156``,
+``models/adapted_op.py``: dense masked weights, no sparse kernels, so Table 2 cannot come from it), as does the default
 ``compute: masked`` (:func:`pl_fedsparse.models.gate.adapted_forward`).
 
 **Why rows.** The block split (§5.2.2, :func:`~pl_fedsparse.functional.gate.split_sizes`, either variant) cuts every

@@ -1,5 +1,7 @@
-"""pFedGate's uploads and the paper's index-wise aggregation, block by block (Chen et al., ICML 2023, App. A "Global
-Model Aggregation"; ``../shared/methods/pfedgate.md`` §5).
+"""pFedGate's uploads and the paper's index-wise aggregation, block by block (Chen et al., "Efficient Personalized
+Federated Learning via Sparse Model-Adaptation", ICML 2023, arXiv 2305.02776, App. A "Global Model Aggregation" and
+§6.3's upload ratio q_i; the authors' code ``yxdyc/pFedGate@b8cfa156`` averages dense state dicts instead,
+``gate_aggregator.py``).
 
 After a round, a client has trained the global model under a different sparse mask on every batch; the blocks it
 selected on at least one batch (the *union*, the author's answer in ``yxdyc/pFedGate#1``) are where its update can be

@@ -1,5 +1,5 @@
-"""FedPSE's tensor maths (Wu et al., "FedPSE: Personalized Sparsification with Element-wise Aggregation for Federated
-Learning"; ``../shared/papers/002_4df165fcd9405f7c.txt``): upstream top-k with error feedback (Alg. 1 lines 9-11),
+"""FedPSE's tensor maths ("FedPSE: Personalized Sparsification with Element-wise Aggregation for Federated
+Learning", anonymous ICLR submission): upstream top-k with error feedback (Alg. 1 lines 9-11),
 element-wise aggregation (EWA, Alg. 2) and the personalised downstream index selection (DPS, Alg. 3), per tensor as
 the paper's example code (App. E, Figs. 9-11) works per layer. Pure functions: tensors in, tensors out.
 
