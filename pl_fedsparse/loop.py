@@ -12,8 +12,8 @@ One round (0-based ``round_idx``)::
     every eval_every rounds: evaluate (evaluation.Evaluator) → on_round_end → report → checkpoint (atomic)
 
 Its parts live in modules named for their jobs: client execution (:mod:`pl_fedsparse.executors`), the fit context
-(:mod:`pl_fedsparse.context`), evaluation (:mod:`pl_fedsparse.evaluation`), reporting (:mod:`pl_fedsparse.reporting`),
-checkpoint state (:mod:`pl_fedsparse.checkpoint`), random streams (:mod:`pl_fedsparse.streams`) and accounting
+(:mod:`pl_fedsparse.context`), evaluation (:mod:`pl_fedsparse.evaluation`), reporting (:mod:`pl_fedsparse.run.writer`),
+checkpoint state (:mod:`pl_fedsparse.run.checkpoint`), random streams (:mod:`pl_fedsparse.streams`) and accounting
 (:class:`pl_fedsparse.metrics.Accounting`). Nothing here is specific to a method: masks, personal weights, residuals
 and gates are client state declared by callbacks; messages, aggregation and personal models are policies.
 """
@@ -34,7 +34,6 @@ from torch import Tensor
 from pl_fedsparse import policies
 from pl_fedsparse.allocator import apply_flush_denormal
 from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.checkpoint import federation_state, load_checkpoint, restore_federation
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CONTRACT_MODES, CallbackContract
@@ -53,7 +52,8 @@ from pl_fedsparse.executors.in_process import InProcessExecutor
 from pl_fedsparse.executors.runner import FIT_RUNNERS
 from pl_fedsparse.metrics import EVAL_METRICS, SERVER, Accounting, TrainFlops
 from pl_fedsparse.protocol import check_datamodule
-from pl_fedsparse.reporting import RunReporter, results_table
+from pl_fedsparse.run.checkpoint import federation_state, load_checkpoint, restore_federation
+from pl_fedsparse.run.writer import RunReporter, results_table
 from pl_fedsparse.streams import Streams, stream_seed
 from pl_fedsparse.topology import Star, Topology
 

@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "continues it\n")
         return 130
     if not a.no_report:
-        from pl_fedsparse.report import main as report_main
+        from pl_fedsparse.run.report import main as report_main
 
         done = [str(out / r.name) if (out / r.name / "summary.json").is_file() else str(c.record / r.name)
                 for r in runs if r.state(out, c.record) == "done"]

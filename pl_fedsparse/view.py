@@ -105,7 +105,7 @@ class EvaluatorView(Protocol):
 
 
 class ReporterView(Protocol):
-    """What the parts use of the run's reporter (:class:`~pl_fedsparse.reporting.RunReporter`)."""
+    """What the parts use of the run's reporter (:class:`~pl_fedsparse.run.writer.RunReporter`)."""
 
     @property
     def run_id(self) -> str | None: ...

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import TINY_CLI
+
 from pl_fedsparse.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,9 @@ from conftest import one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import shipped
 from pl_fedsparse.callbacks import ShiftEvaluation
-from pl_fedsparse.cli import OWN_SUBCOMMANDS, FedCLI, apply_callback_overrides, split_callback_overrides
+from pl_fedsparse.cli import FedCLI
+from pl_fedsparse.cli.help import OWN_SUBCOMMANDS
+from pl_fedsparse.cli.overrides import apply_callback_overrides, split_callback_overrides
 from pl_fedsparse.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

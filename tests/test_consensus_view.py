@@ -2,7 +2,7 @@
 ``Gossip(consensus_eval=True)``, the consensus — the uniform average of all clients' models, what the DisPFL code
 reports for D-PSGD (``dpsgd_api.py:85,159-167``) — as ``consensus_acc`` on every evaluated round. The view is
 evaluation only (the same training, bytes and FLOPs), survives a resume, runs where an executor's workers run the
-forward passes, and equals ``benchmarks/consensus_eval.py`` and a by-hand average."""
+forward passes, and equals ``papers/dispfl/consensus_eval.py`` and a by-hand average."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from conftest import TINY_CLI, fit_until_interrupted, run_main, tiny_datamodule,
 from pl_fedsparse import ConfigError, FullyConnected, RandomPeers, Ring
 from pl_fedsparse.callbacks import FineTune, Gossip, RandomRegrow
 from pl_fedsparse.callbacks.gossip import consensus_state
+from pl_fedsparse.errors import UserCodeError
 from pl_fedsparse.evaluation import CLEAN, shared_models
-from pl_fedsparse.executors import InProcessExecutor
-from pl_fedsparse.executors import FitWorker, sync_state, worker_spec
+from pl_fedsparse.executors import FitWorker, InProcessExecutor, sync_state, worker_spec
 from pl_fedsparse.functional import pack_masks, weighted_average
-from pl_fedsparse.rundir import config_changes
+from pl_fedsparse.run.config_diff import config_changes
 
 REPO = Path(__file__).resolve().parents[1]
 TIMES = ("time_s", "time_cum_s", "time_train_s")
@@ -53,7 +53,7 @@ def _dpsgd_ft(consensus_eval: bool) -> list[Any]:
 def _by_hand_consensus_acc(loop: Any) -> float:
     """The consensus accuracy computed outside the evaluator: the average with FineTune's kernel
     (``weighted_average``, unit weights), loaded into the module, argmax accuracy per client, unweighted client
-    mean over the clients with test data (as ``benchmarks/consensus_eval.py`` computed it before the view existed)."""
+    mean over the clients with test data (as ``papers/dispfl/consensus_eval.py`` computed it before the view existed)."""
     states = [loop.personal_state(k) for k in range(loop.num_clients)]
     loop.load_state(weighted_average(states, [1.0] * len(states)))
     accs = []
@@ -208,14 +208,14 @@ def test_workers_evaluate_the_consensus_the_driver_built(tmp_path: Path) -> None
     worker = executor.worker
     assert worker is not None
     views = {CLEAN.name: CLEAN}
-    with pytest.raises(KeyError, match="does not exist"):
+    with pytest.raises(UserCodeError, match="does not exist"):  # the KeyError, behind the user-code wall
         worker.forward(99, pickle.loads(pickle.dumps(sync_state(spread))), [1], "test", views, False,
                        {1: spread.client_store.state_dict()[1]})
 
 
 def test_benchmark_script_gives_the_runs_own_consensus(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """``benchmarks/consensus_eval.py`` on a checkpoint = the run's own ``consensus_acc`` at that round."""
+    """``papers/dispfl/consensus_eval.py`` on a checkpoint = the run's own ``consensus_acc`` at that round."""
     run = tmp_path / "run"
     cfg = tmp_path / "dpsgd.yaml"
     cfg.write_text(yaml.safe_dump({"trainer": {
@@ -226,7 +226,7 @@ def test_benchmark_script_gives_the_runs_own_consensus(tmp_path: Path, capsys: p
     assert code == 0, err
     last = _rows(run)[-1]
     assert last["round"] == 1 and last["evaluated"]
-    spec = importlib.util.spec_from_file_location("consensus_eval", REPO / "benchmarks" / "consensus_eval.py")
+    spec = importlib.util.spec_from_file_location("consensus_eval", REPO / "papers" / "dispfl" / "consensus_eval.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -24,6 +24,7 @@ import torch
 from torchvision.io import encode_jpeg, write_png
 
 import pl_fedsparse.data.datasets as ds
+import pl_fedsparse.data.sources._builtin as builtin_sources
 from pl_fedsparse.data import FederatedDataModule, TensorBatchLoader, load_dataset, normalize, read_idx
 from pl_fedsparse.errors import ConfigError, DataNotFoundError
 
@@ -194,7 +195,7 @@ def test_image_folder_and_cache_reuse(tmp_path: Path, isolated_cache: Path, monk
     def no_decode(*args, **kwargs):
         raise AssertionError("decoded again instead of using the cache")
 
-    monkeypatch.setattr(ds, "_decode_files", no_decode)
+    monkeypatch.setattr(builtin_sources, "_decode_files", no_decode)
     assert torch.equal(load_dataset("cifar10", str(root)).train_x, d.train_x)
     monkeypatch.undo()
     monkeypatch.setenv(ds.CACHE_ENV, str(isolated_cache))

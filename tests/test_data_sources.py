@@ -388,7 +388,7 @@ def test_leaf_users_are_natural_clients(tmp_path: Path) -> None:
 
 
 def test_leaf_shakespeare_strings_become_char_ids(tmp_path: Path) -> None:
-    from pl_fedsparse.data.sources import LEAF_LETTERS
+    from pl_fedsparse.data.sources.leaf import LEAF_LETTERS
 
     train = {"A": (["to be or", "not to b"], ["e", " "]), "B": (["Hello wo"], ["r"])}
     test = {"A": (["e that i"], ["s"])}

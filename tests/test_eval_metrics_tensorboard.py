@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from pl_fedsparse import ConfigError
 from pl_fedsparse.evaluation import ECE_BINS, logits_metrics
 from pl_fedsparse.executors.base import load_state
-from pl_fedsparse.reporting import tensorboard_tag
+from pl_fedsparse.run.writer import tensorboard_tag
 
 
 def hand_f1_macro(pred: np.ndarray, true: np.ndarray) -> float:

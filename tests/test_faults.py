@@ -20,9 +20,9 @@ import yaml
 from conftest import TINY_CLI, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import FederatedCallback, policies
-from pl_fedsparse.checkpoint import load_checkpoint
 from pl_fedsparse.cli import main
 from pl_fedsparse.executors import ClientFaultError
+from pl_fedsparse.run.checkpoint import load_checkpoint
 from pl_fedsparse.testing import FAULT_KINDS, FaultInjection
 
 CLIENT, ROUND = 2, 1

@@ -18,7 +18,7 @@ import yaml
 from conftest import run_main
 
 from pl_fedsparse.data import FederatedDataModule
-from pl_fedsparse.data.datasets import BaseDataset
+from pl_fedsparse.data.base import BaseDataset
 from pl_fedsparse.data.partition import noniid_ratio, partition
 from pl_fedsparse.errors import ConfigError
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from conftest import TINY_CLI, one_line, run_main
 
-from pl_fedsparse.checkpoint import load_checkpoint
+from pl_fedsparse.run.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ SIGNALLER = textwrap.dedent('''
     """Sends this process SIGTERM at a chosen moment (the tests' scheduler)."""
     import os, signal, time
 
-    import pl_fedsparse.checkpoint as ck
+    import pl_fedsparse.run.checkpoint as ck
     from pl_fedsparse import FederatedCallback
 
 

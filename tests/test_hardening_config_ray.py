@@ -15,8 +15,8 @@ import torch
 from conftest import tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import cli, shipped
-from pl_fedsparse.checkpoint import load_checkpoint, save_checkpoint
 from pl_fedsparse.errors import CheckpointError, ConfigError
+from pl_fedsparse.run.checkpoint import load_checkpoint, save_checkpoint
 
 
 # ------------------------------------------------------------------------------------------------ Ray on loopback

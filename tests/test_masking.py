@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY_CLI, tiny_datamodule, tiny_loop, tiny_module
+
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import SparseMask
 from pl_fedsparse.functional import sparse_nbytes

@@ -178,7 +178,8 @@ def test_fit_worker_runs_a_request_like_the_loop(tmp_path: Path, one_thread: Non
     loop.setup(tiny_module(), tiny_datamodule())
     worker = FitWorker(cloudpickle.loads(cloudpickle.dumps(worker_spec(loop))), threads=1)
     request = loop.fit_request(0, dict(loop.global_state))  # type: ignore[arg-type]
-    from pl_fedsparse.executors.ray_executor import _to_wire, _unpack_update, sync_state
+    from pl_fedsparse.executors.wire import _to_wire, _unpack_update
+    from pl_fedsparse.executors.worker import sync_state
 
     remote = _unpack_update(worker.run(1, cloudpickle.loads(cloudpickle.dumps(sync_state(loop))),
                                        _to_wire(request, loop.global_state))[0])
@@ -275,7 +276,7 @@ def test_an_evaluation_chunk_carries_only_its_clients_state(tmp_path: Path, ray_
 
 
 def test_an_unreachable_cluster_is_one_line_at_once() -> None:
-    from pl_fedsparse.executors.ray_executor import _check_reachable
+    from pl_fedsparse.executors.ray_local import _check_reachable
 
     with pytest.raises(ConfigError, match=r"trainer.executor.address='127.0.0.1:1' is invalid: expected a reachable"):
         _check_reachable("127.0.0.1:1")
@@ -286,7 +287,7 @@ def test_an_unreachable_cluster_is_one_line_at_once() -> None:
 
 def test_packed_updates_round_trip_exactly() -> None:
     from pl_fedsparse.client import ClientUpdate, Message
-    from pl_fedsparse.executors.ray_executor import _pack_update, _SparseValues, _unpack_update
+    from pl_fedsparse.executors.wire import _pack_update, _SparseValues, _unpack_update
 
     m = torch.rand(4, 6) > 0.5
     sparse = torch.randn(4, 6) * m  # zero outside its mask: travels as values

@@ -1,4 +1,4 @@
-"""A driver killed with SIGKILL leaves no Ray processes behind: ``_ray_sentinel.py`` stops the local instance's
+"""A driver killed with SIGKILL leaves no Ray processes behind: ``ray_sentinel.py`` stops the local instance's
 process tree when the driver's pipe closes. Linux only (``/proc``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CLI
 
-from pl_fedsparse import _ray_sentinel
+from pl_fedsparse.executors import ray_sentinel as _ray_sentinel
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="the sentinel reads /proc")
 
@@ -129,7 +129,7 @@ def test_no_ray_process_outlives_a_sigkilled_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sigterm_on_ray_stops_the_workers_and_exits_143(tmp_path: Path) -> None:
     pytest.importorskip("ray")
-    from pl_fedsparse.checkpoint import load_checkpoint
+    from pl_fedsparse.run.checkpoint import load_checkpoint
 
     run, driver = _ray_run_in_progress(tmp_path, workers=2)
     tree: list[int] = []

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from pl_fedsparse import ConfigError
-from pl_fedsparse.report import load_run, main, markdown_table, table_rows, write_report
+from pl_fedsparse.run.report import main, markdown_table, table_rows, write_report
+from pl_fedsparse.run.runs import load_run
 
 
 def make_run(d: Path, accs: list[float], cum_bytes: list[int], callbacks: list[str] | None = None,
@@ -139,7 +140,8 @@ def _seeded(d: Path, acc: float, seed: int, lr: float = 0.1, **extra_cfg: Any) -
 
 
 def test_runs_that_differ_only_in_seed_are_one_row_with_mean_and_std(tmp_path: Path) -> None:
-    from pl_fedsparse.report import seed_groups, seed_table
+    from pl_fedsparse.run.report import seed_table
+    from pl_fedsparse.run.runs import seed_groups
 
     runs = [load_run(_seeded(tmp_path / "a0", 0.6670, 0)), load_run(_seeded(tmp_path / "b0", 0.5, 0, lr=0.05)),
             load_run(_seeded(tmp_path / "a1", 0.6301, 1)),
@@ -165,7 +167,7 @@ def test_write_report_adds_the_seed_table_only_when_seeds_repeat(tmp_path: Path)
 
 
 def test_seed_groups_get_a_mean_line_and_a_std_band(tmp_path: Path) -> None:
-    from pl_fedsparse.report import seed_curve, seed_groups
+    from pl_fedsparse.run.runs import seed_curve, seed_groups
 
     runs = [load_run(_seeded(tmp_path / f"s{i}", acc, i)) for i, acc in enumerate([0.60, 0.70, 0.65])]
     rounds, mean, std = seed_curve(seed_groups(runs)[0])

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from pl_fedsparse.report import (load_run, main, pair_table, paired_difference, seed_pairs, t_cdf, t_quantile,
-                                 welch_difference)
+from pl_fedsparse.run.report import main, pair_table, seed_pairs
+from pl_fedsparse.run.runs import load_run
+from pl_fedsparse.run.stats import paired_difference, t_cdf, t_quantile, welch_difference
 
 REL = 1e-9
 

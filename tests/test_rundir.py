@@ -21,10 +21,10 @@ import yaml
 from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import ConfigError, FederatedCallback
-from pl_fedsparse.checkpoint import load_checkpoint
+from pl_fedsparse.run import directory as rundir
 from pl_fedsparse.errors import CheckpointError
-from pl_fedsparse import rundir
-from pl_fedsparse.rundir import config_changes
+from pl_fedsparse.run.checkpoint import load_checkpoint
+from pl_fedsparse.run.config_diff import config_changes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,7 +187,7 @@ def test_stale_lock_of_a_killed_run_is_taken_over_and_its_directory_reused(
     assert json.loads((run / ".lock").read_text())["pid"] == proc.pid  # left behind
     assert (run / "checkpoints" / "round-000000.ckpt").is_file()
     assert (run / "metrics.jsonl").read_text() == ""
-    with caplog.at_level(logging.INFO, logger="pl_fedsparse.rundir"):
+    with caplog.at_level(logging.INFO, logger="pl_fedsparse.run.directory"):
         code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2"), capsys)  # a plain rerun
     assert code == 0, err
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -214,7 +214,7 @@ def test_rerun_allowed_only_where_no_round_completed(tmp_path: Path, caplog: pyt
             loop.fit(tiny_module(), tiny_datamodule())
 
     interrupted(tmp_path / "none", 0)
-    with caplog.at_level(logging.INFO, logger="pl_fedsparse.rundir"):
+    with caplog.at_level(logging.INFO, logger="pl_fedsparse.run.directory"):
         tiny_loop(tmp_path / "none", num_rounds=1).fit(tiny_module(), tiny_datamodule())
     assert any("no round completed" in r.getMessage() for r in caplog.records)
     # the previous run's checkpoints do not mix with the new run's
@@ -561,7 +561,7 @@ def test_a_crafted_checkpoint_imports_nothing_it_names(tmp_path: Path, monkeypat
     cfg["trainer"]["callbacks"] = [{"class_path": "sidefx_cb.Evil", "init_args": {"lr": 1}}]
     state["config"] = yaml.safe_dump(cfg)
     crafted = tmp_path / "crafted.ckpt"
-    from pl_fedsparse.checkpoint import save_checkpoint
+    from pl_fedsparse.run.checkpoint import save_checkpoint
     save_checkpoint(crafted, state)
     before = digest(run)
     code, _, err = run_main(cli_fit(run, "--trainer.num_rounds", "2", "--ckpt_path", str(crafted)), capsys)

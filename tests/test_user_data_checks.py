@@ -80,7 +80,7 @@ def test_a_run_where_every_client_lacks_test_data_is_refused(tmp_path: Path,
 def test_an_empty_class_folder_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from PIL import Image
 
-    from pl_fedsparse.data.sources import _load_folder
+    from pl_fedsparse.data.sources.image_folder import _load_folder
 
     for c in ("cat", "dog"):
         (tmp_path / "imgs" / c).mkdir(parents=True)

@@ -1,6 +1,6 @@
 """FedPSE's two baselines as callbacks on FedPSE's parts ("FedPSE: Personalized Sparsification with Element-wise
 Aggregation for Federated Learning", anonymous ICLR submission, §5.2 and Table 1;
-what was taken from where: ``docs/fedpse-baselines.md``).
+what was taken from where: ``papers/fedpse/baselines.md``).
 
 * **FedSTC** (Sattler et al. 2019) = :class:`~pl_fedsparse.callbacks.TopKUpload` with ``quantize: ternary`` +
   :class:`~pl_fedsparse.callbacks.ElementwiseAggregation` with ``mode: mean`` + :class:`SparseDownstream` (ternary,

@@ -360,7 +360,7 @@ class DualMask(UsesMaskedTraining):
     @override
     def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         # the share of uploaded mask positions that carry an exact zero (regrown positions start at zero and go into
-        # Eq. 5 as such): what the readjustment rate α_s costs the aggregation (the α_s study, docs/reproduce/dmpfl.md)
+        # Eq. 5 as such): what the readjustment rate α_s costs the aggregation (the α_s study, papers/dmpfl/README.md)
         zeros = sent = 0
         for u in (u for u in updates if u.kind == "train"):
             if u.message is None:

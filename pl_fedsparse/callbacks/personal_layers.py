@@ -30,7 +30,7 @@ preset over the network's *layers* (the modules that own parameters, in registra
 ``head_layers`` layers (FedRep's default, 1), ``"body"`` — every layer but the last ``head_layers`` (LG-FedAvg's,
 2). For pFedGate's LeNet-CIFAR (conv1, conv2, fc1, fc2, fc3) these give the two codes' CIFAR splits: FedRep's
 personal ``fc3`` (``lgcollins/FedRep`` ``main_fedrep.py``: ``w_glob_keys`` = conv1, conv2, fc1, fc2), LG-FedAvg's
-personal conv1, conv2, fc1 with fc2, fc3 global (``--num_layers_keep 2``; ``docs/pfedgate-baselines.md`` has the
+personal conv1, conv2, fc1 with fc2, fc3 global (``--num_layers_keep 2``; ``papers/pfedgate/baselines.md`` has the
 quirk of the LG-FedAvg code itself).
 
 Example (``configs/cifar10_fedrep.yaml``, ``configs/cifar10_lgfedavg.yaml``):

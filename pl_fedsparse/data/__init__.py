@@ -12,19 +12,10 @@ Your own data: a built-in source (``data.name``: ``image_folder``, ``tensors``, 
 :meth:`FederatedDataModule.load_base_dataset` to return a :class:`BaseDataset`.
 """
 
+from pl_fedsparse.data.base import BaseDataset, channel_stats, input_kind
 from pl_fedsparse.data.datamodule import FederatedDataModule
-from pl_fedsparse.data.datasets import (
-    DATASETS,
-    EMNIST_SPLITS,
-    SYNTHETIC_DEFAULTS,
-    BaseDataset,
-    channel_stats,
-    clear_memo,
-    input_kind,
-    load_dataset,
-    make_synthetic,
-    read_idx,
-)
+from pl_fedsparse.data.datasets import DATASETS, clear_memo, load_dataset
+from pl_fedsparse.data.decode import read_idx
 from pl_fedsparse.data.loaders import TensorBatchLoader, dataset_loader, normalize
 from pl_fedsparse.data.partition import (
     SCHEMES,
@@ -39,7 +30,9 @@ from pl_fedsparse.data.partition import (
     shards,
 )
 from pl_fedsparse.data.shift import shifted_test_indices, shifted_test_split
-from pl_fedsparse.data.sources import validate_base_dataset
+from pl_fedsparse.data.sources.idx import EMNIST_SPLITS
+from pl_fedsparse.data.sources.synthetic import SYNTHETIC_DEFAULTS, make_synthetic
+from pl_fedsparse.data.validate import validate_base_dataset
 
 __all__ = [
     "BaseDataset",

@@ -5,8 +5,8 @@ The published benchmark has 15 corruptions (:data:`CIFAR10C_CORRUPTIONS`) at 5 s
 them — gaussian_noise, shot_noise, impulse_noise, defocus_blur, brightness, contrast, pixelate, jpeg_compression —
 plus gaussian_blur (one of the four extra corruptions the published archive also ships); glass_blur, motion_blur,
 zoom_blur, snow, frost, fog and elastic_transform exist only as the published arrays. How close each generated one is
-to a reference implementation is measured by ``benchmarks/cifar10c_compare.py``
-(``benchmarks/cifar10c_generator_vs_reference.txt``).
+to a reference implementation is measured by ``papers/dmpfl/cifar10c_compare.py``
+(``papers/dmpfl/records/cifar10c_generator_vs_reference.txt``).
 
 Every corruption maps a ``uint8 [n, C, H, W]`` batch to a corrupted ``uint8`` batch of the same shape at one of the
 five severities, with the severity parameters of Hendrycks & Dietterich's CIFAR-10-C generation script

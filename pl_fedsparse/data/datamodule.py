@@ -53,16 +53,11 @@ import lightning
 import numpy as np
 import torch
 
+from pl_fedsparse.data.base import BaseDataset, InputKind
 from pl_fedsparse.data.corruptions import CIFAR10C, CORRUPTION_NAMES, CORRUPTIONS, corrupt
-from pl_fedsparse.data.datasets import (
-    DATASETS,
-    EMNIST_SPLITS,
-    BaseDataset,
-    InputKind,
-    load_dataset,
-    synthetic_params,
-)
+from pl_fedsparse.data.datasets import DATASETS, load_dataset
 from pl_fedsparse.data.loaders import TensorBatchLoader, dataset_loader, item_input, normalize
+from pl_fedsparse.data.natural import client_groups, natural_clients
 from pl_fedsparse.data.partition import (
     NONIID_ORDERS,
     SCHEMES,
@@ -72,7 +67,11 @@ from pl_fedsparse.data.partition import (
     partition,
 )
 from pl_fedsparse.data.shift import label_matched_rows, shifted_test_indices, shifted_test_split
-from pl_fedsparse.data.sources import image_size_pair, resolve_torchvision_class, validate_base_dataset
+from pl_fedsparse.data.sources._common import image_size_pair
+from pl_fedsparse.data.sources.idx import EMNIST_SPLITS
+from pl_fedsparse.data.sources.synthetic import synthetic_params
+from pl_fedsparse.data.sources.torchvision_class import resolve_torchvision_class
+from pl_fedsparse.data.validate import validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check, user_code
 
 __all__ = ["AUTO_EVAL_BATCH_SIZE", "FederatedDataModule"]
@@ -349,45 +348,14 @@ class FederatedDataModule(lightning.LightningDataModule):
     # ------------------------------------------------------------------------------------------- setup
 
     def _natural_clients(self, base: BaseDataset, pooled: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Client index (0-based, by sorted id) of every train (pooled: train then test) sample and every test
-        sample (``None`` without ``test_client``); sets ``num_clients`` when it is ``None``."""
-        label = self.source_label()
-        if base.train_client is None:
-            raise ConfigError(f"data.partition='natural' is invalid: expected per-sample client ids (train_client) "
-                              f"from {label}, which has none; use a synthetic scheme such as 'dirichlet'")
-        ids = base.train_client.cpu().numpy()
-        uniq = np.unique(ids)
-        if self._num_clients is None:
-            self._num_clients = len(uniq)
-        elif self._num_clients != len(uniq):
-            raise ConfigError(f"data.num_clients={self._num_clients} is invalid: expected {len(uniq)} (the number "
-                              f"of distinct client ids of {label}) or null with data.partition='natural'")
-        train_c = np.searchsorted(uniq, ids)
-        #: the data's own id of each client index (``summary.json``'s ``client_ids``)
-        self.client_ids = uniq.tolist()
-        test_c = None
-        if base.test_client is not None:
-            tids = base.test_client.cpu().numpy()
-            known = np.isin(tids, uniq)
-            if not known.all():
-                raise ConfigError(f"data.partition='natural' is invalid: {label} has test_client id "
-                                  f"{int(tids[~known][0])} without training samples; expected every test client id "
-                                  f"among the train_client ids")
-            test_c = np.searchsorted(uniq, tids)
-        elif self.test_mode in ("partition", "pooled"):
-            raise ConfigError(f"data.test_mode={self.test_mode!r} is invalid: expected 'split' or 'global' with "
-                              f"data.partition='natural' when {label} has no test_client ids")
-        if pooled:
-            assert test_c is not None
-            train_c = np.concatenate([train_c, test_c])
+        """Client index of every train (pooled: train then test) and test sample
+        (:func:`~pl_fedsparse.data.natural.natural_clients`); sets ``num_clients`` when it is ``None`` and
+        ``client_ids``, the data's own id of each client index (``summary.json``'s ``client_ids``)."""
+        train_c, test_c, self._num_clients, self.client_ids = natural_clients(
+            base, self._num_clients, self.test_mode, pooled, self.source_label())
         return train_c, test_c
 
-    @staticmethod
-    def _groups(client_of: np.ndarray, num_clients: int) -> list[np.ndarray]:
-        """Sorted positions of every client's samples (``client_of``: one client index per position)."""
-        order = np.argsort(client_of, kind="stable")
-        cuts = np.searchsorted(client_of[order], np.arange(1, num_clients))
-        return [np.sort(part) for part in np.split(order, cuts)]
+    _groups = staticmethod(client_groups)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the base dataset and build every client's index sets (idempotent)."""

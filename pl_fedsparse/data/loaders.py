@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pl_fedsparse.data.datasets import input_kind
+from pl_fedsparse.data.base import input_kind
 from pl_fedsparse.errors import check
 
 __all__ = ["TensorBatchLoader", "normalize", "epoch_seed", "dataset_loader", "item_input"]

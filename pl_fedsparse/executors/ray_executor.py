@@ -31,302 +31,38 @@ worker; attributes the driver sets between fits (in ``on_round_start``, after ag
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import os
-import signal
 import subprocess
-import sys
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
-from pl_fedsparse.allocator import apply_flush_denormal, tune_malloc
-from pl_fedsparse.client import ClientStateStore, ClientUpdate
+from pl_fedsparse.allocator import tune_malloc
+from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.contract import CallbackContractError
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.executors.base import ClientExecutor, FitRequest
-from pl_fedsparse.executors.in_process import InProcessExecutor
+from pl_fedsparse.executors.ray_local import (
+    LOOPBACK,
+    _check_reachable,
+    _keep_signal_handlers,
+    _loopback_node,
+    _quiet_local_start,
+    _start_sentinel,
+)
 from pl_fedsparse.executors.vectorized import VectorizedExecutor
+from pl_fedsparse.executors.wire import _to_wire, _unpack_update, _WireRequest, pack_tree, unpack_tree
+from pl_fedsparse.executors.worker import FitWorker, sync_state, worker_spec
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FitWorker", "RayExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree",
-           "worker_spec"]
-
 log = logging.getLogger(__name__)
 
-#: loop attributes a worker never needs (state the driver keeps, or things that cannot travel)
-_DRIVER_ONLY = ("executor", "reporter", "history", "last_client_acc", "client_store", "global_state",
-                "server_update", "round_faults", "evaluator", "_owners", "callbacks", "config_text")
-#: loop attributes shipped with every run (the driver changes them between fits)
-_SYNCED = ("round_idx", "global_state", "server_update", "callbacks")
-
-
-# ------------------------------------------------------------------------------------------------ allocator
-# ------------------------------------------------------------------------------------------------ compact tensors
-@dataclass
-class _Packed:
-    """A boolean tensor as bits (``np.packbits``): 1/8 of its bytes on the wire."""
-
-    bits: np.ndarray
-    shape: tuple[int, ...]
-
-    def unpack(self) -> Tensor:
-        n = int(np.prod(self.shape)) if self.shape else 1
-        return torch.from_numpy(np.unpackbits(self.bits, count=n).astype(bool)).reshape(self.shape)
-
-
-def pack_tree(value: Any) -> Any:
-    """``value`` with every boolean tensor (nested in dicts, lists, tuples) bit-packed; :func:`unpack_tree` undoes it.
-
-    Example:
-        >>> m = torch.tensor([[True, False, True], [False, False, True]])
-        >>> packed = pack_tree({"mask": m, "w": torch.ones(2)})
-        >>> bool((unpack_tree(packed)["mask"] == m).all())
-        True
-    """
-    if isinstance(value, Tensor) and value.dtype == torch.bool and value.device.type == "cpu":
-        return _Packed(np.packbits(value.contiguous().numpy().reshape(-1)), tuple(value.shape))
-    if isinstance(value, dict):
-        return {k: pack_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(pack_tree(v) for v in value)
-    return value
-
-
-def unpack_tree(value: Any) -> Any:
-    """Inverse of :func:`pack_tree`."""
-    if isinstance(value, _Packed):
-        return value.unpack()
-    if isinstance(value, dict):
-        return {k: unpack_tree(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(unpack_tree(v) for v in value)
-    return value
-
-
-@dataclass
-class _SparseValues:
-    """A message tensor that is zero outside its mask, as the values at the mask's positions."""
-
-    values: Tensor
-    shape: tuple[int, ...]
-
-
-def _sparse_message_tensors(tensors: dict[str, Tensor], masks: Mapping[str, Tensor]) -> dict[str, Any]:
-    """Message tensors that are exactly zero outside their (same-name) mask travel as their values at the mask."""
-    out: dict[str, Any] = {}
-    for name, t in tensors.items():
-        m = masks.get(name)
-        if (m is not None and m.dtype == torch.bool and m.shape == t.shape and t.device.type == "cpu"
-                and not bool(t[~m].any())):  # (a -0.0 off the mask comes back as +0.0: equal as a value)
-            out[name] = _SparseValues(t[m], tuple(t.shape))
-        else:
-            out[name] = t
-    return out
-
-
-def _dense_message_tensors(tensors: dict[str, Any], masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    out = {}
-    for name, t in tensors.items():
-        if isinstance(t, _SparseValues):
-            dense = torch.zeros(t.shape, dtype=t.values.dtype)
-            dense[masks[name]] = t.values
-            t = dense
-        out[name] = t
-    return out
-
-
-def _pack_update(update: ClientUpdate) -> ClientUpdate:
-    """Boolean tensors bit-packed; message tensors zero outside their mask as values only (undone exactly by
-    :func:`_unpack_update`)."""
-    if update.message is not None:
-        update.message.tensors = _sparse_message_tensors(update.message.tensors, update.message.masks)
-        update.message.masks = pack_tree(update.message.masks)
-    update.masks = pack_tree(update.masks)
-    update.client_state = pack_tree(update.client_state)
-    update.extras = pack_tree(update.extras)
-    return update
-
-
-def _unpack_update(update: ClientUpdate) -> ClientUpdate:
-    update.masks = unpack_tree(update.masks)
-    update.client_state = unpack_tree(update.client_state)
-    update.extras = unpack_tree(update.extras)
-    if update.message is not None:
-        update.message.masks = unpack_tree(update.message.masks)
-        update.message.tensors = _dense_message_tensors(update.message.tensors, update.message.masks)
-    return update
-
-
-# ------------------------------------------------------------------------------------------------ what travels
-def worker_spec(loop: FederationView) -> dict[str, Any]:
-    """What a worker needs once: the loop's attributes minus the driver's state (:data:`_DRIVER_ONLY`), plus the
-    names of the declared client-state entries — not their initialisers: a worker never creates client state, and
-    an initialiser's closure usually holds the loop, whose pickle would carry every client's state (at 1,000
-    ResNet18 clients resumed from a checkpoint, ~25 GB to every worker)."""
-    spec = {k: v for k, v in vars(loop).items() if k not in _DRIVER_ONLY}
-    spec["_state_keys"] = loop.client_store.keys
-    spec["_loop_class"] = type(loop)  # the worker's replica is one (pickled by reference: nothing here imports it)
-    # the driver evaluator's choice of evaluation batch size (what data.eval_batch_size: null is), on every worker
-    spec["_eval_batch"] = (loop.evaluator.device_type, loop.evaluator.fixed_batch_size)
-    spec["run_dir"] = None
-    return spec
-
-
-def sync_state(loop: FederationView) -> dict[str, Any]:
-    """What a worker needs before a stage's fits: the attributes the driver changes between fits (:data:`_SYNCED`),
-    in one object so that tensors shared between them stay shared; callbacks without their
-    ``driver_only_attributes``."""
-    state = {k: getattr(loop, k) for k in _SYNCED}
-    state["callbacks"] = [_for_workers(cb) for cb in state["callbacks"]]
-    return state
-
-
-def _for_workers(callback: Any) -> Any:
-    drop = [a for a in getattr(callback, "driver_only_attributes", ()) if a in vars(callback)]
-    if not drop:
-        return callback
-    clone = copy.copy(callback)  # shallow: the other attributes are the same objects
-    for a in drop:
-        setattr(clone, a, None)
-    return clone
-
-
-@dataclass
-class _WireRequest:
-    """A :class:`~pl_fedsparse.executors.FitRequest` whose start tensors that are the synced global state's tensors
-    are sent by name only."""
-
-    request: FitRequest
-    from_global: list[str] = field(default_factory=list)
-
-
-def _to_wire(request: FitRequest, global_state: Mapping[str, Tensor] | None) -> _WireRequest:
-    if not global_state:
-        return _WireRequest(request)
-    shared = [n for n, t in request.start.items() if global_state.get(n) is t]
-    if not shared:
-        return _WireRequest(request)
-    start = {n: t for n, t in request.start.items() if global_state.get(n) is not t}
-    return _WireRequest(FitRequest(request.context, start, request.client_state), shared)
-
-
-# ------------------------------------------------------------------------------------------------ the worker
-def _created_by_the_driver(client_idx: int) -> Any:
-    raise AssertionError("a worker never creates client state: it arrives with the request")  # (the store is sealed)
-
-
-class FitWorker:
-    """Runs fits on a replica of the loop (see the module docstring); the body of every out-of-process worker.
-
-    Args:
-        spec: :func:`worker_spec` of the driver's loop.
-        threads: torch intra-op threads (``None``: leave torch's default).
-    """
-
-    def __init__(self, spec: Mapping[str, Any], threads: int | None = None, vectorize: bool = False) -> None:
-        tune_malloc()
-        if threads is not None:
-            torch.set_num_threads(max(1, int(threads)))
-        spec = dict(spec)
-        keys = spec.pop("_state_keys")
-        loop_class, eval_batch = spec.pop("_loop_class"), spec.pop("_eval_batch")
-        loop = loop_class.__new__(loop_class)
-        vars(loop).update(spec)
-        loop.callbacks, loop.global_state, loop.server_update, loop.round_faults = [], None, None, []
-        loop.history, loop.last_client_acc, loop.config_text = [], [], None
-        loop.client_store = ClientStateStore(getattr(loop, "client_state_codec", "none"))
-        for key in keys:
-            loop.client_store.declare(key, _created_by_the_driver)
-        loop.client_store._sealed = True  # a worker never creates client state: it arrives with the request
-        loop.evaluator = Evaluator(loop, *eval_batch)
-        loop._owners = {}
-        apply_flush_denormal(getattr(loop, "flush_denormal", False))  # (the driver's trainer.flush_denormal)
-        loop.run_dir = None  # a fit writes nothing (no logger, no checkpoints)
-        self.loop = loop
-        self.executor: InProcessExecutor | VectorizedExecutor = VectorizedExecutor() if vectorize else InProcessExecutor()
-        self.executor.setup(loop)
-        self._synced: Any = None
-
-    def sync(self, key: Any, state: Mapping[str, Any]) -> None:
-        """Take the driver's state for the coming fits (once per ``key``)."""
-        if self._synced == key:
-            return
-        loop = self.loop
-        for k in _SYNCED:
-            setattr(loop, k, state[k])
-        # a worker holds no client's state between calls: fits bring their own, evaluations their chunk's
-        loop.client_store._data = {}
-        loop._resolve_policies()
-        self._synced = key
-
-    def forward(self, key: Any, state: Mapping[str, Any], clients: Sequence[int], split: str,
-                views: Mapping[str, Any], has_global: bool,
-                client_state: Mapping[int, Mapping[str, Any]] | None = None) -> list[Any]:
-        """Evaluation's forward passes of ``clients`` (:meth:`pl_fedsparse.evaluation.Evaluator.forward`), with
-        ``client_state`` the state of exactly those clients (personal models are policies that read it)."""
-        self.sync(key, state)
-        loop = self.loop
-        loop.client_store._data = {int(k): dict(v) for k, v in (client_state or {}).items()}
-        try:
-            return [loop.evaluator.forward(k, split, dict(views), has_global) for k in clients]
-        finally:
-            loop.client_store._data = {}
-
-    def run(self, key: Any, state: Mapping[str, Any], wire: _WireRequest
-            ) -> tuple[ClientUpdate | CallbackContractError, float]:
-        """Run one fit and return its update (boolean tensors bit-packed, only the client-state entries it
-        changed) and the seconds it took here; or the callback-contract violation the fit raised."""
-        updates, seconds = self.run_many(key, state, [wire])
-        return (updates if isinstance(updates, CallbackContractError) else updates[0]), seconds
-
-    def run_many(self, key: Any, state: Mapping[str, Any], wires: Sequence[_WireRequest]
-                 ) -> tuple[list[ClientUpdate] | CallbackContractError, float]:
-        """Run fits (of different clients) through this worker's executor — together, when it is a
-        :class:`~pl_fedsparse.executors.VectorizedExecutor` — and return their updates as :meth:`run` does."""
-        self.sync(key, state)
-        loop = self.loop
-        requests = []
-        for wire in wires:
-            request = wire.request
-            if wire.from_global:
-                assert loop.global_state is not None
-                start = {**{n: loop.global_state[n] for n in wire.from_global}, **request.start}
-                request = FitRequest(request.context, start, request.client_state)
-            unknown = [name for name in request.client_state if name not in loop.client_store._inits]
-            if unknown:
-                raise KeyError(f"client state {unknown} was never declared")
-            requests.append(request)
-        t0 = time.perf_counter()
-        # the requests' entries as they are (the store would copy them): what a fit leaves untouched is not sent back
-        for request in requests:
-            loop.client_store._data[request.context.client_idx] = dict(request.client_state)
-        try:
-            updates = self.executor.run(requests)
-        except CallbackContractError as e:  # raised again by the driver: one line, not a worker's traceback
-            return e, time.perf_counter() - t0
-        finally:
-            for request in requests:
-                loop.client_store._data.pop(request.context.client_idx, None)
-        for request, update in zip(requests, updates, strict=True):
-            sent = request.client_state
-            if update.client_state is not None and update.client_state is not sent:
-                update.client_state = {name: v for name, v in update.client_state.items() if sent.get(name) is not v}
-        return [_pack_update(u) for u in updates], time.perf_counter() - t0
-
-    def ping(self) -> int:
-        """The worker's process id (a cheap call to measure the round trip)."""
-        return os.getpid()
+__all__ = ['FitWorker', 'RayExecutor', 'pack_tree', 'sync_state', 'tune_malloc', 'unpack_tree', 'worker_spec']
 
 
 class _RayFitWorker(FitWorker):
@@ -337,129 +73,6 @@ class _RayFitWorker(FitWorker):
         if gpu_fraction is not None and torch.cuda.is_available():
             torch.cuda.set_per_process_memory_fraction(min(1.0, float(gpu_fraction)))
         super().__init__(spec, threads, vectorize)
-
-
-# ------------------------------------------------------------------------------------------------ Ray
-def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
-    """Refuse a ``host:port`` cluster address nobody listens on, at once (``ray.init`` would retry for minutes)."""
-    if address is None or address == "auto" or "://" in address or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
-    if not port.isdigit():
-        raise ConfigError(f"trainer.executor.address={address!r} is invalid: expected 'auto', 'host:port', "
-                          "'ray://host:port' or null for a local instance")
-    import socket
-
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
-    except OSError as e:
-        raise ConfigError(f"trainer.executor.address={address!r} is invalid: expected a reachable Ray cluster "
-                          f"(ray start --head on that node), or null for a local one ({e.strerror or e})") from None
-
-
-#: the address a local Ray instance started by :class:`RayExecutor` binds to
-LOOPBACK = "127.0.0.1"
-
-
-@contextlib.contextmanager
-def _keep_signal_handlers() -> Iterator[None]:
-    """Put this process's SIGTERM and SIGINT handlers back after the block: ``ray.init`` installs a native failure
-    handler for SIGTERM that dumps a stack trace and aborts (exit -6), which would bypass ``pl-fed``'s clean stop
-    (exit 143, the resume command, the workers stopped)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for s, h in before.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-
-def _start_sentinel(ray: Any) -> subprocess.Popen[bytes] | None:
-    """Start ``_ray_sentinel.py`` for the local Ray instance this process just started: when this process dies, even
-    by SIGKILL, the pipe to the sentinel closes and it stops the instance's processes (Ray leaves its GCS, raylet and
-    agents running otherwise). Linux only (it reads ``/proc``); ``None`` elsewhere or when the session directory is
-    unknown."""
-    if not os.path.isdir("/proc/self"):
-        return None
-    try:
-        session_dir = ray._private.worker._global_node.get_session_dir_path()
-    except AttributeError:
-        return None
-    from pl_fedsparse import _ray_sentinel  # (its file is run as a script; found by import, wherever it lives)
-
-    script = os.path.abspath(_ray_sentinel.__file__)
-    return subprocess.Popen([sys.executable, "-S", script, session_dir], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            close_fds=True)
-
-
-@contextlib.contextmanager
-def _loopback_node(local: bool) -> Iterator[None]:
-    """While ``ray.init`` starts a local instance: keep its node address on the loopback interface.
-
-    ``ray.init(_node_ip_address="127.0.0.1")`` alone is not enough on Linux: Ray replaces a loopback node address
-    by the machine's network address (``services.resolve_ip_for_localhost``) unless its single-machine mode is on
-    (``ray_constants.ENABLE_RAY_CLUSTER`` false, what ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` sets at import).
-    With the node address ``127.0.0.1``, the GCS, the raylet, the workers and the driver bind their servers to
-    ``127.0.0.1`` instead of every interface. The flag is read only while the node starts (processes started
-    later get the node address from the raylet), so it is switched for the ``ray.init`` call and restored.
-    """
-    if not local:
-        yield
-        return
-    try:
-        from ray._private import ray_constants
-    except ImportError:  # another Ray layout: the node address alone
-        yield
-        return
-    missing = object()
-    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", missing)
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if before is missing:
-            del ray_constants.ENABLE_RAY_CLUSTER
-        else:
-            ray_constants.ENABLE_RAY_CLUSTER = before
-
-
-#: Ray's notice, at every ``ray.init`` that starts a local instance, that token authentication is on (its default for
-#: local instances since Ray 2.59) and how to turn it off
-_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
-
-
-class _DropTokenNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_TOKEN_NOTICE)
-
-
-@contextlib.contextmanager
-def _quiet_local_start(local: bool) -> Iterator[None]:
-    """While ``ray.init`` starts a local instance: leave out Ray's notice that token authentication is on.
-
-    The notice is about the protection this instance has anyway (on, with a token Ray generates, and the instance
-    bound to 127.0.0.1 besides: ``_loopback_node``), and tells the user how to turn it off. Ray prints it only when
-    ``RAY_AUTH_MODE`` is unset (its documented switch), but that variable cannot be set here: Ray reads its
-    configuration when imported, and a driver that sets ``RAY_AUTH_MODE=token`` afterwards starts an instance that
-    rejects the driver itself. So only that one record of Ray's logger is dropped, for the ``ray.init`` call:
-    every other warning, and the notice that authentication is *off* (``RAY_AUTH_MODE=disabled``), still shows.
-    A cluster given by ``address`` is left as it is.
-    """
-    if not local:
-        yield
-        return
-    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    quiet = _DropTokenNotice()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
 
 
 class RayExecutor(ClientExecutor):

@@ -46,7 +46,8 @@ whole at s = 0.5 and 0.3 (its blocks are light), and the only consumer of ``conv
 **Memory and time.** Activations stay full-sized (the dropped rows' constant outputs are materialised, then
 ReLU/pool run on the whole tensor), so peak memory does not fall where it is set by the first layer's activations
 (LeNet-CIFAR: conv1's ReLU backward); the time saved is the skipped rows' forward, input-gradient and (code
-estimator, or dead rows) weight-gradient work. Measured in ``benchmarks/README.md`` (``benchmarks/pfedgate_cost.py``).
+estimator, or dead rows) weight-gradient work. Measured by ``papers/pfedgate/pfedgate_cost.py`` (its page:
+``papers/pfedgate/README.md``).
 
 Example (with the code's greedy knapsack LeNet-CIFAR's conv2 keeps 13 of its 64 filters at s = 0.3):
     >>> from pl_fedsparse.functional.gate import block_table, select_blocks

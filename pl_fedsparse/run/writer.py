@@ -5,7 +5,7 @@ Nothing here knows a method. Every round is one row of ``metrics.jsonl`` (and on
 not evaluated has no accuracy columns. The results table shows the headline accuracies and costs every run has;
 callbacks add lines for the metrics they produce through the ``report_rows`` hook (e.g. ``("adaptive acc",
 "adaptive_acc")``). Where the run lives on disk (the directory, its lock, ``run.json``, resume checks, checkpoints)
-is :mod:`pl_fedsparse.rundir`.
+is :mod:`pl_fedsparse.run.directory`.
 """
 
 from __future__ import annotations
@@ -22,17 +22,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import yaml
 
-from pl_fedsparse.checkpoint import atomic_write_text, dumps_json
 from pl_fedsparse.errors import user_code, with_path
-from pl_fedsparse.rundir import (  # noqa: F401 - re-exported: the names' home before the run directory moved
-    RESUME_MAY_CHANGE,
-    RunDirectory,
-    _flatten,
-    canonical_config,
-    config_changes,
-    round_checkpoint_name,
-    round_checkpoints,
-)
+from pl_fedsparse.run.atomic import atomic_write_text, dumps_json
+from pl_fedsparse.run.config_diff import RESUME_MAY_CHANGE, _flatten, config_changes
+from pl_fedsparse.run.directory import RunDirectory
+from pl_fedsparse.run.names import round_checkpoints
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -190,7 +184,7 @@ def _quiet_writer_thread() -> None:
 
 
 class RunReporter:
-    """Reports a run into its :class:`~pl_fedsparse.rundir.RunDirectory`: a row per round in ``metrics.jsonl`` and
+    """Reports a run into its :class:`~pl_fedsparse.run.directory.RunDirectory`: a row per round in ``metrics.jsonl`` and
     TensorBoard, ``summary.json`` at the end, the printed results table; opens and releases the directory.
 
     A write that fails because the storage stopped taking writes is one :class:`~pl_fedsparse.errors.StorageError`
@@ -250,7 +244,7 @@ class RunReporter:
     # ------------------------------------------------------------------------------------------------ open
     def open(self, resuming: bool, history: Sequence[Mapping[str, Any]], checkpoint: Mapping[str, Any] | None = None,
              ckpt_path: str | None = None) -> Path:
-        """Open the run directory (:meth:`RunDirectory.open <pl_fedsparse.rundir.RunDirectory.open>`), then write
+        """Open the run directory (:meth:`RunDirectory.open <pl_fedsparse.run.directory.RunDirectory.open>`), then write
         the rows of ``history`` and open TensorBoard — all before the first round, nothing when refused."""
         self.close()
 
@@ -371,7 +365,7 @@ class RunReporter:
 
     def save_checkpoint(self, state: dict[str, Any], path: str | Path | None = None) -> Path:
         """Write a federation checkpoint (:meth:`RunDirectory.save_checkpoint
-        <pl_fedsparse.rundir.RunDirectory.save_checkpoint>`)."""
+        <pl_fedsparse.run.directory.RunDirectory.save_checkpoint>`)."""
         return self.directory.save_checkpoint(state, path)
 
     def release(self) -> None:

@@ -1,0 +1,5 @@
+"""``python -m pl_fedsparse.cli``: the ``pl-fed`` command."""
+
+from pl_fedsparse.cli.commands import console_main
+
+console_main()

@@ -1,0 +1,246 @@
+"""The LightningCLI of ``pl-fed fit|validate|test``: :class:`FedCLI`, its parser (parse errors in one line) and the
+defaults of a ``model:`` / ``data:`` section that names no class.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import sys
+from typing import Any
+
+import jsonargparse
+import lightning.pytorch as pl
+import yaml
+from jsonargparse import Namespace
+from lightning.fabric.utilities.seed import max_seed_value, min_seed_value, seed_everything
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from pl_fedsparse import shipped
+from pl_fedsparse.cli.help import CONFIG_HELP, DESCRIPTION, OWN_SUBCOMMANDS, PROG, SUBCOMMAND_EPILOG, _FedHelpFormatter
+from pl_fedsparse.cli.messages import _config_error_in
+from pl_fedsparse.cli.overrides import CallbackOverride, apply_callback_overrides, split_callback_overrides
+from pl_fedsparse.data import FederatedDataModule
+from pl_fedsparse.errors import (
+    check,
+)
+from pl_fedsparse.loop import FederatedLoop
+from pl_fedsparse.module import FederatedModule
+
+__all__ = ['DEFAULT_DATA', 'DEFAULT_MODEL', 'FedCLI']
+
+
+#: the ``dump`` keyword that keeps ``None`` values in ``config.yaml``: jsonargparse 4.49 renamed ``skip_none`` to
+#: ``skip_unset`` and warns on the old name on every run; older versions (the declared range starts at 4.32) know only
+#: the old one
+_KEEP_NONE = "skip_unset" if tuple(int(x) for x in re.findall(r"\d+", jsonargparse.__version__)[:2]) >= (4, 49) \
+    else "skip_none"
+
+
+#: the ``class_path`` of a ``model:`` / ``data:`` section that names none
+DEFAULT_MODEL = f"{FederatedModule.__module__}.{FederatedModule.__qualname__}"
+
+
+DEFAULT_DATA = "pl_fedsparse.data.FederatedDataModule"
+
+
+#: ``(subcommand, loop)`` of the run :func:`main` is executing: where an interrupted or failed run writes
+_current_run: tuple[str | None, FederatedLoop] | None = None
+
+
+class _OneLineErrors(LightningArgumentParser):
+    """Report parse errors in one line (``error: ...``), exit status 2, no usage dump; help with class lists
+    summarised (:class:`_FedHelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _FedHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:  # type: ignore[override]
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        # jsonargparse nests the useful part last ("Parser key 'x': ... - Expected ..."); the whole of it is kept
+        text = " ".join(s.strip() for s in str(message).splitlines() if s.strip())
+        sys.stderr.write(f"error: {text} (see `{_help_command(self.prog)}`)\n")
+        sys.exit(2)
+
+
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        """jsonargparse's dump, with ``model:``/``data:`` of the default classes written without ``class_path``
+        (:func:`~pl_fedsparse.run.writer.canonical_config`): ``--print_config`` and ``config.yaml`` read like the
+        shipped configs, and a user class keeps its ``class_path``."""
+        if _KEEP_NONE != "skip_none" and "skip_none" in kwargs:  # Lightning's callers and ours use the old name
+            kwargs[_KEEP_NONE] = kwargs.pop("skip_none")
+        text = super().dump(cfg, *args, **kwargs)
+        fmt = kwargs.get("format", args[0] if args else "parser_mode")
+        if fmt not in ("parser_mode", "yaml"):
+            return text
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+        if not isinstance(data, dict) or not ({"model", "data"} & set(data)):
+            return text
+        from pl_fedsparse.run.config_diff import canonical_config
+
+        return yaml.safe_dump(canonical_config(data), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def _help_command(prog: str) -> str:
+    """``pl-fed <subcommand> --help`` for a subcommand's parser (prog ``"<prog> [options] fit"``), else
+    ``pl-fed --help``, whatever the program was called (``pl-fed``, ``cli.py``, ``-c``, ...)."""
+    words = str(prog or "").split()
+    sub = words[-1] if len(words) > 1 and words[-1] in FedCLI.subcommands() else None
+    return f"{PROG} {sub} --help" if sub else f"{PROG} --help"
+
+
+class FedCLI(LightningCLI):
+    """LightningCLI whose trainer is a :class:`~pl_fedsparse.loop.FederatedLoop`."""
+
+    def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        # any LightningModule / any FederatedDataModule by class_path (LightningCLI's subclass mode); a section
+        # without class_path configures the defaults, FederatedModule and FederatedDataModule (see add_core_arguments)
+        kwargs.setdefault("model_class", pl.LightningModule)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("datamodule_class", FederatedDataModule)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("trainer_class", FederatedLoop)  # type: ignore[arg-type]
+        kwargs.setdefault("save_config_callback", None)
+        kwargs.setdefault("seed_everything_default", 0)
+        kwargs.setdefault("parser_class", _OneLineErrors)
+        kwargs.setdefault("parser_kwargs", {"prog": PROG, "description": DESCRIPTION})
+        kwargs.setdefault("auto_configure_optimizers", False)
+        super().__init__(args=args, run=run, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser, with ``--config`` documented to take a shipped config's name too."""
+        parser = super().init_parser(**kwargs)
+        for action in parser._actions:
+            if "--config" in action.option_strings:
+                action.help = CONFIG_HELP
+        return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse the command line after resolving every ``--config`` value (a path, or a shipped config's name)
+        and applying the per-callback overrides (``--trainer.callbacks.NAME_OR_INDEX.ARG VALUE``, see
+        :func:`split_callback_overrides`)."""
+        if args is None:
+            words = sys.argv[1:]
+            resolved = shipped.rewrite_config_args(words)
+        elif isinstance(args, (list, tuple)):
+            words = [str(a) for a in args]
+            resolved = shipped.rewrite_config_args(words)
+        else:
+            super().parse_arguments(parser, args)
+            return
+        rest, overrides = split_callback_overrides(resolved)
+        if overrides:
+            resolved = rest + [f"--trainer.callbacks={self._overridden_callbacks(parser, rest, overrides)}"]
+        if args is None and resolved == words:
+            super().parse_arguments(parser, None)
+        else:
+            # what LightningCLI does with a list, without its warning about passing args *and* sys.argv
+            self.config = parser.parse_args(resolved)
+
+    @staticmethod
+    def _overridden_callbacks(parser: LightningArgumentParser, args: list[str],
+                              overrides: list[CallbackOverride]) -> str:
+        """``trainer.callbacks`` as ``args`` configure it, with ``overrides`` applied, as a JSON list: appended to
+        the command line and parsed again, so jsonargparse checks the new values exactly as config values."""
+        import json
+
+        # a first parse, only to learn the configured callbacks (--print_config would print and exit)
+        first = parser.parse_args([a for a in args if a != "--print_config" and not a.startswith("--print_config=")])
+        sub = first.get("subcommand")
+        callbacks = (first[sub] if sub else first).get("trainer.callbacks")
+        entries = [cb.as_dict() if isinstance(cb, Namespace) else dict(cb) for cb in callbacks or []]
+        return json.dumps(apply_callback_overrides(entries, overrides), default=str)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """LightningCLI's subcommands, and in ``pl-fed --help`` also the ones :func:`main` handles itself."""
+        super()._add_subcommands(parser, **kwargs)
+        action = parser._subcommands_action
+        if action is None:  # pragma: no cover - LightningCLI always adds them
+            return
+        for name, text in OWN_SUBCOMMANDS.items():  # listed only: main() runs them before LightningCLI
+            action._choices_actions.append(action._ChoicesPseudoAction(name, [], text))  # type: ignore[attr-defined]
+        action.metavar = "{" + ",".join([*self.subcommands(), *OWN_SUBCOMMANDS]) + "}"
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's subcommand parser, with readable section titles and an epilog on class arguments."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        parser.epilog = SUBCOMMAND_EPILOG
+        titles = {"model": f"Model (`model:`): any LightningModule by class_path, default {DEFAULT_MODEL}",
+                  "data": f"Data (`data:`): any FederatedDataModule by class_path, default {DEFAULT_DATA}"}
+        for group in parser._action_groups:
+            dests = {a.dest for a in group._group_actions}
+            for dest, title in titles.items():
+                if dest in dests:
+                    group.title = title
+        return parser
+
+    def add_core_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(FederatedLoop, "trainer", instantiate=False, sub_configs=True, skip={"seed"})
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items()})
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+        defaults = {}
+        if self.subclass_mode_model:
+            defaults["model"] = {"class_path": DEFAULT_MODEL}
+        if self.subclass_mode_data:
+            defaults["data"] = {"class_path": DEFAULT_DATA}
+        parser.set_defaults(defaults)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": {"model", "datamodule"}, "validate": {"model", "datamodule"}, "test": {"model", "datamodule"}}
+
+    def _set_seed(self) -> None:
+        """``seed_everything``: an int in Lightning's range, ``true`` (a random seed) or ``false`` (see the module
+        docstring); the resolved value is put back into the config (and so into ``config.yaml``)."""
+        seed = self._get(self.config, "seed_everything")
+        if seed is False:
+            return
+        drawn = seed is True
+        if drawn:
+            seed = secrets.randbelow(max_seed_value + 1)
+        check(isinstance(seed, int) and min_seed_value <= seed <= max_seed_value, "seed_everything", seed,
+              f"an int in [{min_seed_value}, {max_seed_value}], true (a random seed) or false (no global seeding)")
+        # "Seed set to N" only for a drawn seed: a given one is known, and the line would precede a one-line error
+        seed = seed_everything(seed, workers=True, verbose=drawn)
+        if self.subcommand:
+            self.config[self.subcommand]["seed_everything"] = seed
+        else:
+            self.config["seed_everything"] = seed
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as e:
+            raise _config_error_in(e) from None
+
+    def _parse_ckpt_path(self) -> None:
+        """Our checkpoints carry no Lightning hyper-parameters; the loop loads and validates them itself."""
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        global _current_run
+        cfg = self._get(self.config_init, "trainer", default=Namespace())
+        cfg = dict(cfg.items()) if isinstance(cfg, Namespace) else dict(cfg)
+        cfg = {k: v for k, v in cfg.items() if "." not in k}
+        seed = self._get(self.config, "seed_everything")
+        cfg["seed"] = int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else 0
+        loop = FederatedLoop(**{**cfg, **kwargs})
+        loop.config_text = self._config_text()
+        _current_run = (self.subcommand, loop)
+        return loop
+
+    def _config_text(self) -> str:
+        """The full configuration as YAML, with the resolved seed and without ``ckpt_path``."""
+        parser = self._parser(self.subcommand)
+        cfg = self.config.get(str(self.subcommand), self.config).clone()
+        if "ckpt_path" in cfg:
+            cfg["ckpt_path"] = None
+        text = parser.dump(cfg, skip_none=False, skip_link_targets=False)  # (dump gives it the installed name)
+        data = yaml.safe_load(text)
+        header = "# written by pl-fed; reproduce with: pl-fed fit --config config.yaml\n"
+        return header + yaml.safe_dump(data, sort_keys=False)

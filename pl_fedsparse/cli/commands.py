@@ -1,0 +1,174 @@
+"""``pl-fed``'s commands: :func:`main` (``fit``/``validate``/``test`` through :class:`~pl_fedsparse.cli.app.FedCLI`;
+``configs``, ``report`` and ``sweep``), :func:`check_entry` (a sweep's entry checked without running it) and
+:func:`console_main` (the console script). Every error and stop ends in one line (:mod:`pl_fedsparse.cli.messages`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from pl_fedsparse import shipped
+from pl_fedsparse.cli import app
+from pl_fedsparse.cli.app import FedCLI
+from pl_fedsparse.cli.help import OWN_SUBCOMMANDS, PROG
+from pl_fedsparse.cli.messages import EXIT_STORAGE, _as_received, _interrupted_message, _os_error_message
+from pl_fedsparse.cli.workdir import _working_dir_importable
+from pl_fedsparse.errors import (
+    STORAGE_ERRNOS,
+    ConfigError,
+    RunStoppedError,
+    StorageError,
+    UserCodeError,
+)
+from pl_fedsparse.signals import exit_status, interrupt_in, stop_on_signals
+
+__all__ = ['check_entry', 'console_main', 'list_configs', 'main']
+
+
+CONFIGS_USAGE = f"""usage: {PROG} configs
+
+List the configs shipped with pl_fedsparse: the name, then the description (the file's leading comment lines,
+without its example command), wrapped to the terminal's width. Run one by name from any directory:
+`{PROG} fit --config NAME.yaml` (or NAME); a file of that name in the working directory wins over the shipped one.
+The shipped files are in: {{folder}}
+"""
+
+
+def list_configs(args: Sequence[str]) -> int:
+    """``pl-fed configs``: print the shipped configs with their descriptions.
+
+    Args:
+        args: the words after ``configs`` (only ``-h``/``--help`` is accepted).
+
+    Returns:
+        The exit status: 0, or 2 after a one-line error.
+    """
+    if list(args) in (["-h"], ["--help"]):
+        sys.stdout.write(CONFIGS_USAGE.format(folder=shipped.config_dir()))
+        return 0
+    if args:
+        sys.stderr.write(f"error: unrecognized arguments: {' '.join(args)} (`{PROG} configs` takes none; see "
+                         f"`{PROG} configs --help`)\n")
+        return 2
+    listing = shipped.format_listing()
+    if not listing:
+        sys.stderr.write(f"error: no shipped configs in {shipped.config_dir()} (the installation is incomplete: "
+                         f"reinstall pl_fedsparse)\n")
+        return 2
+    sys.stdout.write(listing)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pl-fed`` console script."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if not words:  # `pl-fed` alone: the help, which lists every subcommand
+        words = ["--help"]
+        argv = words
+    elif not words[0].startswith("-") and words[0] not in [*FedCLI.subcommands(), *OWN_SUBCOMMANDS]:
+        sys.stderr.write(f"error: unknown subcommand {words[0]!r}: expected one of "
+                         f"{', '.join([*FedCLI.subcommands(), *OWN_SUBCOMMANDS])} (see `{PROG} --help`)\n")
+        return 2
+    if words[:1] == ["configs"]:
+        return list_configs(words[1:])
+    if words[:1] == ["report"]:  # compare run directories (pl_fedsparse.run.report)
+        from pl_fedsparse.run.report import main as report_main
+
+        return report_main(words[1:])
+    if words[:1] == ["sweep"]:  # a campaign of runs (pl_fedsparse.sweep)
+        from pl_fedsparse.sweep import main as sweep_main
+
+        return sweep_main(words[1:])
+    app._current_run = None
+    from pl_fedsparse.allocator import tune_malloc
+
+    tune_malloc()  # glibc: keep freed fit buffers in the heap (PL_FEDSPARSE_MALLOC_TUNING=0 opts out)
+    received: list[int] = []
+    try:
+        with stop_on_signals() as received, _working_dir_importable(os.getcwd()):
+            FedCLI(args=argv)
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (Terminated)
+        e = _as_received(e, received)
+        sys.stderr.write(_interrupted_message(app._current_run, e) + "\n")
+        return exit_status(e)
+    except SystemExit as e:
+        interrupt = interrupt_in(e) if e.code == 1 else None  # Lightning's shutdown of an interrupted fit
+        if interrupt is None:
+            raise
+        interrupt = _as_received(interrupt, received)
+        sys.stderr.write(_interrupted_message(app._current_run, interrupt) + "\n")
+        return exit_status(interrupt)
+    except RunStoppedError as e:  # the federation cannot go on (its last checkpoint is intact)
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    except UserCodeError as e:  # the user's code raised: one line; its traceback on PL_FED_DEBUG=1
+        if os.environ.get("PL_FED_DEBUG", "") not in ("", "0"):
+            traceback.print_exception(e.__cause__ or e)
+        sys.stderr.write(f"error: {e} (PL_FED_DEBUG=1 prints its traceback)\n")
+        return 1
+    except StorageError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return EXIT_STORAGE
+    except OSError as e:
+        sys.stderr.write(f"error: {_os_error_message(e, app._current_run)}\n")
+        return EXIT_STORAGE if e.errno in STORAGE_ERRNOS else 2
+    finally:
+        app._current_run = None
+    return 0
+
+
+def check_entry(args: Sequence[str]) -> int:
+    """Build a ``pl-fed fit`` configuration's classes (model, data module, loop, callbacks: every argument check)
+    without running it; 0, or the status of the one line it printed (``pl-fed sweep`` checks its entries so)."""
+    try:
+        with _working_dir_importable(os.getcwd()):
+            FedCLI(args=list(args), run=False)
+    except ConfigError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except UserCodeError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    return 0
+
+
+def console_main() -> None:
+    """The ``pl-fed`` console script: :func:`main`, with the process's last second covered too.
+
+    :func:`main` handles SIGTERM and SIGINT while it works (:func:`~pl_fedsparse.signals.stop_on_signals`); once it
+    has returned, the interpreter still shuts down (threads, caches) for up to a second, where a scheduler's SIGTERM
+    used to end the process silently with -15. Here such a signal ends it with one line and ``main``'s own exit
+    status: the work was done (a signal before ``main`` got to work ends it with 143 / 130, nothing written).
+    """
+    done: dict[str, int | None] = {"code": None}
+
+    def late(signum: int, frame: Any) -> None:
+        code = done["code"]
+        if code is None:
+            code = 143 if signum == signal.SIGTERM else 130
+        what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        state = "finished" if done["code"] is not None else "not started"
+        os.write(2, f"{PROG}: {what} while exiting: ignored, the command had {state} (exit status {code})\n".encode())
+        os._exit(code)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, late)  # (main's own handlers take over while it runs and give these back when it is done)
+    done["code"] = main()
+    sys.exit(done["code"])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    console_main()
