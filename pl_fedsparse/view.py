@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from pl_fedsparse.data.corruptions import CORRUPTIONS
+from pl_fedsparse.data.corruptions import CORRUPTION_NAMES
 from pl_fedsparse.errors import check
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ class EvalView:
         split: ``"eval"`` (the loop's ``eval_split``, i.e. test or val) or ``"train"`` (the client's training data,
             unshuffled and unaugmented).
         shift: fraction of samples replaced by samples of the global test distribution (DM-PFL §4.1).
-        corruption: a CIFAR-10-C corruption name (:data:`~pl_fedsparse.data.corruptions.CORRUPTIONS`) or ``None``.
+        corruption: a CIFAR-10-C corruption name (:data:`~pl_fedsparse.data.corruptions.CORRUPTION_NAMES`; the
+            published-only ones need ``data.cifar10c_root``) or ``None``.
         severity: corruption severity 1-5 (ignored without a corruption).
         report: whether the loop reports metrics for this view (``False`` for auxiliary views).
     """
@@ -65,8 +66,8 @@ class EvalView:
         check(bool(self.name) and "/" not in self.name, "EvalView.name", self.name, "a non-empty name without '/'")
         check(self.split in ("eval", "train"), "EvalView.split", self.split, "one of eval, train")
         check(0.0 <= self.shift <= 1.0, "EvalView.shift", self.shift, "a number in [0, 1]")
-        check(self.corruption is None or self.corruption in CORRUPTIONS, "EvalView.corruption", self.corruption,
-              "null or one of " + ", ".join(CORRUPTIONS))
+        check(self.corruption is None or self.corruption in CORRUPTION_NAMES, "EvalView.corruption", self.corruption,
+              "null or one of " + ", ".join(CORRUPTION_NAMES))
         check(self.corruption is None or 1 <= self.severity <= 5, "EvalView.severity", self.severity,
               "an int in 1..5")
 

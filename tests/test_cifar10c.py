@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pl_fedsparse.data import FederatedDataModule
+from pl_fedsparse.data.base import BaseDataset
 from pl_fedsparse.data.corruptions import CIFAR10C, CIFAR10C_CORRUPTIONS, CORRUPTIONS, corrupt
-from pl_fedsparse.data.datasets import BaseDataset
 from pl_fedsparse.data.shift import label_matched_rows
 from pl_fedsparse.errors import ConfigError, DataNotFoundError
 
@@ -271,7 +271,7 @@ def test_pixelate_is_pils_box_then_nearest_at_cifar10c_severities() -> None:
 
 
 def _reference_module():
-    spec = importlib.util.spec_from_file_location("cifar10c_compare", REPO / "benchmarks" / "cifar10c_compare.py")
+    spec = importlib.util.spec_from_file_location("cifar10c_compare", REPO / "papers" / "dmpfl" / "cifar10c_compare.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("cifar10c_compare", module)
@@ -299,3 +299,46 @@ def test_generator_matches_imagecorruptions_at_its_parameters() -> None:
         else:
             assert what == ("defocus_blur", 5)  # radius 10: beyond the generator's disk (CIFAR-10-C's <= 1.5)
 
+
+
+# ------------------------------------------------------------------------------------ ShiftEvaluation in a run
+def _run_with(tmp_path: Path, dm: FederatedDataModule, corruptions: object) -> dict:
+    import json
+
+    from pl_fedsparse import FederatedLoop, FederatedModule
+    from pl_fedsparse.callbacks import ShiftEvaluation
+    from pl_fedsparse.models import MLP
+
+    torch.manual_seed(0)
+    module = FederatedModule(MLP(num_classes=CLASSES, in_channels=3, input_size=SIDE, hidden=[8]), lr=0.05)
+    cb = ShiftEvaluation(shifts=[0.0], corruptions=corruptions, severities=[2])
+    loop = FederatedLoop(num_rounds=1, accelerator="cpu", default_root_dir=str(tmp_path / "run"), logger=False,
+                         enable_progress_bar=False, callbacks=[cb])
+    loop.fit(module, dm)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {"views": cb.corruptions, "row": rows[-1]}
+
+
+def test_shift_evaluation_reads_the_published_corruptions_in_a_run(folder, tmp_path: Path) -> None:
+    """``corruptions: all`` with ``data.cifar10c_root`` evaluates all 15 published corruptions (and the generator's
+    gaussian_blur); a published-only name such as ``fog`` evaluates from the arrays."""
+    root, _ = folder
+    dm = Tiny(num_clients=2, partition="iid", test_mode="global", test_per_client=20, batch_size=16,
+              cifar10c_root=str(root))
+    out = _run_with(tmp_path / "all", dm, "all")
+    assert out["views"] == list(CIFAR10C_CORRUPTIONS + ("gaussian_blur",))
+    for name in out["views"]:
+        assert out["row"].get(f"{name}_s2/acc_mean") is not None, name
+    fog = _run_with(tmp_path / "fog", Tiny(num_clients=2, partition="iid", test_mode="global", test_per_client=20,
+                                           batch_size=16, cifar10c_root=str(root)), ["fog"])
+    assert fog["row"].get("fog_s2/acc_mean") is not None
+
+
+def test_a_published_only_corruption_without_the_arrays_is_one_line(tmp_path: Path) -> None:
+    dm = Tiny(num_clients=2, partition="iid", test_mode="global", test_per_client=20, batch_size=16)
+    with pytest.raises(ConfigError, match=r"ShiftEvaluation.corruptions=\['fog'\] is invalid: .*data.cifar10c_root"):
+        _run_with(tmp_path, dm, ["fog", "contrast"])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    out = _run_with(tmp_path / "gen", Tiny(num_clients=2, partition="iid", test_mode="global", test_per_client=20,
+                                           batch_size=16), "all")
+    assert out["views"] == list(CORRUPTIONS)  # without the arrays, "all" is the generator's nine

@@ -137,8 +137,8 @@ def test_shift_evaluation_reports_every_kind_per_view(tmp_path: Path) -> None:
     avg = (last["acc_mean"] + last["shift50/acc_mean"] + last["shift100/acc_mean"]) / 3
     assert last["shift_avg/acc_mean"] == pytest.approx(avg)
     assert last["corruption_avg/global_acc"] == pytest.approx(last["contrast_s2/global_acc"])
-    with pytest.raises(ConfigError, match="ShiftEvaluation.corruptions='fog'"):
-        ShiftEvaluation(corruptions=["fog"])
+    with pytest.raises(ConfigError, match="ShiftEvaluation.corruptions='smog'"):
+        ShiftEvaluation(corruptions=["smog"])
     with pytest.raises(ConfigError, match="ShiftEvaluation.shifts=2"):
         ShiftEvaluation(shifts=[2])
 

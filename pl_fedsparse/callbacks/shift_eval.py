@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.data.corruptions import CORRUPTIONS
+from pl_fedsparse.data.corruptions import CORRUPTION_NAMES, CORRUPTIONS
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.evaluation import CLEAN, EvalView, view_metric_prefix
 
@@ -37,8 +37,10 @@ class ShiftEvaluation(FederatedCallback):
 
     Args:
         shifts: shift fractions in ``[0, 1]`` (DM-PFL: 0, .2, .4, .6, .8, 1).
-        corruptions: corruption names (``"all"`` for every one of
-            :data:`~pl_fedsparse.data.corruptions.CORRUPTIONS`; ``[]`` for none).
+        corruptions: corruption names among :data:`~pl_fedsparse.data.corruptions.CORRUPTION_NAMES` (the
+            published 15 need ``data.cifar10c_root``); ``"all"`` for every one the data module can give (the
+            generator's :data:`~pl_fedsparse.data.corruptions.CORRUPTIONS`, or all 15 with the published arrays);
+            ``[]`` for none.
         severities: corruption severities (1-5; Hendrycks & Dietterich use all five).
         when: ``"last"`` (only at the final evaluation: shift views cost one evaluation pass each) or ``"every"``
             (at every evaluation).
@@ -63,11 +65,13 @@ class ShiftEvaluation(FederatedCallback):
         for x in shifts:
             check(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 1,
                   "ShiftEvaluation.shifts", x, "numbers in [0, 1]")
-        if corruptions == "all":
-            corruptions = list(CORRUPTIONS)
-        corruptions = list(corruptions or [])
+        #: ``"all"``: every corruption the data module can give, resolved when the federation starts (the generator's
+        #: nine, or with ``data.cifar10c_root`` the published 15 and the generator's others)
+        self.all_corruptions = corruptions == "all"
+        corruptions = list(CORRUPTIONS) if self.all_corruptions else list(corruptions or [])
         for c in corruptions:
-            check(c in CORRUPTIONS, "ShiftEvaluation.corruptions", c, "'all' or names among " + ", ".join(CORRUPTIONS))
+            check(c in CORRUPTION_NAMES, "ShiftEvaluation.corruptions", c,
+                  "'all' or names among " + ", ".join(CORRUPTION_NAMES))
         severities = [1, 2, 3, 4, 5] if severities is None else severities
         for s in severities:
             check(isinstance(s, int) and not isinstance(s, bool) and 1 <= s <= 5, "ShiftEvaluation.severities", s,
@@ -101,6 +105,16 @@ class ShiftEvaluation(FederatedCallback):
             raise ConfigError(f"ShiftEvaluation.corruptions={self.corruptions!r} is invalid: expected [] for "
                               f"{dm.source_label()} (corruptions are image transforms; its inputs are "
                               f"{dm.input_kind}); shifts work for any data")
+        available = getattr(dm, "available_corruptions", None)
+        if available is None or not self.corruptions:
+            return
+        if self.all_corruptions:
+            self.corruptions = list(available)
+        missing = [c for c in self.corruptions if c not in available]
+        if missing:
+            raise ConfigError(f"ShiftEvaluation.corruptions={missing!r} is invalid: the generator makes only "
+                              f"{', '.join(CORRUPTIONS)}; the others are read from the published CIFAR-10-C arrays "
+                              "(set data.cifar10c_root to their folder)")
 
     def _due(self, loop: FederationView) -> bool:
         return self.when == "every" or loop.round_idx >= loop.num_rounds - 1
