@@ -41,11 +41,11 @@ OUT = ROOT / "benchmarks" / "gpu"  # the records' folder (--out)
 #: (one H100, 2026-11: a pFedGate round ~8 s, FedSpa ~20 s, DisPFL > 140 s, DM-PFL ~6 s, FedPSE at the full
 #: Fashion-MNIST split ~10 s); FedPSE drops the config's CPU-sized training subset (the paper trains on all of it).
 PAPERS: dict[str, tuple[str, str, int, tuple[str, ...], str]] = {
-    "pfedgate": ("cifar10_pfedgate.yaml", "cifar10", 5, (), "docs/reproduce/pfedgate.md"),
-    "fedspa_dst": ("cifar10_fedspa_dst.yaml", "cifar10", 5, (), "docs/reproduce/fedspa.md"),
-    "dispfl": ("cifar10_dispfl.yaml", "cifar10", 1, (), "docs/reproduce/dispfl.md"),
-    "dmpfl": ("cifar10_dmpfl.yaml", "cifar10", 10, (), "docs/reproduce/dmpfl.md"),
-    "fedpse": ("fmnist_fedpse.yaml", "fmnist", 2, ("--data.max_train_samples", "null"), "docs/reproduce/fedpse.md"),
+    "pfedgate": ("cifar10_pfedgate.yaml", "cifar10", 5, (), "papers/pfedgate/README.md"),
+    "fedspa_dst": ("cifar10_fedspa_dst.yaml", "cifar10", 5, (), "papers/fedspa/README.md"),
+    "dispfl": ("cifar10_dispfl.yaml", "cifar10", 1, (), "papers/dispfl/README.md"),
+    "dmpfl": ("cifar10_dmpfl.yaml", "cifar10", 10, (), "papers/dmpfl/README.md"),
+    "fedpse": ("fmnist_fedpse.yaml", "fmnist", 2, ("--data.max_train_samples", "null"), "papers/fedpse/README.md"),
 }
 
 

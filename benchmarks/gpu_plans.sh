@@ -11,9 +11,10 @@
 #   bash benchmarks/gpu_plans.sh --dry-run fedpse_long pfedgate_table    # the commands; the runs resolve (no GPU)
 #   GPU_PLANS_ANY_DEVICE=1 OUT=/tmp/o bash benchmarks/gpu_plans.sh --minutes 2 --workers 1 pfedgate_table  # rehearse
 #
-# Plans (resumable, benchmarks/runplan.py): fedpse_long (FedPSE vs FedAvg, 12 runs at 20 rounds, then at 100 -> fedpse_long/) and
-# pfedgate_table (FedRep's 200-round runs -> pfedgate_long/; all recorded now: its workers find nothing to run). Run the GPU suite first
-# (benchmarks/gpu_suite.sh); this is what the rest of a lease is for.
+# Plans (resumable, benchmarks/runplan.py): fedpse_long (papers/fedpse/: FedPSE vs FedAvg, 12 runs at 20 rounds, then
+# at 100 -> records/fedpse_long/) and pfedgate_table (papers/pfedgate/: FedRep's 200-round runs -> records/pfedgate_long/;
+# all recorded now: its workers find nothing to run). Run the GPU suite first (benchmarks/gpu_suite.sh); this is what
+# the rest of a lease is for.
 # Data: only the repository travels to a lent machine, so carry data/cifar10-jpg.tar.gz and data/fashion-mnist/ (the
 # four IDX .gz files of /usr/share/datasets/fashion-mnist); they are placed at the paths the CPU sessions' runs read
 # (PFEDGATE_TABLE_DATA=/work/main/data/cifar10, FEDPSE_LONG_DATA=/usr/share/datasets/fashion-mnist) when missing.
@@ -26,14 +27,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 MINUTES=8; WORKERS=4; DRY=0; PLANS=()
-declare -A RECORDS=([fedpse_long]="benchmarks/fedpse_long" [pfedgate_table]="benchmarks/pfedgate_table benchmarks/pfedgate_long")
+declare -A SCRIPTS=([fedpse_long]="papers/fedpse/fedpse_long.py" [pfedgate_table]="papers/pfedgate/pfedgate_table.py")
+declare -A RECORDS=([fedpse_long]="papers/fedpse/records/fedpse_long" [pfedgate_table]="papers/pfedgate/records/pfedgate_table papers/pfedgate/records/pfedgate_long")
 fail() { echo "error: gpu_plans.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
     --minutes) shift; MINUTES=${1:-} ;;
     --workers) shift; WORKERS=${1:-} ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     --*) fail "unknown argument '$1' (allowed: --minutes N, --workers N, --dry-run, PLAN...)" ;;
     *) [ -n "${RECORDS[$1]+x}" ] || fail "plan '$1' is not one of: ${!RECORDS[*]}"; PLANS+=("$1") ;;
   esac
@@ -50,9 +52,9 @@ export FEDPSE_LONG_DATA=${FEDPSE_LONG_DATA:-/usr/share/datasets/fashion-mnist}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} PYTHONUNBUFFERED=1
 if [ "$DRY" = 1 ]; then
   for plan in "${PLANS[@]}"; do
-    for w in $(seq "$WORKERS"); do echo "\$ $PY benchmarks/$plan.py run   # worker $w, stopped after $MINUTES min"; done
-    echo "\$ $PY benchmarks/$plan.py park; copy ${RECORDS[$plan]} to \$OUT"
-    "$PY" benchmarks/$plan.py check || exit 1
+    for w in $(seq "$WORKERS"); do echo "\$ $PY ${SCRIPTS[$plan]} run   # worker $w, stopped after $MINUTES min"; done
+    echo "\$ $PY ${SCRIPTS[$plan]} park; copy ${RECORDS[$plan]} to \$OUT"
+    "$PY" "${SCRIPTS[$plan]}" check || exit 1
   done
   echo "dry run: every plan's remaining runs resolve"
   exit 0
@@ -72,7 +74,7 @@ LOGS=benchmarks/_runs/gpu_plans; mkdir -p "$LOGS"
 PIDS=()
 for plan in "${PLANS[@]}"; do
   for w in $(seq "$WORKERS"); do  # each worker leads its own process group: the stop reaches its fits too
-    setsid "$PY" benchmarks/$plan.py run > "$LOGS/${plan}_w$w.log" 2>&1 &
+    setsid "$PY" "${SCRIPTS[$plan]}" run > "$LOGS/${plan}_w$w.log" 2>&1 &
     PIDS+=($!); sleep 2  # staggered: two workers never race for the same first run
   done
 done
@@ -90,7 +92,7 @@ done
 for p in "${PIDS[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
 LIST=$(mktemp)
 for plan in "${PLANS[@]}"; do
-  "$PY" benchmarks/$plan.py park
+  "$PY" "${SCRIPTS[$plan]}" park
   for dir in ${RECORDS[$plan]}; do
     find "$dir" \( -name config.yaml -o -name metrics.jsonl -o -name summary.json -o -name '*.ckpt' \) 2>/dev/null
   done >> "$LIST"
@@ -100,6 +102,6 @@ if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/gpu_plans_records.tar.gz" -T "$LIST" || fail "could not pack the records into $OUT"
   echo "== done; records, parked checkpoints and logs in $OUT/gpu_plans_records.tar.gz ($(wc -l < "$LIST") files)"
 else
-  echo "== done; records and parked checkpoints under benchmarks/"
+  echo "== done; records and parked checkpoints under ${RECORDS[*]}"
 fi
 rm -f "$LIST"

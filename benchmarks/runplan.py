@@ -21,7 +21,7 @@ one at a time:
 * **pins the code** — ``code`` may be another checkout (``git worktree add ../bench <commit>``), so hours of runs use
   one version of the code while this tree changes; every run log starts with that commit.
 
-Used by ``benchmarks/long_horizon.py`` and the other plans of ``benchmarks/`` that import it.
+Used by ``papers/fedspa/long_horizon.py`` and the other plans of ``benchmarks/`` that import it.
 
 Why this is not ``pl-fed sweep``: a plan that is only a grid — configs, settings, seeds, named run directories,
 records copied into git — is a sweep (``configs/sweeps/``, e.g. ``dmpfl_table.yaml``). This module keeps what the sweep

@@ -1,16 +1,17 @@
 """The numbers in the reproduction pages are the committed records' numbers.
 
-Every markdown table in ``README.md`` and ``docs/**/*.md`` that is preceded by a ``<!-- numbers ... -->``
+Every markdown table in ``README.md``, ``docs/**/*.md``, ``papers/**/*.md`` (each paper's page and notes) and the
+engine studies' pages (``benchmarks/*.md``, ``benchmarks/*/README.md``) that is preceded by a ``<!-- numbers ... -->``
 comment is *checked*: the comment is a small YAML spec that says where each column's numbers come from, the checker
-recomputes every cell from the records (``benchmarks/**/summary.json``, ``metrics.jsonl``, the ``*.json`` / ``*.txt``
-records) and compares it with the page number by number: every number in a cell must read exactly as the records'
-value printed with the spec's format (so at the page's precision). A stale or hand-edited number fails, and so do a
-number in a column the spec does not map, a row the spec does not know and a spec row missing from the table. The
-spec::
+recomputes every cell from the records (``papers/<paper>/records/**``, ``benchmarks/**``: ``summary.json``,
+``metrics.jsonl``, the ``*.json`` / ``*.txt`` records) and compares it with the page number by number: every number in
+a cell must read exactly as the records' value printed with the spec's format (so at the page's precision). A stale or
+hand-edited number fails, and so do a number in a column the spec does not map, a row the spec does not know and a
+spec row missing from the table. The spec::
 
     <!-- numbers
     id: fedspa-200                       # the table's name in error messages
-    dir: benchmarks/long_horizon          # records are named relative to this folder (default: the repository)
+    dir: papers/fedspa/records/long_horizon   # records are named relative to this folder (default: the repository)
     key: run                              # the column(s) whose text names the row (their numbers are labels)
     let: {P: '"r.final.acc_mean*100"'}    # names for every row: Python expressions (row-level ``let`` too)
     rows:                                 # row label -> variables for the cell templates
@@ -70,8 +71,20 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _pages() -> list[str]:
+    """Every page a user reads: the README, ``docs/``, each paper's folder and the engine studies' pages — not the
+    text files inside records, nor anything under a git-ignored ``_runs/`` or ``.work/`` folder."""
+    found = [*(REPO / "docs").rglob("*.md"), *(REPO / "papers").rglob("*.md"), *(REPO / "benchmarks").glob("*.md"),
+             *(REPO / "benchmarks").glob("*/README.md")]
+    rel = [p.relative_to(REPO) for p in found]
+    return ["README.md"] + sorted(str(p) for p in rel
+                                  if "records" not in p.parts and not any(s.startswith(("_", ".")) for s in p.parts))
+
+
 #: every page a user reads: a table moved from one page to another stays checked
-PAGES = ["README.md"] + sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))
+PAGES = _pages()
 
 SPEC_RE = re.compile(r"^<!--\s*numbers\b(.*?)-->", re.DOTALL | re.MULTILINE)  # at a line start: not `<!-- numbers -->` quoted in prose
 # a number: an optional sign, digits, decimals, an exponent — not part of a word ("conv2", "r34", "VGG11" are not
@@ -172,7 +185,7 @@ class Run:
     @cached_property
     def seed_key(self):
         """The run's seeds as ``pl-fed report`` pairs runs (``None`` when its config sets none)."""
-        from pl_fedsparse.report import _seed_key
+        from pl_fedsparse.run.runs import _seed_key
 
         return _seed_key(self)
 
@@ -260,7 +273,7 @@ def _paired(a, b):
 @dataclass
 class Claim:
     """``a > b`` over seeds, read as a reviewer would (``pl-fed report``'s statistics,
-    :mod:`pl_fedsparse.report`): runs on the same seeds are compared pair by pair — the mean of ``a − b`` per
+    :mod:`pl_fedsparse.run.report`): runs on the same seeds are compared pair by pair — the mean of ``a − b`` per
     seed, its 95 % interval and the paired t-test's p; other groups by Welch's difference. The verdict is read from
     the interval: "holds" when it lies above 0, "reversed" when below, "not shown" when it holds 0 (and below two
     seeds a side, where there is no interval)."""
@@ -271,7 +284,7 @@ class Claim:
 
     @cached_property
     def stats(self) -> dict:
-        from pl_fedsparse.report import paired_difference, welch_difference
+        from pl_fedsparse.run.stats import paired_difference, welch_difference
 
         pairs = _paired(self.a, self.b)
         out = paired_difference(*pairs) if pairs is not None else welch_difference(list(self.a), list(self.b))
@@ -496,7 +509,7 @@ def _namespace(records: Records, base: Path, row_vars: dict) -> dict:
 
     def consensus(r: Run):
         """A serverless run's consensus accuracy: its ``consensus_acc`` (``Gossip(consensus_eval: true)``), else the
-        ``consensus.json`` beside its record (``benchmarks/consensus_eval.py`` on its checkpoint), else ``None``."""
+        ``consensus.json`` beside its record (``papers/dispfl/consensus_eval.py`` on its checkpoint), else ``None``."""
         if r.final.get("consensus_acc") is not None:
             return r.final["consensus_acc"]
         path = r.path.parent / "consensus.json"
@@ -687,19 +700,19 @@ def test_every_checked_table_matches_its_records():
 
 #: the tables that must stay checked (a page that drops its spec would otherwise pass silently)
 REQUIRED = {
-    "docs/reproduce/fedspa.md": {"fedspa-200", "fedspa-claims", "fedspa-trajectory", "fedspa-backbone"},
-    "docs/reproduce/dispfl.md": {"dispfl-200", "dispfl-claims", "dispfl-trajectory", "dispfl-why"},
-    "docs/reproduce/pfedgate.md": {"pfedgate-t1", "pfedgate-t8", "pfedgate-long", "pfedgate-plateau",
-                                   "pfedgate-cost", "pfedgate-seeds", "pfedgate-claims"},
-    "docs/reproduce/fedpse.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
-                                 "fedpse-round1", "fedpse-first-look", "fedpse-claims-seeds", "fedpse-long-claims"},
-    "docs/reproduce/dmpfl.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-table", "dmpfl-claims", "dmpfl-shift-why",
-                                "dmpfl-table-r100", "dmpfl-claims-r100", "dmpfl-shift-why-r100",
-                                "dmpfl-alpha-synthetic", "dmpfl-iterations", "dmpfl-iterations-claims"},
-    "docs/reproduce/engine.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix", "overhead-cpu",
-                                 "overhead-whole-round", "fit-runner", "vectorized-engine", "vectorized-gpu",
-                                 "client-memory", "flush-denormal"},
-    "docs/fedpse-baselines.md": {"fedpse-protocol", "fedpse-protocol-seeds"},
+    "papers/fedspa/README.md": {"fedspa-200", "fedspa-claims", "fedspa-trajectory", "fedspa-backbone"},
+    "papers/dispfl/README.md": {"dispfl-200", "dispfl-claims", "dispfl-trajectory", "dispfl-why"},
+    "papers/pfedgate/README.md": {"pfedgate-t1", "pfedgate-t8", "pfedgate-long", "pfedgate-plateau",
+                                  "pfedgate-cost", "pfedgate-seeds", "pfedgate-claims"},
+    "papers/fedpse/README.md": {"fedpse-sweep", "fedpse-t1", "fedpse-t2", "fedpse-ablation", "fedpse-bytes",
+                                "fedpse-round1", "fedpse-first-look", "fedpse-claims-seeds", "fedpse-long-claims"},
+    "papers/dmpfl/README.md": {"dmpfl-alpha", "dmpfl-recorded", "dmpfl-table", "dmpfl-claims", "dmpfl-shift-why",
+                               "dmpfl-table-r100", "dmpfl-claims-r100", "dmpfl-shift-why-r100",
+                               "dmpfl-alpha-synthetic", "dmpfl-iterations", "dmpfl-iterations-claims"},
+    "benchmarks/ENGINE.md": {"chaos-kill", "chaos-all", "chaos-term-after-fix", "overhead-cpu",
+                             "overhead-whole-round", "fit-runner", "vectorized-engine", "vectorized-gpu",
+                             "client-memory", "flush-denormal"},
+    "papers/fedpse/baselines.md": {"fedpse-protocol", "fedpse-protocol-seeds"},
     # the README's results live on the pages above (each paper's claims and tables, the engine's measurements);
     # the README keeps the quickstart's numbers and one checked line per paper
     "README.md": {"readme-quickstart", "readme-claims"},
@@ -731,7 +744,7 @@ def _alter_first(text: str, table_id: str, col: str, old: str, new: str) -> tupl
 
 
 def test_a_hand_edited_number_fails_naming_page_table_cell_and_both_values():
-    page = "docs/reproduce/dispfl.md"
+    page = "papers/dispfl/README.md"
     text = _page(page)
     assert not check_text(text, page).errors
     tables, _ = find_tables(text, page)
@@ -749,7 +762,7 @@ def test_a_hand_edited_number_fails_naming_page_table_cell_and_both_values():
 
 
 def test_a_stale_seed_count_fails():
-    page = "docs/reproduce/fedspa.md"
+    page = "papers/fedspa/README.md"
     text = _page(page)
     tables, _ = find_tables(text, page)
     table = next(t for t in tables if t.spec.get("id") == "fedspa-200")
@@ -763,7 +776,7 @@ def test_a_stale_seed_count_fails():
 def test_an_unmapped_number_fails():
     text = """<!-- numbers
 id: t
-dir: benchmarks/long_horizon
+dir: papers/fedspa/records/long_horizon
 rows: {DisPFL: dispfl}
 cols: {acc: '{r.final.acc_mean*100:.1f}'}
 -->
@@ -780,7 +793,7 @@ cols: {acc: '{r.final.acc_mean*100:.1f}'}
 def test_rows_and_columns_must_match_the_spec():
     base = """<!-- numbers
 id: t
-dir: benchmarks/long_horizon
+dir: papers/fedspa/records/long_horizon
 rows: {DisPFL: dispfl, Local: dispfl_local}
 cols: {acc: '{r.final.acc_mean*100:.1f}'}
 -->
@@ -802,7 +815,7 @@ def test_seed_groups_match_pl_fed_report():
     64.85 ± 1.85 (3) for DisPFL and 64.79 ± 2.08 (3) for Local at 200 rounds (docs/outputs.md, "How do I read a gap
     between two methods?")."""
     records = Records(REPO)
-    base = REPO / "benchmarks/long_horizon"
+    base = REPO / "papers/fedspa/records/long_horizon"
     for spec, want in (("dispfl dispfl_seed*", "64.85 ± 1.85 (3)"), ("dispfl_local dispfl_local_seed*",
                                                                    "64.79 ± 2.08 (3)")):
         values = [100 * r.final.acc_mean for r in resolve_runs(records, base, spec)]
@@ -876,10 +889,13 @@ def _slug(heading: str) -> str:
 
 
 def test_the_pages_links_resolve():
-    """Links in the README, every docs page and the benchmarks index point at files and headings that exist."""
-    pages = [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md")) + [REPO / "benchmarks/README.md"]
+    """Links in every page (``PAGES``: the README, the docs, the papers' folders, the engine studies' pages) point at
+    files and headings that exist."""
+    pages = [REPO / p for p in PAGES]
     names = {str(p.relative_to(REPO)) for p in pages}
-    assert {"docs/usage.md", "docs/outputs.md", "docs/methods.md", "docs/scaling.md", "docs/reproduce/dmpfl.md"} <= names
+    assert {"docs/usage.md", "docs/outputs.md", "docs/methods.md", "docs/scaling.md", "papers/README.md",
+            "papers/dmpfl/README.md", "papers/fedpse/baselines.md", "benchmarks/README.md",
+            "benchmarks/ENGINE.md"} <= names
     bad = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):

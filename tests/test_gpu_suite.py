@@ -62,7 +62,7 @@ def test_the_long_plans_dry_run_resolves_their_remaining_runs() -> None:
     res = _plans("--dry-run", "--workers", "2", "fedpse_long", "pfedgate_table")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout
-    assert out.count("benchmarks/fedpse_long.py run") == 2 and out.count("benchmarks/pfedgate_table.py run") == 2
+    assert out.count("papers/fedpse/fedpse_long.py run") == 2 and out.count("papers/pfedgate/pfedgate_table.py run") == 2
     assert "fedpse_n10_lam1_seed0_r20: resolves" in out and "fedavg_n10_lam0.5_seed2_r100: resolves" in out
     assert "dry run: every plan's remaining runs resolve" in out
 

@@ -43,9 +43,8 @@ def test_the_readme_is_a_front_door() -> None:
                      flags=re.DOTALL | re.MULTILINE)
     assert spec, "README.md lost its checked claims table (readme-claims)"
     rows = [r for r in spec.group(1).splitlines()[2:] if r.startswith("|")]
-    pages = sorted(p.name for p in (REPO / "docs" / "reproduce").glob("*.md") if p.name not in ("README.md",
-                                                                                                  "engine.md"))
-    linked = sorted(m for r in rows for m in re.findall(r"\(docs/reproduce/(\w+\.md)\)", r))
+    pages = sorted(p.parent.name for p in (REPO / "papers").glob("*/README.md"))
+    linked = sorted(m for r in rows for m in re.findall(r"\(papers/(\w+)/README\.md\)", r))
     assert linked == pages, f"one claims row per paper page: rows link {linked}, the pages are {pages}"
 
 
@@ -54,8 +53,11 @@ PRIVATE = re.compile(r"shared/(papers|methods)/")
 
 
 def test_papers_are_cited_by_name_not_by_a_private_path() -> None:
-    """The README, the docs and the package's docstrings cite papers by name, venue and section."""
-    files = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "pl_fedsparse").rglob("*.py"))]
+    """The README, the docs, the papers' folders (pages and scripts), the engine pages and the package's docstrings
+    cite papers by name, venue and section."""
+    pages = [*(REPO / "docs").rglob("*.md"), *(REPO / "papers").glob("*/*.md"), *(REPO / "papers").glob("*/*.py"),
+             *(REPO / "benchmarks").glob("*.md")]
+    files = [REPO / "README.md", *sorted(pages), *sorted((REPO / "pl_fedsparse").rglob("*.py"))]
     bad = [f"{f.relative_to(REPO)}:{i}: {line.strip()[:100]}" for f in files
            for i, line in enumerate(f.read_text().splitlines(), 1) if PRIVATE.search(line)]
     assert not bad, "cite the paper by name, venue and section instead:\n" + "\n".join(bad)

@@ -1,4 +1,4 @@
-"""The recorded plans of ``benchmarks/`` resolve: each planned ``pl-fed fit`` parses (``--print_config``: no training,
+"""The recorded plans of ``papers/<paper>/`` resolve: each planned ``pl-fed fit`` parses (``--print_config``: no training,
 no data), and the one setting a study varies reaches the configuration — so a renamed config or argument fails here,
 not hours into a worker. The plans that became sweeps (``configs/sweeps/``) list the same runs as the scripts they
 replaced: the same names, configs, seeds and overrides, and (slow) the same resolved configuration."""
@@ -14,7 +14,9 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # runplan
+for _paper in ("dmpfl", "fedpse"):  # the plan scripts, imported by name as their workers run them
+    sys.path.insert(0, str(ROOT / "papers" / _paper))
 
 import runplan  # noqa: E402
 
@@ -99,8 +101,8 @@ def test_the_long_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest
     assert all(r.start_from is None for r in runs)  # no 20-round run directory here
     for run in (runs[0], runs[11], runs[12], runs[-1]):
         cfg = runplan.resolve(run)
-        old = yaml.safe_load((ROOT / "benchmarks/fedpse_protocol" / run.name.rsplit("_r", 1)[0] / "config.yaml")
-                             .read_text())
+        old_dir = ROOT / "papers/fedpse/records/fedpse_protocol" / run.name.rsplit("_r", 1)[0]
+        old = yaml.safe_load((old_dir / "config.yaml").read_text())
         assert cfg["trainer"]["num_rounds"] == run.meta["rounds"] and cfg["trainer"]["eval_every"] == 5, run.name
         assert cfg["trainer"]["checkpoint_every"] == 5
         assert cfg["trainer"]["flush_denormal"] is (run.meta["rounds"] == 100), run.name  # (speed; see the plan)
@@ -190,7 +192,7 @@ def test_a_continuation_not_yet_started_parks_its_starting_point(tmp_path: Path)
 
 
 # ------------------------------------------------------------------------------------------------ plans that are sweeps
-# The grids of the plan scripts that became sweeps, as those scripts built them (benchmarks/dmpfl_table.py,
+# The grids of the plan scripts that became sweeps, as those scripts built them (papers/dmpfl/dmpfl_table.py,
 # cifar10_baselines.sh, cifar10_sparse.sh, cifar10_p2p.sh and cifar10_dmpfl.sh before they became sweeps): run name ->
 # its ``pl-fed fit`` arguments, after ``fit``, as the script passed them.
 _SHIFT = {"class_path": "pl_fedsparse.callbacks.ShiftEvaluation",
@@ -285,7 +287,7 @@ def test_the_dmpfl_table_plan_is_the_same_grid_as_a_sweep(rounds: int, monkeypat
     mod = sys.modules["dmpfl_table"]
     suffix = "" if rounds == 30 else f"_r{rounds}"
     assert mod.RUNS == ROOT / "benchmarks" / "_runs" / f"dmpfl_table{suffix}"  # where the old plan kept them
-    assert mod.RECORD == ROOT / "benchmarks" / f"dmpfl_table{suffix}"
+    assert mod.RECORD == ROOT / "papers" / "dmpfl" / "records" / f"dmpfl_table{suffix}"
     c = campaign(mod.sweep_args())
     assert (c.out, c.record) == (mod.RUNS, mod.RECORD) and c.runs == runs
     _same_runs(runs, mod.RUNS, _old_dmpfl_table(rounds, "/d", mod.RUNS), overwrite=False)
