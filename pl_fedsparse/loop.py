@@ -36,7 +36,7 @@ from pl_fedsparse.allocator import apply_flush_denormal
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext, FitKind, FitStage
-from pl_fedsparse.contract import CONTRACT_MODES, CallbackContract
+from pl_fedsparse.contract import CallbackContract
 from pl_fedsparse.errors import ConfigError, RunStoppedError, UserCodeError, check, user_code
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.executors.base import (
@@ -49,8 +49,8 @@ from pl_fedsparse.executors.base import (
     quiet_lightning,
 )
 from pl_fedsparse.executors.in_process import InProcessExecutor
-from pl_fedsparse.executors.runner import FIT_RUNNERS
-from pl_fedsparse.metrics import EVAL_METRICS, SERVER, Accounting, TrainFlops
+from pl_fedsparse.loop_checks import check_arguments, check_client_data, resolve_device
+from pl_fedsparse.metrics import SERVER, Accounting, TrainFlops
 from pl_fedsparse.protocol import check_datamodule
 from pl_fedsparse.run.checkpoint import federation_state, load_checkpoint, restore_federation
 from pl_fedsparse.run.writer import RunReporter, results_table
@@ -61,7 +61,6 @@ __all__ = ["FederatedLoop", "stream_seed"]
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 
 
 class FederatedLoop:
@@ -151,30 +150,12 @@ class FederatedLoop:
         callback_contract: Literal["error", "warn"] = "error", flush_denormal: bool = False,
         fit_runner: Literal["auto", "fast", "trainer"] = "auto",
     ) -> None:
-        check(isinstance(num_rounds, int) and num_rounds >= 1, "trainer.num_rounds", num_rounds, "an int >= 1")
-        check(0 < join_ratio <= 1, "trainer.join_ratio", join_ratio, "a number in (0, 1]")
-        check(clients_per_round is None or clients_per_round >= 1, "trainer.clients_per_round", clients_per_round,
-              "an int >= 1 or null")
-        check(local_epochs >= 1, "trainer.local_epochs", local_epochs, "an int >= 1")
-        check(local_steps is None or local_steps >= 1, "trainer.local_steps", local_steps, "an int >= 1 or null")
-        check(eval_every >= 1, "trainer.eval_every", eval_every, "an int >= 1")
-        check(eval_split in ("test", "val"), "trainer.eval_split", eval_split, "one of test, val")
-        for metric in eval_metrics or []:
-            check(metric in EVAL_METRICS, "trainer.eval_metrics", metric, "a list of " + ", ".join(EVAL_METRICS))
-        check(precision in PRECISIONS, "trainer.precision", precision, "one of " + ", ".join(PRECISIONS))
-        check(devices in (1, "1", "auto"), "trainer.devices", devices, "1 (one client fit runs on one device)")
-        check(accelerator in ("auto", "cpu", "gpu", "cuda", "mps"), "trainer.accelerator", accelerator,
-              "one of auto, cpu, gpu, cuda, mps")
-        check(gradient_clip_val is None or gradient_clip_val > 0, "trainer.gradient_clip_val", gradient_clip_val,
-              "a number > 0 or null")
-        check(checkpoint_every >= 0, "trainer.checkpoint_every", checkpoint_every, "an int >= 0")
-        check(on_client_fault in ("skip", "continue", "raise"), "trainer.on_client_fault", on_client_fault,
-              "one of skip, continue, raise")
-        check(isinstance(keep_checkpoints, int) and keep_checkpoints >= 1, "trainer.keep_checkpoints",
-              keep_checkpoints, "an int >= 1")
-        check(callback_contract in CONTRACT_MODES, "trainer.callback_contract", callback_contract,
-              "one of " + ", ".join(CONTRACT_MODES))
-        check(fit_runner in FIT_RUNNERS, "trainer.fit_runner", fit_runner, "one of " + ", ".join(FIT_RUNNERS))
+        check_arguments(num_rounds=num_rounds, join_ratio=join_ratio, clients_per_round=clients_per_round,
+                        local_epochs=local_epochs, local_steps=local_steps, eval_every=eval_every,
+                        eval_split=eval_split, eval_metrics=eval_metrics, precision=precision, devices=devices,
+                        accelerator=accelerator, gradient_clip_val=gradient_clip_val,
+                        checkpoint_every=checkpoint_every, on_client_fault=on_client_fault,
+                        keep_checkpoints=keep_checkpoints, callback_contract=callback_contract, fit_runner=fit_runner)
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
         self.fit_runner = fit_runner
         self.local_epochs, self.local_steps = local_epochs, local_steps
@@ -235,42 +216,12 @@ class FederatedLoop:
     @property
     def device(self) -> torch.device:
         """Device of local fits and evaluation (a one-line ConfigError when the accelerator asked for is not there)."""
-        if self.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"trainer.accelerator={self.accelerator!r} is invalid: expected cpu or auto (no CUDA "
-                              "device is available on this machine)")
-        if self.accelerator == "mps" and not (torch.backends.mps.is_built() and torch.backends.mps.is_available()):
-            raise ConfigError("trainer.accelerator='mps' is invalid: expected cpu or auto (no MPS device is "
-                              "available on this machine)")
-        if self.accelerator in ("gpu", "cuda") or (self.accelerator == "auto" and torch.cuda.is_available()):
-            return torch.device("cuda", torch.cuda.current_device())
-        if self.accelerator == "mps":
-            return torch.device("mps")
-        return torch.device("cpu")
+        return resolve_device(self.accelerator)
 
     def _check_client_data(self, datamodule: Any) -> None:
-        """Before anything is written: every client should have training data, and data for evaluation; say which
-        do not (a client without training data faults at every fit; the client metrics average the clients that
-        have evaluation data, and the rows' ``eval_clients`` says how many when some have none)."""
-        n = self.num_clients
-
-        def ids(clients: list[int]) -> str:
-            return ", ".join(map(str, clients[:10])) + (f", ... ({len(clients)} in all)" if len(clients) > 10 else "")
-
-        no_train = [k for k in range(n) if int(datamodule.num_samples(k, "train")) == 0]
-        if len(no_train) == n:
-            raise ConfigError(f"data is invalid: none of its {n} clients has a training sample; expected training "
-                              "data for the clients (check the partition and data.max_train_samples)")
-        if no_train:
-            log.warning("client(s) %s have no training sample: each of their fits is left out as a 'no_data' fault",
-                        ids(no_train))
-        no_eval = [k for k in range(n) if int(datamodule.num_samples(k, self.eval_split)) == 0]
-        if len(no_eval) == n:
-            raise ConfigError(f"data is invalid: none of its {n} clients has a {self.eval_split} sample; expected "
-                              f"{self.eval_split} data to evaluate on (data.split_ratios / data.test_mode)")
-        if no_eval:
-            log.warning("client(s) %s have no %s sample: acc_mean and the other client metrics average the %d "
-                        "clients that have (each row's eval_clients says so)", ids(no_eval), self.eval_split,
-                        n - len(no_eval))
+        """Before anything is written: every client should have training and evaluation data
+        (:func:`~pl_fedsparse.loop_checks.check_client_data`)."""
+        check_client_data(datamodule, self.num_clients, self.eval_split)
 
     def call(self, hook: str, *args: Any) -> None:
         """Call a broadcast hook on every federated callback, in list order (what one raises is one line naming
