@@ -5,6 +5,7 @@ user would, compare with an uninterrupted run.
     OMP_NUM_THREADS=1 python benchmarks/chaos.py --fault term --config configs/synthetic_dispfl.yaml
     OMP_NUM_THREADS=1 python benchmarks/chaos.py --fault disk-full --trials 3   # root: a tmpfs that fills up
     OMP_NUM_THREADS=1 python benchmarks/chaos.py --all --out-record benchmarks/chaos_all.json      # the matrix
+    OMP_NUM_THREADS=1 python benchmarks/chaos.py --catalogue --out-record benchmarks/chaos/catalogue.txt
 
 ``kill``: start ``pl-fed fit`` into a fresh run directory, SIGKILL it after a random delay, and continue the run —
 the README's resume command when ``checkpoints/last.ckpt`` exists, else a plain rerun of the same command — killing
@@ -22,6 +23,13 @@ written) finishes the run.
 
 In every mode the final ``metrics.jsonl`` (every key but wall times) must equal the uninterrupted run's. Prints one
 line per trial and a summary.
+
+``--catalogue``: the cases of ``benchmarks/chaos_catalogue.py`` — bad inputs over the user's code, data and config,
+run directories whose own entries are links, checkpoints / ``run.json`` / ``config.yaml`` from elsewhere naming
+modules with a side effect — each run as ``python -m pl_fedsparse.cli ...`` in its own scratch folder and judged
+there (exit status, one stderr line with the expected text, no traceback, nothing written before a refusal, no file
+outside the run directory touched, no marker of an import). Prints one line per case and a summary; with
+``--out-record FILE`` writes them there, headed by the command and the commit.
 """
 
 from __future__ import annotations
@@ -35,8 +43,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # chaos_catalogue.py, beside this file
 
 CONFIG = "configs/synthetic_fedavg_ft.yaml"
 ARGS = ["--trainer.num_rounds", "8", "--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false",
@@ -179,7 +191,7 @@ def _disk_trial(run: Path, config: str, ref_bytes: int, rng: random.Random, env:
         line = next((x for x in res.stderr.splitlines() if x.startswith("error:")), "")
         ckpt_ok = None
         if (run / "checkpoints" / "last.ckpt").exists():
-            from pl_fedsparse.checkpoint import load_checkpoint
+            from pl_fedsparse.run.checkpoint import load_checkpoint
 
             try:
                 load_checkpoint(run / "checkpoints" / "last.ckpt")
@@ -235,6 +247,75 @@ def chaos(config: str, fault: str, trials: int, stops: int, seed: int, out: Path
     return summary
 
 
+def _catalogue_case(case: Any, where: Path) -> dict:
+    """Run one catalogue case as a real ``pl-fed`` process in its own scratch folder; its verdicts."""
+    from chaos_catalogue import judge, prepare, snapshot
+
+    where.mkdir(parents=True)
+    prepare(case, where)
+    before = snapshot(where)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PL_FEDSPARSE_CACHE": str(where / "cache")}
+    env.pop("PL_FED_DEBUG", None)
+    res = subprocess.run([sys.executable, "-m", "pl_fedsparse.cli", *case.args], cwd=where, env=env,
+                         capture_output=True, text=True, check=False, timeout=600)
+    return judge(case, where, res.returncode, res.stdout, res.stderr, before)
+
+
+def catalogue(only: str | None, jobs: int, out: Path, record: str | None) -> int:
+    """``--catalogue``: every case of ``chaos_catalogue.CASES`` (or those whose id holds ``only``), one line each and
+    a summary; 0 when every case behaved."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from chaos_catalogue import CASES, prepare
+
+    cases = [c for c in CASES if only is None or only in c.id]
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    # the finished run several cases copy: made once, in this process, before the cases run side by side
+    prepare(next((c for c in cases if c.group == "link"), cases[0]), Path(tempfile.mkdtemp(prefix="catalogue-")))
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        verdicts = list(pool.map(lambda ic: _catalogue_case(ic[1], out / f"{ic[0]:03d}"), enumerate(cases)))
+    for case, v in zip(cases, verdicts):
+        status = "ok  " if not v["problems"] else "FAIL"
+        detail = v["line"] if not v["problems"] else "; ".join(v["problems"])
+        say(f"{status} {case.group:<10} {case.id:<58} exit {v['exit']}  {detail[:240]}")
+    n = len(verdicts)
+    refusals = [v for c, v in zip(cases, verdicts) if v["nothing_written"] is not None]
+    by = {g: [v for v in verdicts if v["group"] == g] for g in ("input", "link", "provenance")}
+    say("")
+    say(f"summary: {n} cases ({', '.join(f'{len(v)} {g}' for g, v in by.items())}) in "
+        f"{time.perf_counter() - t0:.0f} s")
+    say(f"  {sum(v['one_line'] for v in verdicts)}/{n} one line (the expected one, no traceback; exit-0 link and "
+        f"provenance cases: no line)")
+    say(f"  {sum(v['exit_ok'] for v in verdicts)}/{n} exit as expected "
+        f"({sum(c.code == 0 for c in cases)} of them 0: a documented warning, or a run that goes on)")
+    say(f"  {sum(bool(v['nothing_written']) for v in refusals)}/{len(refusals)} refusals before the run wrote "
+        "nothing (the others stop after the run started: no .lock, no .tmp left)")
+    say(f"  links: {len(by['link'])} cases, files outside the run directory touched: "
+        f"{sum(v['outside_touched'] or 0 for v in by['link'])}")
+    say(f"  provenance: {len(by['provenance'])} cases, markers of an import: "
+        f"{sum(v['markers'] or 0 for v in by['provenance'])}")
+    failed = [v["id"] for v in verdicts if v["problems"]]
+    say(f"  {n - len(failed)}/{n} cases as expected" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    if record:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=False).stdout.strip()
+        head = [f"# command: OMP_NUM_THREADS=1 python benchmarks/chaos.py --catalogue --jobs {jobs} --out-record "
+                f"{record}" + (f" --only {only}" if only else ""),
+                f"# commit: {commit.strip()}" + (" (with uncommitted changes in the working tree)" if dirty else ""),
+                f"# python {sys.version.split()[0]}, {sys.platform}", ""]
+        Path(record).write_text("\n".join(head + lines) + "\n")
+    return 0 if not failed else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fault", choices=["kill", "term", "disk-full"], default="kill")
@@ -245,8 +326,13 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/_runs/chaos")
     ap.add_argument("--all", action="store_true", help="kill, term and disk-full over FedAvg, DisPFL, pFedGate, FedPSE, "
                                                         "DM-PFL (--trials each)")
-    ap.add_argument("--out-record", default=None, help="write the summaries as JSON here")
+    ap.add_argument("--out-record", default=None, help="write the summaries as JSON here (--catalogue: the text)")
+    ap.add_argument("--catalogue", action="store_true", help="run the bad-input, link and provenance catalogue")
+    ap.add_argument("--only", default=None, help="--catalogue: the cases whose id contains this text")
+    ap.add_argument("--jobs", type=int, default=1, help="--catalogue: cases run at a time")
     args = ap.parse_args()
+    if args.catalogue:
+        return catalogue(args.only, args.jobs, Path(args.out) / "catalogue", args.out_record)
     if args.fault == "disk-full" or args.all:
         if os.geteuid() != 0 or not sys.platform.startswith("linux"):
             raise SystemExit("error: chaos.py --fault disk-full mounts a tmpfs: it needs Linux and root")
