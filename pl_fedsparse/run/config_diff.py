@@ -167,6 +167,12 @@ def config_changes(old_text: str | None, new_text: str | None) -> tuple[dict[str
     Example:
         >>> config_changes("trainer: {num_rounds: 2}\\nmodel: {lr: 0.1}", "trainer: {num_rounds: 4}\\nmodel: {lr: 0.5}")
         ({'trainer.num_rounds': [2, 4]}, {'model.lr': [0.1, 0.5]})
+
+        An option the older configuration does not have, set to null (unset) in the newer one, is no change (a
+        checkpoint written before the option existed resumes):
+
+        >>> config_changes("data: {alpha: 0.5}", "data: {alpha: 0.5, cifar10c_root: null}")
+        ({}, {})
     """
     if old_text is None or new_text is None:
         return {}, {}
@@ -177,6 +183,8 @@ def config_changes(old_text: str | None, new_text: str | None) -> tuple[dict[str
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
         if a is not _ABSENT and b is not _ABSENT and a == b and isinstance(a, bool) == isinstance(b, bool):
+            continue
+        if {id(a), id(b)} == {id(_ABSENT), id(None)}:  # an option added since, left unset (null): no change
             continue
         pair = [a if a is not _ABSENT else "(absent)", b if b is not _ABSENT else "(absent)"]
         (allowed if _may_change(key, old_cfg, new_cfg) else refused)[key] = pair
