@@ -52,6 +52,45 @@ def tiny_module(seed: int = 0, **kw: Any) -> FederatedModule:
     return FederatedModule(backbone, lr=kw.pop("lr", 0.1), **kw)
 
 
+def plain_masked_epoch(start: dict[str, Any], mask: dict[str, Any], loader: Any, seed: int, lr: float
+                       ) -> dict[str, Any]:
+    """One local epoch of plain SGD on :func:`tiny_module` from ``start`` (no library kernel): masked tensors follow
+    FedSpa's Eq. 3 (gradient times the mask, weights kept on the mask); ``mask`` may be empty (dense). What the
+    plain re-implementations of the method tests train with."""
+    import torch
+    import torch.nn.functional as F
+
+    module = tiny_module()
+    module.load_state_dict(start)
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    named = dict(module.named_parameters())
+    torch.manual_seed(seed)
+    for x, y in loader:
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        with torch.no_grad():
+            for n, m in mask.items():
+                named[n].grad.mul_(m)
+        opt.step()
+        with torch.no_grad():
+            for n, m in mask.items():
+                named[n].mul_(m)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def plain_dense_gradient(weights: dict[str, Any], loader: Any) -> dict[str, Any]:
+    """The dense gradient of one batch of ``loader`` at ``weights`` (the regrowth score of FedSpa's Alg. 2 and
+    DisPFL's, before |.|), on :func:`tiny_module`."""
+    import torch.nn.functional as F
+
+    module = tiny_module()
+    module.load_state_dict(weights)
+    module.train()
+    x, y = next(iter(loader))
+    F.cross_entropy(module(x), y).backward()
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+
+
 def tiny_loop(tmp_path: Any, **kw: Any) -> FederatedLoop:
     args: dict[str, Any] = dict(num_rounds=2, accelerator="cpu", default_root_dir=str(tmp_path), logger=False,
                                 enable_progress_bar=False)

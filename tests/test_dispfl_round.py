@@ -18,43 +18,13 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from conftest import tiny_datamodule, tiny_loop, tiny_module
+from conftest import plain_dense_gradient, plain_masked_epoch, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import RandomPeers
 from pl_fedsparse.callbacks import Gossip, GradientRegrow
 from pl_fedsparse.functional.sparse import drop_and_grow, prune_regrow_count
 
 ROUNDS, CLIENTS, ALPHA0, LR = 2, 4, 0.5, 0.1
-
-
-def _masked_epoch(start: dict[str, torch.Tensor], mask: dict[str, torch.Tensor], loader, seed: int  # type: ignore[no-untyped-def]
-                  ) -> dict[str, torch.Tensor]:
-    module = tiny_module()
-    module.load_state_dict(start)
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
-    named = dict(module.named_parameters())
-    torch.manual_seed(seed)
-    for x, y in loader:
-        opt.zero_grad()
-        F.cross_entropy(module(x), y).backward()
-        with torch.no_grad():
-            for n, m in mask.items():
-                named[n].grad.mul_(m)
-        opt.step()
-        with torch.no_grad():
-            for n, m in mask.items():
-                named[n].mul_(m)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _dense_gradient(weights: dict[str, torch.Tensor], loader) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    module = tiny_module()
-    module.load_state_dict(weights)
-    module.train()
-    x, y = next(iter(loader))
-    F.cross_entropy(module(x), y).backward()
-    return {n: p.grad.detach().clone() for n, p in module.named_parameters()}
 
 
 def test_two_dispfl_rounds_equal_a_plain_implementation(tmp_path: Path) -> None:
@@ -82,10 +52,10 @@ def test_two_dispfl_rounds_equal_a_plain_implementation(tmp_path: Path) -> None:
                 else:  # dense tensors (biases): the plain average
                     start[n] = sum(sent[j][0][n] for j in group) / len(group)
             seed = loop.streams.fit_seed("train", t, k)
-            trained = _masked_epoch(start, {n: m.float() for n, m in masks[k].items()},
-                                    dm.train_loader(k, seed=seed), seed)
+            trained = plain_masked_epoch(start, {n: m.float() for n, m in masks[k].items()},
+                                         dm.train_loader(k, seed=seed), seed, LR)
             rate = ALPHA0 / 2 * (1 + math.cos(math.pi * t / ROUNDS))
-            grad = _dense_gradient(trained, dm.train_loader(k, seed=loop.streams.seed("grow", t, k)))
+            grad = plain_dense_gradient(trained, dm.train_loader(k, seed=loop.streams.seed("grow", t, k)))
             models[k], trained_on[k] = trained, masks[k]
             masks[k] = {n: drop_and_grow(m, trained[n].abs(), grad[n].abs(), prune_regrow_count(m, rate))
                         for n, m in masks[k].items()}

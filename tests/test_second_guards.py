@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import tiny_datamodule, tiny_loop, tiny_module
+from conftest import plain_dense_gradient, plain_masked_epoch, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import ClientUpdate, Message, Ring
 from pl_fedsparse.callbacks import (
@@ -39,38 +38,6 @@ ROUNDS, CLIENTS, ALPHA0, LR = 2, 4, 0.5, 0.1
 
 
 # ---- plain re-implementations (no library kernel) ------------------------------------------------------------------
-def _sgd_epoch(start: dict[str, torch.Tensor], mask: dict[str, torch.Tensor], loader, seed: int  # type: ignore[no-untyped-def]
-               ) -> dict[str, torch.Tensor]:
-    """One local epoch of plain SGD from ``start``; masked tensors follow FedSpa Eq. 3 (gradient times the mask,
-    weights kept on the mask). ``mask`` may be empty (dense fine-tuning)."""
-    module = tiny_module()
-    module.load_state_dict(start)
-    opt = torch.optim.SGD(module.parameters(), lr=LR)
-    named = dict(module.named_parameters())
-    torch.manual_seed(seed)
-    for x, y in loader:
-        opt.zero_grad()
-        F.cross_entropy(module(x), y).backward()
-        with torch.no_grad():
-            for n, m in mask.items():
-                named[n].grad.mul_(m)
-        opt.step()
-        with torch.no_grad():
-            for n, m in mask.items():
-                named[n].mul_(m)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _dense_gradient(weights: dict[str, torch.Tensor], loader) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """The dense gradient of one local batch at ``weights`` (Alg. 2's regrowth score, before |·|)."""
-    module = tiny_module()
-    module.load_state_dict(weights)
-    module.train()
-    x, y = next(iter(loader))
-    F.cross_entropy(module(x), y).backward()
-    return {n: p.grad.detach().clone() for n, p in module.named_parameters()}
-
-
 def _prune_regrow(mask: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, rate: float) -> torch.Tensor:
     """FedSpa Alg. 2 on one tensor, by sorting: drop the ``ceil(rate · nnz)`` active entries of smallest |w|, then
     grow as many of the entries inactive after the drop with the largest |g| (ties: the lower flat index first)."""
@@ -112,9 +79,9 @@ def test_two_fedspa_rounds_equal_a_plain_implementation_of_alg_1(tmp_path: Path)
         for k in S:
             start = {n: (v * masks[k][n] if n in masks[k] else v) for n, v in W.items()}  # W_{k,t,0} = m_k ⊙ W_t
             seed = loop.streams.fit_seed("train", t, k)
-            trained = _sgd_epoch(start, {n: m.float() for n, m in masks[k].items()}, dm.train_loader(k, seed=seed),
-                                 seed)
-            grad = _dense_gradient(trained, dm.train_loader(k, seed=loop.streams.seed("grow", t, k)))
+            trained = plain_masked_epoch(start, {n: m.float() for n, m in masks[k].items()},
+                                         dm.train_loader(k, seed=seed), seed, LR)
+            grad = plain_dense_gradient(trained, dm.train_loader(k, seed=loop.streams.seed("grow", t, k)))
             new_masks[k] = {n: _prune_regrow(m, trained[n], grad[n], rate) for n, m in masks[k].items()}
             for n in W:
                 step[n] += (start[n] - trained[n]) / len(S)  # U_k = W_{k,t,0} − W_{k,t,N}
@@ -289,7 +256,7 @@ def test_consensus_fine_tuned_models_equal_one_epoch_of_sgd_from_the_by_hand_con
     t = ROUNDS - 1
     for k in range(CLIENTS):
         seed = loop.streams.fit_seed("finetune", t, k)
-        want = _sgd_epoch(consensus, {}, dm.train_loader(k, seed=seed), seed)
+        want = plain_masked_epoch(consensus, {}, dm.train_loader(k, seed=seed), seed, LR)
         got = ft.get_client_state(loop, k, "weights")
         assert got.keys() == want.keys()
         for n in want:

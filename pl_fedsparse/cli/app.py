@@ -27,7 +27,7 @@ from pl_fedsparse.errors import (
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.module import FederatedModule
 
-__all__ = ['DEFAULT_DATA', 'DEFAULT_MODEL', 'FedCLI']
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FedCLI"]
 
 
 #: the ``dump`` keyword that keeps ``None`` values in ``config.yaml``: jsonargparse 4.49 renamed ``skip_none`` to
@@ -40,9 +40,7 @@ _KEEP_NONE = "skip_unset" if tuple(int(x) for x in re.findall(r"\d+", jsonargpar
 #: the ``class_path`` of a ``model:`` / ``data:`` section that names none
 DEFAULT_MODEL = f"{FederatedModule.__module__}.{FederatedModule.__qualname__}"
 
-
 DEFAULT_DATA = "pl_fedsparse.data.FederatedDataModule"
-
 
 #: ``(subcommand, loop)`` of the run :func:`main` is executing: where an interrupted or failed run writes
 _current_run: tuple[str | None, FederatedLoop] | None = None

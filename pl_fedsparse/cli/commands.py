@@ -27,7 +27,7 @@ from pl_fedsparse.errors import (
 )
 from pl_fedsparse.signals import exit_status, interrupt_in, stop_on_signals
 
-__all__ = ['check_entry', 'console_main', 'list_configs', 'main']
+__all__ = ["check_entry", "console_main", "list_configs", "main"]
 
 
 CONFIGS_USAGE = f"""usage: {PROG} configs

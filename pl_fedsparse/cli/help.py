@@ -11,11 +11,10 @@ from collections.abc import Sequence
 
 from jsonargparse import DefaultHelpFormatter
 
-__all__ = ['CONFIG_HELP', 'DESCRIPTION', 'OWN_SUBCOMMANDS', 'PROG', 'SUBCOMMAND_EPILOG', 'summarize_class_paths']
+__all__ = ["CONFIG_HELP", "DESCRIPTION", "OWN_SUBCOMMANDS", "PROG", "SUBCOMMAND_EPILOG", "summarize_class_paths"]
 
 
 PROG = "pl-fed"
-
 
 DESCRIPTION = ("Personalized sparse federated learning with PyTorch Lightning. `pl-fed configs` lists the shipped "
                "configs; run one with `pl-fed fit --config NAME.yaml` from any directory.")
@@ -31,7 +30,6 @@ OWN_SUBCOMMANDS = {
     "report": "Compare run directories: a table of their final metrics (markdown + CSV) and figures.",
     "sweep": "Run a campaign (configs x settings x seeds) several runs at a time, resumable, then report it.",
 }
-
 
 #: the end of ``pl-fed fit|validate|test --help``: how to see a class's arguments and address one callback
 SUBCOMMAND_EPILOG = f"""\
@@ -95,7 +93,6 @@ from torch; `--model.backbone.help CLASS` shows its arguments'
 
 
 _RST_ROLE = re.compile(r":[a-z]+:`~?([^`]*?)`")
-
 
 _SENTENCE_END = re.compile(r"(?<=[a-z0-9)\]'\"])\.\s+(?=[A-Z(])")
 

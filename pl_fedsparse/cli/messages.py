@@ -22,12 +22,11 @@ from pl_fedsparse.errors import (
 from pl_fedsparse.loop import FederatedLoop
 from pl_fedsparse.signals import Terminated
 
-__all__ = ['EXIT_STORAGE']
+__all__ = ["EXIT_STORAGE"]
 
 
 #: the exit status of a run stopped by a storage failure (sysexits.h ``EX_IOERR``)
 EXIT_STORAGE = 74
-
 
 _OUR_FORMAT = re.compile(r"(\S+=.+ is invalid: expected .+)$")
 

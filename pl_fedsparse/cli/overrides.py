@@ -23,16 +23,14 @@ from pl_fedsparse.errors import (
     ConfigError,
 )
 
-__all__ = ['CallbackOverride', 'apply_callback_overrides', 'split_callback_overrides']
+__all__ = ["CallbackOverride", "apply_callback_overrides", "split_callback_overrides"]
 
 
 # ---------------------------------------------------------------------------------------------- callback overrides
 #: ``--trainer.callbacks.<selector>.<arg>[=value]``; a first part in this set is jsonargparse's own syntax
 _CALLBACK_OPTION = re.compile(r"^--trainer\.callbacks\.(?P<rest>[^=]+)(?:=(?P<value>.*))?$", flags=re.DOTALL)
 
-
 _JSONARGPARSE_KEYS = {"help", "class_path", "init_args", "dict_kwargs"}
-
 
 _SCIENTIFIC = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 

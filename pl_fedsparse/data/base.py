@@ -4,15 +4,12 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-log = logging.getLogger(__name__)
-
-__all__ = ['BaseDataset', 'InputKind', 'channel_stats', 'input_kind']
+__all__ = ["BaseDataset", "InputKind", "channel_stats", "input_kind"]
 
 
 #: the kinds of inputs a :class:`BaseDataset` may hold (see the module docstring)

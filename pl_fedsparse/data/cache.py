@@ -16,11 +16,10 @@ from pl_fedsparse.errors import cause_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ['CACHE_ENV', 'cache_dir', 'download_dir']
+__all__ = ["CACHE_ENV", "cache_dir", "download_dir"]
 
 
 CACHE_ENV = "PL_FEDSPARSE_CACHE"
-
 
 _CACHE_VERSION = 1
 

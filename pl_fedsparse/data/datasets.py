@@ -41,24 +41,22 @@ same arguments free.
 
 from __future__ import annotations
 
-import logging
 import os
 
-from pl_fedsparse.data.base import BaseDataset
-from pl_fedsparse.data.sources.cifar import _load_cifar
-from pl_fedsparse.data.sources.idx import EMNIST_SPLITS, _load_idx_dataset
-from pl_fedsparse.data.sources.synthetic import make_synthetic, synthetic_params
-from pl_fedsparse.errors import check
-
-log = logging.getLogger(__name__)
-
 # the names this module held before the sources moved into pl_fedsparse.data.sources (public: kept importable here)
-from pl_fedsparse.data.base import InputKind, channel_stats, input_kind  # noqa: E402,F401
+from pl_fedsparse.data.base import BaseDataset, InputKind, channel_stats, input_kind  # noqa: E402,F401
 from pl_fedsparse.data.cache import CACHE_ENV, cache_dir, download_dir  # noqa: E402,F401
 from pl_fedsparse.data.decode import read_idx  # noqa: E402,F401
-from pl_fedsparse.data.sources.synthetic import SYNTHETIC_DEFAULTS  # noqa: E402,F401
+from pl_fedsparse.data.sources.cifar import _load_cifar
+from pl_fedsparse.data.sources.idx import EMNIST_SPLITS, _load_idx_dataset
+from pl_fedsparse.data.sources.synthetic import (
+    SYNTHETIC_DEFAULTS,  # noqa: E402,F401
+    make_synthetic,
+    synthetic_params,
+)
+from pl_fedsparse.errors import check
 
-__all__ = ['DATASETS', 'clear_memo', 'load_dataset']
+__all__ = ["DATASETS", "clear_memo", "load_dataset"]
 
 
 DATASETS: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "emnist", "image_folder",
@@ -66,7 +64,6 @@ DATASETS: tuple[str, ...] = ("synthetic", "cifar10", "cifar100", "mnist", "fashi
 
 
 _MEMO: dict[tuple, BaseDataset] = {}
-
 
 #: the sources of :mod:`pl_fedsparse.data.sources` (your own data)
 SOURCES: tuple[str, ...] = ("image_folder", "tensors", "torchvision", "leaf")

@@ -5,7 +5,6 @@ IDX files (plain or ``.gz``).
 from __future__ import annotations
 
 import gzip
-import logging
 import math
 import os
 import struct
@@ -19,9 +18,7 @@ import torch
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.resources import check_fits
 
-log = logging.getLogger(__name__)
-
-__all__ = ['check_resized_images', 'read_idx']
+__all__ = ["check_resized_images", "read_idx"]
 
 
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")

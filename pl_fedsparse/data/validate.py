@@ -5,7 +5,6 @@ lengths and dtypes of its tensors, finite features and labels in range; one line
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 import numpy as np
@@ -14,9 +13,7 @@ import torch
 from pl_fedsparse.data.base import BaseDataset, input_kind
 from pl_fedsparse.errors import ConfigError
 
-log = logging.getLogger(__name__)
-
-__all__ = ['validate_base_dataset']
+__all__ = ["validate_base_dataset"]
 
 
 # ----------------------------------------------------------------------------------------------- validation

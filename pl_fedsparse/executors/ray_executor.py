@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ['FitWorker', 'RayExecutor', 'pack_tree', 'sync_state', 'tune_malloc', 'unpack_tree', 'worker_spec']
+__all__ = ["FitWorker", "RayExecutor", "pack_tree", "sync_state", "tune_malloc", "unpack_tree", "worker_spec"]
 
 
 class _RayFitWorker(FitWorker):

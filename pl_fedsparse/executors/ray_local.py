@@ -13,16 +13,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pl_fedsparse.errors import ConfigError
 
-if TYPE_CHECKING:
-    pass
-
-log = logging.getLogger(__name__)
-
-__all__ = ['LOOPBACK']
+__all__ = ["LOOPBACK"]
 
 
 # ------------------------------------------------------------------------------------------------ Ray
@@ -75,7 +70,9 @@ def _start_sentinel(ray: Any) -> subprocess.Popen[bytes] | None:
         session_dir = ray._private.worker._global_node.get_session_dir_path()
     except AttributeError:
         return None
-    from pl_fedsparse.executors import ray_sentinel as _ray_sentinel  # (its file is run as a script; found by import, wherever it lives)
+    from pl_fedsparse.executors import (
+        ray_sentinel as _ray_sentinel,  # (its file is run as a script; found by import, wherever it lives)
+    )
 
     script = os.path.abspath(_ray_sentinel.__file__)
     return subprocess.Popen([sys.executable, "-S", script, session_dir], stdin=subprocess.PIPE,

@@ -5,10 +5,9 @@ trip back, and a fit request whose start tensors that *are* the global state's a
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,12 +16,7 @@ from torch import Tensor
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.executors.base import FitRequest
 
-if TYPE_CHECKING:
-    pass
-
-log = logging.getLogger(__name__)
-
-__all__ = ['pack_tree', 'unpack_tree']
+__all__ = ["pack_tree", "unpack_tree"]
 
 
 # ------------------------------------------------------------------------------------------------ allocator

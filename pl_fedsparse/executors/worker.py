@@ -6,7 +6,6 @@ once per stage), and the fits themselves, run by the in-process (or vectorised) 
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -26,9 +25,8 @@ from pl_fedsparse.executors.wire import _pack_update, _WireRequest
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-log = logging.getLogger(__name__)
 
-__all__ = ['FitWorker', 'sync_state', 'worker_spec']
+__all__ = ["FitWorker", "sync_state", "worker_spec"]
 
 
 #: loop attributes a worker never needs (state the driver keeps, or things that cannot travel)

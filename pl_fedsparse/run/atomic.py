@@ -12,15 +12,12 @@ import os
 import secrets
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pl_fedsparse.errors import cause_of, with_path
 from pl_fedsparse.signals import deferred_signals
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ['atomic_link', 'atomic_write_bytes', 'atomic_write_text', 'dumps_json', 'refresh_umask']
+__all__ = ["atomic_link", "atomic_write_bytes", "atomic_write_text", "dumps_json", "refresh_umask"]
 
 
 _UMASK: int | None = None

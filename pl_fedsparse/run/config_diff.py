@@ -9,23 +9,12 @@ are already imported (:func:`_loaded_class`), so nothing named by a checkpoint, 
 from __future__ import annotations
 
 import json
-import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    pass
-
-log = logging.getLogger(__name__)
-
-__all__ = ['RESUME_MAY_CHANGE', 'canonical_config', 'config_changes']
+__all__ = ["RESUME_MAY_CHANGE", "canonical_config", "config_changes"]
 
 
 #: configuration keys (dotted, as in ``config.yaml``) a resume may change: none of them changes the rounds already
@@ -40,7 +29,6 @@ RESUME_MAY_CHANGE = (
     "trainer.flush_denormal",  # (subnormals as zero: numbers move at most in their last bits; a speed setting)
     "trainer.fit_runner",  # (the same fits, bit for bit on the CPU: tests/test_fit_runner.py; a speed setting)
 )
-
 
 #: the attribute by which a callback class lists the ``init_args`` a resume may change (``when`` of an evaluation-only
 #: callback, say): ``trainer.callbacks.<i>.init_args.<arg>`` of a callback of the same class in both configurations

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
-
-if TYPE_CHECKING:
-    pass
-
-log = logging.getLogger(__name__)
-
-__all__ = ['LOCK_FILE', 'RUN_FILE', 'RUN_FORMAT', 'SPECIAL_ENTRIES', 'round_checkpoint_name', 'round_checkpoints']
+__all__ = ["LOCK_FILE", "RUN_FILE", "RUN_FORMAT", "SPECIAL_ENTRIES", "round_checkpoint_name", "round_checkpoints"]
 
 
 RUN_FILE = "run.json"
 
-
 LOCK_FILE = ".lock"
-
 
 #: entries of a run directory the engine opens, writes or removes: none of them may be a symbolic link
 SPECIAL_ENTRIES = (LOCK_FILE, RUN_FILE, "config.yaml", "summary.json", "metrics.jsonl", "results.md", "checkpoints",
@@ -39,7 +25,6 @@ _ENGINE_TMP = re.compile(r"^\.(run\.json|config\.yaml|summary\.json|metrics\.jso
 
 
 RUN_FORMAT = "pl_fedsparse.run/1"
-
 
 _ROUND_FILE = re.compile(r"^round-(\d+)\.ckpt$")
 

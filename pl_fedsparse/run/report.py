@@ -40,7 +40,7 @@ from pl_fedsparse.run.figures import _figures
 from pl_fedsparse.run.runs import Run, _label, _seed_key, _value, load_run, seed_groups
 from pl_fedsparse.run.stats import _mean_std, paired_difference, welch_difference
 
-__all__ = ['main', 'markdown_table', 'pair_table', 'seed_pairs', 'seed_table', 'table_rows', 'write_report']
+__all__ = ["main", "markdown_table", "pair_table", "seed_pairs", "seed_table", "table_rows", "write_report"]
 
 
 #: (column, key in the final row, kind) — columns shown when at least one run has the key

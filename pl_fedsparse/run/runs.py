@@ -16,12 +16,11 @@ import yaml
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.run.stats import _mean_std
 
-__all__ = ['LOCATION_KEYS', 'Run', 'SEED_KEYS', 'SeedGroup', 'load_run', 'seed_curve', 'seed_groups']
+__all__ = ["LOCATION_KEYS", "Run", "SEED_KEYS", "SeedGroup", "load_run", "seed_curve", "seed_groups"]
 
 
 #: configuration keys that tell runs of one experiment apart without changing it: the seeds and where it was written
 SEED_KEYS = ("seed_everything", "data.seed")
-
 
 LOCATION_KEYS = ("trainer.default_root_dir", "trainer.overwrite")
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ['CONFIDENCE', 'paired_difference', 't_cdf', 't_quantile', 'welch_difference']
+__all__ = ["CONFIDENCE", "paired_difference", "t_cdf", "t_quantile", "welch_difference"]
 
 
 def _mean_std(xs: list[float]) -> tuple[float, float | None]:

@@ -4,7 +4,6 @@ image folder, torchvision's download, and the one line that says where to put a 
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,7 @@ from pl_fedsparse.data.cache import _cached
 from pl_fedsparse.data.decode import _IMAGE_SUFFIXES, _decode_files, _list_images
 from pl_fedsparse.errors import DataNotFoundError, check
 
-log = logging.getLogger(__name__)
-
-__all__ = ['FASHION_MNIST_SYSTEM_DIR']
+__all__ = ["FASHION_MNIST_SYSTEM_DIR"]
 
 
 FASHION_MNIST_SYSTEM_DIR = "/usr/share/datasets/fashion-mnist"

@@ -4,7 +4,6 @@ sorted walk of a folder.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -12,9 +11,7 @@ import numpy as np
 
 from pl_fedsparse.errors import check
 
-log = logging.getLogger(__name__)
-
-__all__ = ['held_out_split', 'image_size_pair']
+__all__ = ["held_out_split", "image_size_pair"]
 
 
 def image_size_pair(image_size: Any) -> tuple[int, int] | None:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 from pl_fedsparse.data.base import BaseDataset
@@ -12,7 +11,6 @@ from pl_fedsparse.data.cache import download_dir
 from pl_fedsparse.data.decode import _find_image_folder
 from pl_fedsparse.data.sources._builtin import _from_torchvision, _load_image_folder, _missing, _to_dataset
 
-log = logging.getLogger(__name__)
 
 def _load_cifar(name: str, root: str | None, download: bool) -> BaseDataset:
     import torchvision

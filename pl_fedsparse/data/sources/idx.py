@@ -5,7 +5,6 @@ torchvision's ``root/<Class>/raw`` layout (for Fashion-MNIST, Debian's ``dataset
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -23,9 +22,7 @@ from pl_fedsparse.data.sources._builtin import (
 )
 from pl_fedsparse.errors import check
 
-log = logging.getLogger(__name__)
-
-__all__ = ['EMNIST_SPLITS']
+__all__ = ["EMNIST_SPLITS"]
 
 
 #: EMNIST split -> number of classes (``letters`` labels are shifted from 1..26 to 0..25).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -14,9 +13,7 @@ from pl_fedsparse.data.base import BaseDataset
 from pl_fedsparse.data.cache import _cached
 from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
-log = logging.getLogger(__name__)
-
-__all__ = ['LEAF_LETTERS']
+__all__ = ["LEAF_LETTERS"]
 
 
 #: LEAF's Shakespeare alphabet (``models/utils/language_utils.py``): a character's id is its index here

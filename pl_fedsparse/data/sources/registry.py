@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +19,7 @@ from pl_fedsparse.data.sources.torchvision_class import _load_torchvision
 from pl_fedsparse.data.validate import validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check
 
-log = logging.getLogger(__name__)
-
-__all__ = ['SourceRequest', 'USER_SOURCES', 'load_source', 'source_key']
+__all__ = ["SourceRequest", "USER_SOURCES", "load_source", "source_key"]
 
 
 def source_key(name: str, abs_root: str | None, *, test_fraction: float, seed: int, image_size: Any,

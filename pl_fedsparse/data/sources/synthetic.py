@@ -4,7 +4,6 @@ default).
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -16,9 +15,7 @@ from pl_fedsparse.data.base import BaseDataset, channel_stats
 from pl_fedsparse.errors import check
 from pl_fedsparse.resources import check_fits
 
-log = logging.getLogger(__name__)
-
-__all__ = ['SYNTHETIC_DEFAULTS', 'make_synthetic', 'synthetic_params']
+__all__ = ["SYNTHETIC_DEFAULTS", "make_synthetic", "synthetic_params"]
 
 
 #: Parameters of the ``synthetic`` task; override any of them with ``load_dataset(..., synthetic={...})``.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import warnings
@@ -16,9 +15,7 @@ from pl_fedsparse.data.base import BaseDataset, channel_stats, input_kind
 from pl_fedsparse.data.sources._common import held_out_split
 from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
-log = logging.getLogger(__name__)
-
-__all__ = ['TENSOR_KEYS']
+__all__ = ["TENSOR_KEYS"]
 
 
 #: the keys a ``tensors`` file may hold

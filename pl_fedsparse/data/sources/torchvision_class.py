@@ -27,7 +27,7 @@ from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
 log = logging.getLogger(__name__)
 
-__all__ = ['resolve_torchvision_class']
+__all__ = ["resolve_torchvision_class"]
 
 
 def resolve_torchvision_class(spec: Any) -> type:
