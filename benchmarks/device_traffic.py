@@ -6,16 +6,21 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
 
 * **Trainers built** (``lightning.Trainer.__init__``) and **module moves** (``.to`` / ``.cuda`` / ``.cpu`` on a
   ``LightningModule``) inside client fits;
-* **transfers**: ``Tensor.to(<device>)``, ``.cpu()``, ``.cuda()``, ``.pin_memory()`` calls — on a GPU each moves a
-  tensor across the host link unless it is already where it is sent (on the CPU every such call is counted: an
-  upper bound);
+* **transfers** (of state): ``Tensor.to(<device>)``, ``.cpu()``, ``.cuda()``, ``.pin_memory()`` calls — on a GPU
+  each moves a tensor across the host link unless it is already where it is sent (on the CPU every such call is
+  counted: an upper bound). Many tensors packed into one copy
+  (:func:`~pl_fedsparse.functional.transfer.copy_tensors`) are one transfer; the counter makes the engine pack on the
+  CPU as it does from a device (``transfer.ALWAYS_PACK``). **Data transfers** (calls made by ``pl_fedsparse.data``:
+  images, labels and batch orders to the loader's device; none once ``data.device`` holds the data there) are
+  counted apart;
 * **synchronising calls**: ``.item()``, ``.tolist()``, ``.numpy()``, ``bool()/int()/float()`` of a tensor,
   ``nonzero``/``argwhere``, ``masked_select``, ``unique`` and indexing by a bool tensor — each makes the host wait
   for the device.
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
-**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`). Where the engine takes
+**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`) and **eval** (one evaluation
+loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader). Where the engine takes
 another path on the CPU than on a device (pFedGate's greedy knapsack, a Python scan on the CPU), the counter makes
 it take the device's. A GPU's own profile
 (``torch.profiler``, ``torch.cuda.set_sync_debug_mode``) is the check on a lent device; this one runs anywhere, and
@@ -63,6 +68,7 @@ _SYNC_NAMES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "_
                "masked_select", "unique", "unique_consecutive"}
 _TRANSFER_NAMES = {"cpu", "cuda", "pin_memory"}
 _TORCH_DIR = str(Path(torch.__file__).parent)
+_DATA_DIR = str(REPO / "pl_fedsparse" / "data") + "/"
 _INHERITED = object()
 
 
@@ -100,14 +106,15 @@ class TrafficCounter(TorchFunctionMode):
         caller = sys._getframe(1).f_code.co_filename
         if _TORCH_DIR in caller:  # torch's own housekeeping (e.g. clip_grad_norm_'s per-device grouping): not ours
             return func(*args, **kwargs)
+        moves = "data_transfers" if _DATA_DIR in caller else "transfers"  # (the data's own moves, counted apart)
         if name in _SYNC_NAMES:
             self._count("syncs", name)
         elif name in _TRANSFER_NAMES:
-            self._count("transfers", name)
+            self._count(moves, name)
             if name == "cpu":  # a copy to the host also waits for the device
                 self._count("syncs", name)
         elif name == "to" and (any(_is_device(a) for a in args[1:]) or _is_device(kwargs.get("device"))):
-            self._count("transfers", "to(device)")
+            self._count(moves, "to(device)")
         elif name in ("__getitem__", "__setitem__") and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
@@ -131,7 +138,10 @@ def counting() -> Iterator[TrafficCounter]:
         patches.append((owner, attr, raw))
         setattr(owner, attr, wrapper)
 
+    from pl_fedsparse.evaluation import Evaluator
+
     run_one, step, dag = InProcessExecutor.run_one, runner_mod.FitRunner._step, pr.drop_and_grow
+    logits = Evaluator.logits
     trainer_init, to, cuda, cpu = pl.Trainer.__init__, torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.cpu
 
     def run_one_(self: Any, request: Any) -> Any:
@@ -149,6 +159,11 @@ def counting() -> Iterator[TrafficCounter]:
         with counter.in_phase("readjust"):
             return dag(*a, **k)
 
+    def logits_(self: Any, *a: Any, **k: Any) -> Any:
+        counter.counts[("eval", "loaders")] += 1
+        with counter.in_phase("eval"):
+            return logits(self, *a, **k)
+
     def init_(self: Any, *a: Any, **k: Any) -> None:
         counter._count("trainers", "Trainer")
         trainer_init(self, *a, **k)
@@ -160,12 +175,14 @@ def counting() -> Iterator[TrafficCounter]:
             return fn(self, *a, **k)
         return moved
 
-    from pl_fedsparse.functional import gate
+    from pl_fedsparse.functional import gate, transfer
 
     patch(gate, "HOST_KNAPSACK_ON_CPU", False)  # count the path a GPU takes (pFedGate's knapsack on the device)
+    patch(transfer, "ALWAYS_PACK", True)  # and its copies to the host (packed, one per batch of tensors)
     patch(InProcessExecutor, "run_one", run_one_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
     patch(pr, "drop_and_grow", dag_)
+    patch(Evaluator, "logits", logits_)
     patch(pl.Trainer, "__init__", init_)
     patch(torch.nn.Module, "to", mover(to, "to"))
     patch(torch.nn.Module, "cuda", mover(cuda, "cuda"))
@@ -179,6 +196,7 @@ def counting() -> Iterator[TrafficCounter]:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, old)
+        transfer._placed.clear()
 
 
 def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, Any]:
@@ -202,12 +220,15 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, A
     fits = max(1, c.counts[("fit", "fits")])
     steps = max(1, c.counts[("step", "steps")])
     per = {}
-    for kind in ("trainers", "module_moves", "transfers", "syncs"):
+    for kind in ("trainers", "module_moves", "transfers", "data_transfers", "syncs"):
         inside_fit = sum(v for (ph, k), v in c.counts.items() if k == kind and ph in ("fit", "step", "readjust"))
         per[f"{kind}_per_fit"] = round(inside_fit / fits, 2)
     per["syncs_per_step"] = round(c.counts[("step", "syncs")] / steps, 3)
     per["transfers_per_step"] = round(c.counts[("step", "transfers")] / steps, 3)
     per["readjust_transfers"] = c.counts[("readjust", "transfers")]
+    loaders = max(1, c.counts[("eval", "loaders")])
+    per["eval_transfers_per_loader"] = round(c.counts[("eval", "transfers")] / loaders, 2)
+    per["eval_syncs_per_loader"] = round(c.counts[("eval", "syncs")] / loaders, 2)
     per["readjust_syncs_per_call"] = round(c.counts[("readjust", "syncs")] / max(1, c.counts[("readjust", "calls")]),
                                            2)
     return {"config": name, "fit_runner": fit_runner, "fits": c.counts[("fit", "fits")],
@@ -228,8 +249,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     rows = [measure(n, a.rounds, a.fit_runner) for n in a.configs]
-    cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit", "syncs_per_fit",
-            "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call"]
+    cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",
+            "data_transfers_per_fit", "syncs_per_fit",
+            "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",
+            "eval_transfers_per_loader", "eval_syncs_per_loader"]
     print("| config | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for r in rows:

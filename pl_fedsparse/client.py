@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,7 +23,7 @@ from torch import Tensor
 from pl_fedsparse.allocator import release_free_memory
 from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
-from pl_fedsparse.functional import floatcodec
+from pl_fedsparse.functional import floatcodec, transfer
 from pl_fedsparse.functional.accounting import message_nbytes
 from pl_fedsparse.resources import check_fits, human_bytes
 
@@ -37,8 +37,24 @@ StateInit = Callable[[int], TensorTree]
 
 
 def to_cpu_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Detached CPU copies of a state dict (never aliases the module's live parameters)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+    """Detached CPU copies of a state dict (never aliases the module's live parameters); from a device, all of them
+    in one copy across the link (:func:`~pl_fedsparse.functional.transfer.copy_tensors`)."""
+    return dict(zip(state, transfer.copy_tensors(list(state.values()), "cpu")))
+
+
+def _leaves(value: TensorTree, out: list[Tensor]) -> list[Tensor]:
+    if isinstance(value, Mapping):
+        for v in value.values():
+            _leaves(v, out)
+    elif isinstance(value, Tensor):
+        out.append(value)
+    return out
+
+
+def _replace(value: TensorTree, it: Iterator[Tensor]) -> TensorTree:
+    if isinstance(value, Mapping):
+        return {k: _replace(v, it) for k, v in value.items()}
+    return next(it) if isinstance(value, Tensor) else value
 
 
 @dataclass
@@ -114,7 +130,7 @@ def _compact(value: TensorTree) -> TensorTree:
     if isinstance(value, Mapping):
         return {k: _compact(v) for k, v in value.items()}
     if isinstance(value, Tensor):
-        return value.detach().to("cpu")
+        return value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
     return value
 
 
@@ -188,8 +204,10 @@ class ClientStateStore:
         # id(tensor) -> (weak reference, version counter, encoded form): shared tensors stay shared when encoded
         self._memo: dict[int, tuple[weakref.ref, int, Any]] = {}
         self._written = 0  # bytes stored since the heap was last trimmed
+        self._pending: dict[int, list[str]] = {}  # entries set during a fit, still on the device (flush_writes)
 
     def __getstate__(self) -> dict[str, Any]:
+        self.flush_writes()
         return {**vars(self), "_memo": {}}  # (weak references do not pickle; the memo is only a shortcut)
 
     def _keep(self, value: TensorTree) -> TensorTree:
@@ -251,6 +269,8 @@ class ClientStateStore:
         the client exactly as it was (the executor puts back the references it exported before the fit). Outside a
         fit the stored tensors themselves are handed out, read-only.
         """
+        if key in self._pending.get(client_idx, ()):  # set on a device earlier in this fit: read as every entry is
+            self.flush_writes(client_idx)
         value = self.stored(client_idx, key)
         if current_fit() is not None:
             return self._private(value)
@@ -304,6 +324,7 @@ class ClientStateStore:
 
     def export_client(self, client_idx: int) -> dict[str, TensorTree]:
         """All entries of one client (references, no copies; encoded as stored): what travels in a fit request."""
+        self.flush_writes(client_idx)
         return dict(self._data.get(client_idx, {}))
 
     def import_client(self, client_idx: int, entries: Mapping[str, TensorTree]) -> None:
@@ -320,14 +341,52 @@ class ClientStateStore:
     def restore_client(self, client_idx: int, entries: Mapping[str, TensorTree]) -> None:
         """Put back one client's entries exactly as :meth:`export_client` returned them (the same objects; entries
         created since are dropped): how a failed fit is rolled back."""
+        self._drop_pending(client_idx)
         self._data[client_idx] = dict(entries)
 
     def set(self, client_idx: int, key: str, value: TensorTree) -> None:
         """Replace the entry (stored compact on CPU)."""
         if key not in self._inits:
             raise KeyError(f"client state {key!r} was never declared")
+        if current_fit() is not None and not floatcodec.is_encoded(value):
+            leaves = _leaves(value, [])
+            if transfer.ALWAYS_PACK or transfer.needs_copy(leaves, "cpu"):
+                # set during a fit from the device: kept there until the fit ends, when all of the fit's entries
+                # cross to the host in one copy (flush_writes) instead of one copy per tensor
+                self._data.setdefault(client_idx, {})[key] = _replace(value, (t.detach() for t in leaves))
+                pending = self._pending.setdefault(client_idx, [])
+                if key not in pending:
+                    pending.append(key)
+                return
+        self._drop_pending(client_idx, key)
         kept = self._data.setdefault(client_idx, {})[key] = self._keep(value)
         self._count(kept)
+
+    def _drop_pending(self, client_idx: int, key: str | None = None) -> None:
+        pending = self._pending.get(client_idx)
+        if pending is not None:
+            if key is None:
+                pending.clear()
+            elif key in pending:
+                pending.remove(key)
+            if not pending:
+                del self._pending[client_idx]
+
+    def flush_writes(self, client_idx: int | None = None, extra: Sequence[Tensor] = ()) -> list[Tensor]:
+        """Bring the entries set on a device during a fit to the host (of one client, or all), in one copy together
+        with ``extra`` tensors (e.g. a fit's upload); returns ``extra``'s host copies. The executor calls it when a
+        fit ends, before the client's entries are exported; reading the store outside a fit never sees a device
+        tensor."""
+        clients = list(self._pending) if client_idx is None else [client_idx] if client_idx in self._pending else []
+        values = [(k, key, self._data[k][key]) for k in clients for key in self._pending[k]]
+        leaves = [_leaves(v, []) for _, _, v in values]
+        moved = iter(transfer.copy_tensors([t for ls in leaves for t in ls] + list(extra), "cpu"))
+        for (k, key, value), _ in zip(values, leaves):
+            kept = self._data[k][key] = self._keep(_replace(value, moved))
+            self._count(kept)
+        for k in clients:
+            del self._pending[k]
+        return list(moved)
 
     def _count(self, value: TensorTree) -> None:
         self._written += _nbytes(value)
@@ -342,6 +401,7 @@ class ClientStateStore:
     def state_dict(self) -> dict[int, dict[str, TensorTree]]:
         """Everything, for a checkpoint (only tensors, dicts and ints: loadable with ``weights_only=True``; encoded
         tensors as stored)."""
+        self.flush_writes()
         return {k: dict(v) for k, v in self._data.items()}
 
     def load_state_dict(self, state: Mapping[int, Mapping[str, TensorTree]]) -> None:

@@ -44,9 +44,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pl_fedsparse.data.loaders import TensorBatchLoader
+from pl_fedsparse.data.loaders import TensorBatchLoader, batch_to
 from pl_fedsparse.errors import ConfigError, UserCodeError, check, user_code
 from pl_fedsparse.executors.base import load_state
+from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 from pl_fedsparse.view import EvalView
 
@@ -256,7 +257,8 @@ class Evaluator:
                                            severity=severity, batch_size=self.batch_size())
 
     def logits(self, loader: Any, where: str = "") -> tuple[Tensor, Tensor]:
-        """CPU float logits and labels of the working module over an evaluation loader (autocast as in training).
+        """CPU float logits and labels of the working module over an evaluation loader (autocast as in training),
+        gathered on the device and copied to the host once.
 
         The module's forward is the user's code: what it raises, or logits that are not one row per input, end in one
         :class:`~pl_fedsparse.errors.UserCodeError` line naming ``where`` (client, round, model kind)."""
@@ -274,19 +276,22 @@ class Evaluator:
         where += f"round {loop.round_idx}, evaluation"
         with torch.inference_mode():
             for x, y in loader:
-                x = x.to(device, non_blocking=True)
+                x, y = batch_to(x, y, device, non_blocking=True)
                 with autocast, user_code(module, "forward", where):
                     out = module(x)
                 if not isinstance(out, Tensor) or out.ndim != 2 or out.shape[0] != x.shape[0]:
                     shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
                     raise UserCodeError(f"{type(module).__qualname__}.forward returned {shape} for a batch of "
                                         f"{x.shape[0]} inputs ({where}); expected logits [batch, classes]")
-                logits.append(out.float().cpu())
-                labels.append(y.cpu())
+                logits.append(out.float())  # kept where they are: no wait for the device per batch
+                labels.append(y)
+            if logits:  # all of them to the host in one copy
+                both = to_device({"logits": torch.cat(logits), "labels": torch.cat(labels)}, "cpu")
+                all_logits, all_labels = both["logits"], both["labels"]
         module.train()
         if not logits:
             return torch.zeros(0, int(loop.datamodule.num_classes)), torch.zeros(0, dtype=torch.long)
-        return torch.cat(logits), torch.cat(labels)
+        return all_logits, all_labels
 
     def views(self) -> dict[str, EvalView]:
         """The views of the coming evaluation: the clean one plus every callback's."""

@@ -54,6 +54,7 @@ from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
 from pl_fedsparse.functional.masks import check_density, layer_densities
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional.transfer import to_device
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -288,20 +289,24 @@ class DualMask(UsesMaskedTraining):
             return
         m_c = self.masks(loop, context.client_idx)
         w_c = self.personal_weights(loop, context.client_idx, m_c)
+        # composed where the weights are: the client's masks, personal weights and the global mask cross in one copy
+        on = to_device({**{f"m/{n}": m for n, m in m_c.items()}, **{f"w/{n}": w_c[n] for n in m_c},
+                        **{f"g/{n}": self.global_mask[n] for n in m_c}},
+                       next(iter(params.values())).device) if m_c else {}
         with torch.no_grad():
-            for name, m in m_c.items():  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
+            for name in m_c:  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
                 p = params[name]
-                p.copy_(compose_personal(p.detach().cpu(), self.global_mask[name], w_c[name], m).to(p.device, p.dtype))
+                p.copy_(compose_personal(p.detach(), on[f"g/{name}"], on[f"w/{name}"], on[f"m/{name}"]).to(p.dtype))
         if mode == "mask":  # Alg. 1 lines 7-9: train under m_c
             self.training.begin(module, m_c, apply=False)
             return
         # Alg. 3 line 6: only m_c − m_g moves; the shared part (and every unmasked tensor) is frozen bit-exactly
         trainable = {k: m & ~self.global_mask[k] for k, m in m_c.items()}
-        frozen = {k: params[k].detach().cpu() * (m & self.global_mask[k]).to(params[k].dtype) for k, m in m_c.items()}
+        frozen = {k: params[k].detach() * (on[f"m/{k}"] & on[f"g/{k}"]).to(params[k].dtype) for k in m_c}
         for name, p in params.items():
             if name not in m_c:
                 trainable[name] = torch.zeros(p.shape, dtype=torch.bool)
-                frozen[name] = p.detach().cpu().clone()
+                frozen[name] = p.detach().clone()
         self.training.begin(module, trainable, frozen, apply=False)
 
     @override

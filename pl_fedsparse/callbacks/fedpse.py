@@ -41,7 +41,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.client import ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.functional.aggregation import weighted_average
@@ -109,8 +109,7 @@ class ResidualUpload(FederatedCallback):
 
     @override
     def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
-        self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
-                       if t.is_floating_point()}
+        self._start = to_cpu_state({n: t for n, t in module.state_dict().items() if t.is_floating_point()})
 
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:

@@ -33,6 +33,7 @@ from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional.transfer import to_device
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -88,25 +89,38 @@ class MaskedTraining:
         self._params: dict[str, Tensor] = {}
         self._step_masks: dict[str, Tensor] = {}
         self._frozen_dev: dict[str, Tensor] = {}
+        self._on: torch.device | None = None  # where ``active`` and ``_frozen`` are (None: as given)
 
     def begin(self, module: pl.LightningModule, trainable: dict[str, Tensor],
               frozen: dict[str, Tensor] | None = None, apply: bool = True) -> None:
         """Start a fit: ``module`` holds the start weights; ``apply`` multiplies them by ``trainable`` now."""
         self.active, self._frozen = trainable, dict(frozen or {})
         self._params = dict(module.named_parameters())
-        if apply:
+        self._on = None
+        if apply and self._params:
+            self._move(next(iter(self._params.values())).device)
             with torch.no_grad():
-                for name, mask in trainable.items():
+                for name, mask in self.active.items():
                     p = self._params.get(name)
                     if p is not None:
-                        p.mul_(mask.to(p.device, p.dtype))
+                        p.mul_((mask if mask.device == p.device else mask.to(p.device)).to(p.dtype))
+
+    def _move(self, device: torch.device) -> None:
+        """The masks and frozen values to ``device``, in one copy across the link (none when they are there)."""
+        if self._on == device:
+            return
+        both = to_device({**{f"a/{k}": m for k, m in self.active.items()},
+                          **{f"f/{k}": v for k, v in self._frozen.items()}}, device)
+        self.active = {k: both[f"a/{k}"] for k in self.active}
+        self._frozen = {k: both[f"f/{k}"] for k in self._frozen}
+        self._on = device
 
     def on_train_start(self, module: pl.LightningModule) -> None:
         # the module is on its device now: device copies of the masks, converted once per fit
         self._params = dict(module.named_parameters())
-        self.active = {k: m.to(module.device) for k, m in self.active.items()}
+        self._move(module.device)
         self._step_masks = {k: m.to(self._params[k].dtype) for k, m in self.active.items() if k in self._params}
-        self._frozen_dev = {k: v.to(module.device, self._params[k].dtype) for k, v in self._frozen.items()}
+        self._frozen_dev = {k: v.to(self._params[k].dtype) for k, v in self._frozen.items()}
 
     def on_before_optimizer_step(self) -> None:
         if not self.mask_gradients:
@@ -128,8 +142,8 @@ class MaskedTraining:
 
     def end(self) -> dict[str, Tensor]:
         """Finish the fit; returns the trainable masks (on CPU)."""
-        masks = {k: m.cpu() for k, m in self.active.items()}
-        self.active, self._frozen, self._params = {}, {}, {}
+        masks = to_device(self.active, "cpu", share=False)  # (one copy from a device)
+        self.active, self._frozen, self._params, self._on = {}, {}, {}, None
         return masks
 
 

@@ -19,6 +19,7 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext
+from pl_fedsparse.functional.transfer import to_device
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -62,9 +63,11 @@ class KeepOptimizerState(FederatedCallback):
             return
         opt = trainer.optimizers[0]
         state: dict[int, dict[str, Tensor]] = {}
-        for key, value in self._pending.items():
+        # all buffers to the module's device in one copy (no copy where they are there already)
+        moved = to_device(self._pending, pl_module.device)
+        for key, value in moved.items():
             idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = value.to(pl_module.device)
+            state.setdefault(int(idx), {})[name] = value
         opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
     @override
@@ -72,9 +75,10 @@ class KeepOptimizerState(FederatedCallback):
         if self._pending is None:
             return
         state = trainer.optimizers[0].state_dict()["state"]
-        # no copy on CPU: the buffers are this fit's own (the kept state is loaded from a private copy,
-        # ClientStateStore.get) and the optimizer is dropped with the fit's Trainer
-        self._captured = {f"{i}.{name}": v.detach().to("cpu") if isinstance(v, Tensor)
+        # no copy: the buffers are this fit's own (the kept state is loaded from a private copy,
+        # ClientStateStore.get) and the optimizer is dropped after the fit; stored from a device, they reach the host
+        # with the fit's other entries in one copy when the fit ends (ClientStateStore.flush_writes)
+        self._captured = {f"{i}.{name}": v.detach() if isinstance(v, Tensor)
                           else torch.as_tensor(v) for i, entries in state.items() for name, v in entries.items()}
 
     @override

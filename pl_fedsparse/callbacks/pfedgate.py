@@ -117,6 +117,7 @@ from pl_fedsparse.functional.gate import (
 from pl_fedsparse.functional.gate_sliced import sliced_forward
 from pl_fedsparse.functional.gate_upload import index_wise_average, pack_blocks, unpack_blocks
 from pl_fedsparse.functional.pse import elementwise_average
+from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.models.gate import GatingLayer, adapted_forward
 from pl_fedsparse.streams import register_stream
 
@@ -446,9 +447,16 @@ class PFedGate(FederatedCallback):
             s["union"] = keep.clone() if "union" not in s else s["union"] | keep
 
     # ---- a local fit ------------------------------------------------------------------------------------------
-    def _load_gate(self, loop: FederationView, client_idx: int) -> None:
+    def _load_gate(self, loop: FederationView, client_idx: int, optimizer: bool = True) -> None:
         assert self.gate is not None
-        self.gate.load_state_dict(self.get_client_state(loop, client_idx, "gate"))
+        # the gate's weights (and, for a fit, its momentum) to where the gate is, in one copy
+        gate = self.get_client_state(loop, client_idx, "gate")
+        opt = self.get_client_state(loop, client_idx, "gate_optimizer") if optimizer else {}
+        both = to_device({**{f"g/{n}": v for n, v in gate.items()}, **{f"o/{n}": v for n, v in opt.items()}},
+                         next(self.gate.parameters()).device)
+        self.gate.load_state_dict({n: both[f"g/{n}"] for n in gate})
+        if optimizer:
+            self._pending_opt = {n: both[f"o/{n}"] for n in opt}
         density = self.client_density(client_idx)
         self._client_density, self._clip_floor = density, self.clip_floor(density)
 
@@ -460,11 +468,9 @@ class PFedGate(FederatedCallback):
         if self._ctx is None:
             return
         self._load_gate(loop, context.client_idx)
-        self._pending_opt = self.get_client_state(loop, context.client_idx, "gate_optimizer")
         self._stats = {"fit": True}
         if context.kind == "train" and self.aggregation != "fedavg":  # θ^{t−1}, for the update Δ = θ^t − θ^{t−1}
-            self._start = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()
-                           if t.is_floating_point()}
+            self._start = to_cpu_state({n: t for n, t in module.state_dict().items() if t.is_floating_point()})
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -478,9 +484,10 @@ class PFedGate(FederatedCallback):
                                          weight_decay=self.gate_weight_decay)
         if self._pending_opt:  # the gate's momentum, kept per client across rounds (the code keeps its optimizer)
             state: dict[int, dict[str, Tensor]] = {}
-            for key, value in self._pending_opt.items():
+            moved = to_device(self._pending_opt, pl_module.device)  # (there already, unless the gate just moved)
+            for key, value in moved.items():
                 idx, name = key.split(".", 1)
-                state.setdefault(int(idx), {})[name] = value.to(pl_module.device)
+                state.setdefault(int(idx), {})[name] = value
             self._gate_opt.load_state_dict({"state": state, "param_groups": self._gate_opt.state_dict()["param_groups"]})
         if factor != 1.0:  # the code's multi_step also decays η_g
             for group in trainer.optimizers[0].param_groups:
@@ -529,12 +536,13 @@ class PFedGate(FederatedCallback):
         self._uninstall()
         if self._ctx is None or self._gate_opt is None or self.gate is None:
             return
-        # no copy on CPU: the momentum is this fit's own (loaded from a private copy, ClientStateStore.get) and the
-        # gate's optimizer is dropped below
-        opt_state = {f"{i}.{name}": v.detach().to("cpu") for i, entries in
+        # no copy: the momentum is this fit's own (loaded from a private copy, ClientStateStore.get) and the gate's
+        # optimizer is dropped below; the gate's weights are copied where they are. Stored from a device, both reach
+        # the host with the fit's other entries in one copy when the fit ends (ClientStateStore.flush_writes)
+        opt_state = {f"{i}.{name}": v.detach() for i, entries in
                      self._gate_opt.state_dict()["state"].items() for name, v in entries.items()
                      if isinstance(v, Tensor)}
-        self._captured = (to_cpu_state(self.gate.state_dict()), opt_state)
+        self._captured = ({k: v.detach().clone() for k, v in self.gate.state_dict().items()}, opt_state)
         self._gate_opt = None
 
     @override
@@ -594,7 +602,7 @@ class PFedGate(FederatedCallback):
         if kind != "personal":
             return
         assert self.gate is not None
-        self._load_gate(loop, client_idx)
+        self._load_gate(loop, client_idx, optimizer=False)
         self.gate.to(loop.device).eval()
         self._step_gate = True  # (no gradient under the evaluator's inference mode anyway)
         self._stats = {}

@@ -26,7 +26,7 @@ import torch
 from pl_fedsparse.data.base import input_kind
 from pl_fedsparse.errors import check
 
-__all__ = ["TensorBatchLoader", "normalize", "epoch_seed", "dataset_loader", "item_input"]
+__all__ = ["TensorBatchLoader", "batch_to", "normalize", "epoch_seed", "dataset_loader", "item_input"]
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float] | None = None,
@@ -83,6 +83,13 @@ def _as_index_tensor(values: torch.Tensor | np.ndarray) -> torch.Tensor:
 def epoch_seed(seed: int, epoch: int) -> int:
     """A 63-bit generator seed mixing ``seed`` and ``epoch`` (distinct streams for distinct pairs)."""
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0]) & ((1 << 63) - 1)
+
+
+def batch_to(x: torch.Tensor, y: torch.Tensor, device: torch.device | str,
+             non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's inputs and labels on ``device`` (no copy where they are there already, as with a loader whose data
+    lives on that device: ``data.device``)."""
+    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
 
 
 class TensorBatchLoader:

@@ -31,6 +31,8 @@ from torch import Tensor
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
+from pl_fedsparse.data.loaders import batch_to
+from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.protocol import check_model, training_loss
 
 if TYPE_CHECKING:
@@ -121,9 +123,13 @@ def quiet_lightning() -> Iterator[None]:
 
 
 def load_state(module: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
-    """Copy a (full or partial) state dict into ``module`` in place (no re-allocation, any device/dtype)."""
+    """Copy a (full or partial) state dict into ``module`` in place (no re-allocation, any device/dtype); from the
+    host to a device, all of it in one copy across the link."""
     with torch.no_grad():
         own = module.state_dict(keep_vars=True)
+        devices = {t.device for t in own.values()}
+        if len(devices) == 1:
+            state = to_device(state, devices.pop())
         for k, v in state.items():
             own[k].copy_(v)
 
@@ -145,7 +151,7 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
     for i, (x, y) in enumerate(batches):
         if i >= max_batches:
             break
-        x, y = x.to(device), y.to(device)
+        x, y = batch_to(x, y, device)
         module.zero_grad(set_to_none=True)
         loss = training_loss(module, module(x), y)
         loss.backward()
@@ -246,6 +252,7 @@ def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: in
     client keeps its previous state), the client's state exported into the update. ``finite``: ids of tensors the
     caller has already found finite (:func:`find_fault`)."""
     ctx, k = request.context, request.context.client_idx
+    loop.client_store.flush_writes(k)  # entries the fit set on the device: to the host, in one copy
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
                               kind=ctx.kind, context=ctx, fault="exception",
@@ -281,14 +288,31 @@ def find_fault(update: ClientUpdate, finite: Iterable[int] = ()) -> tuple[str | 
     if loss is not None and not math.isfinite(loss):
         return "nonfinite_loss", f"train_loss={loss}"
     known = set(finite)  # tensors the executor has already checked (e.g. all clients' weights at once)
-    for name, t in update.state.items():
-        if id(t) not in known and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return "nonfinite_weights", name
+    weights = [(n, t) for n, t in update.state.items() if id(t) not in known and t.is_floating_point()]
     checked = {id(t) for t in update.state.values()}  # an upload of the trained weights is checked once
-    for name, t in (update.message.tensors.items() if update.message is not None else []):
-        if id(t) not in checked and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return "nonfinite_upload", name
-    return None, None
+    upload = [(n, t) for n, t in (update.message.tensors.items() if update.message is not None else [])
+              if id(t) not in checked and t.is_floating_point()]
+    bad = _first_nonfinite([t for _, t in weights + upload])
+    if bad is None:
+        return None, None
+    return ("nonfinite_weights", weights[bad][0]) if bad < len(weights) else \
+        ("nonfinite_upload", upload[bad - len(weights)][0])
+
+
+def _first_nonfinite(tensors: list[Tensor]) -> int | None:
+    """The index of the first tensor holding a NaN or an infinity, or ``None``: one reduction per tensor on its
+    device and one wait for all of them (not one per tensor)."""
+    if not tensors:
+        return None
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    bad = []
+    for idx in by_device.values():
+        finite = torch.stack([torch.isfinite(tensors[i]).all() for i in idx])
+        if not bool(finite.all()):  # the one sync (per device)
+            bad.append(min(idx[j] for j in range(len(idx)) if not bool(finite[j])))
+    return min(bad) if bad else None
 
 
 def check_environment(loop: FederationView) -> None:

@@ -71,7 +71,12 @@ def apply_masks(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> d
         >>> apply_masks({"w": torch.ones(3), "b": torch.ones(1)}, {"w": torch.tensor([True, False, True])})["w"]
         tensor([1., 0., 1.])
     """
-    return {k: (v * masks[k].to(v.device, v.dtype)) if k in masks else v for k, v in tensors.items()}
+    return {k: (v * _on(masks[k], v)) if k in masks else v for k, v in tensors.items()}
+
+
+def _on(mask: Tensor, like: Tensor) -> Tensor:
+    """``mask`` in ``like``'s dtype, copied to ``like``'s device only when it is elsewhere."""
+    return mask.to(like.dtype) if mask.device == like.device else mask.to(like.device, like.dtype)
 
 
 def _check_shapes(shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> None:

@@ -1,0 +1,127 @@
+"""Many tensors across the host link in one copy.
+
+A client fit ends with dozens of small tensors going to the host — the trained state dict, masks, optimizer and gate
+state — and a copy per tensor costs a launch and, copied to pageable memory, a wait for the device each time. Here
+they travel as one byte buffer: every tensor's bytes are laid out at 64-byte aligned offsets in one ``uint8`` tensor
+on the source device (device-side copies), the buffer crosses once, and each tensor is read back as a view of it
+(``Tensor.view(dtype)`` then its shape). Values are bit for bit the tensors' own: only bytes move.
+
+The tensors that come back share that one buffer's storage. :func:`copy_tensors` hands out such views (``share=True``:
+cheapest, for values used and dropped together, e.g. an update the server aggregates) or, by default, tensors with
+storages of their own (a host-side copy each: a value kept long, e.g. a client's state, must not keep the whole
+buffer alive, and a checkpoint must not save it).
+
+Example:
+    >>> ts = [torch.arange(3.0), torch.tensor([True, False]), torch.tensor(7)]
+    >>> out = copy_tensors(ts, "cpu", force=True)
+    >>> [torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(ts, out)]
+    [True, True, True]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ALIGN", "ALWAYS_PACK", "copy_tensors", "needs_copy", "to_device"]
+
+#: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
+ALIGN = 64
+
+#: take the device path on the CPU too (``force`` everywhere): what tests and the device-traffic counter set to see,
+#: on a machine without an accelerator, the copies a device run makes
+ALWAYS_PACK = False
+
+
+def needs_copy(tensors: Sequence[Tensor], device: torch.device | str) -> bool:
+    """Whether any of ``tensors`` lies on another device than ``device`` (``"cuda"`` without an index matches any
+    CUDA device's tensors).
+
+    Example:
+        >>> needs_copy([torch.zeros(2)], "cpu")
+        False
+    """
+    dev = torch.device(device)
+    return any(t.device.type != dev.type or (dev.index is not None and t.device.index != dev.index) for t in tensors)
+
+
+def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share: bool = False,
+                 force: bool = False) -> list[Tensor]:
+    """Detached copies of ``tensors`` on ``device``, moved in one host↔device copy per source device.
+
+    Args:
+        tensors: any dtypes, shapes (0-d included), devices and layouts (non-contiguous ones are made contiguous
+            on their device first). Sparse tensors are not supported.
+        device: where the copies go.
+        share: hand out views of the one buffer (see the module docstring) instead of tensors of their own.
+        force: pack and copy even when everything is on ``device`` already (what a device run does; on the CPU
+            the copy is then a plain ``clone``) — tests and the device-traffic counter use it.
+
+    Returns:
+        The copies, in order. Without ``force`` and with nothing to move, each is ``t.detach().clone()``.
+    """
+    dev = torch.device(device)
+    if not tensors:
+        return []
+    if not (force or ALWAYS_PACK) and not needs_copy(tensors, dev):
+        return [t.detach().clone() for t in tensors]
+    for t in tensors:
+        if t.layout != torch.strided:
+            raise TypeError(f"copy_tensors: a {t.layout} tensor cannot be packed (strided tensors only)")
+    out: list[Tensor | None] = [None] * len(tensors)
+    by_source: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_source.setdefault(t.device, []).append(i)
+    for source, idx in by_source.items():
+        offsets, total = [], 0
+        for i in idx:
+            offsets.append(total)
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            total += -(-nbytes // ALIGN) * ALIGN
+        buf = torch.empty(total, dtype=torch.uint8, device=source)
+        for i, at in zip(idx, offsets):
+            t = tensors[i].detach()
+            n = t.numel() * t.element_size()
+            if n:
+                buf[at:at + n].view(t.dtype).view(t.shape).copy_(t)
+        moved = buf.to(dev, copy=True)  # the one copy across the link
+        for i, at in zip(idx, offsets):
+            t = tensors[i]
+            n = t.numel() * t.element_size()
+            view = moved[at:at + n].view(t.dtype).view(t.shape)
+            out[i] = view if share else view.clone()
+    return out  # type: ignore[return-value]
+
+
+def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, share: bool = True) -> dict[str, Tensor]:
+    """``{name: t.to(device)}`` for a dict of tensors, with the copies across the link made as one
+    (:func:`copy_tensors`, sharing its buffer): tensors already on ``device`` are handed back as they are, as
+    ``Tensor.to`` does — unless :data:`ALWAYS_PACK` is set, which packs everything as a device run would.
+    ``share=False``: the moved tensors get storages of their own (for values kept long).
+
+    Example:
+        >>> m = {"w": torch.ones(2)}
+        >>> to_device(m, "cpu")["w"] is m["w"]
+        True
+    """
+    names = list(tensors)
+    values = [tensors[n] for n in names]
+    if not ALWAYS_PACK:
+        if not needs_copy(values, device):
+            return dict(zip(names, values))
+        return dict(zip(names, copy_tensors(values, device, share=share, force=True)))
+    # a device run on the CPU: what an earlier call moved "to the device" is there already; the rest crosses
+    out = dict(zip(names, values))
+    todo = [n for n, t in zip(names, values) if _placed.get(id(t), (None, None))[0] is not t
+            or _placed[id(t)][1] != str(device)]
+    moved = copy_tensors([tensors[n] for n in todo], device, share=share, force=True)
+    for n, t in zip(todo, moved):
+        out[n] = t
+        _placed[id(t)] = (t, str(device))
+    return out
+
+
+#: ``ALWAYS_PACK``'s record of what :func:`to_device` moved, by id: ``(tensor, device)`` — cleared with the flag
+_placed: dict[int, tuple[Tensor, str]] = {}
