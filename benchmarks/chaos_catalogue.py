@@ -263,6 +263,11 @@ class OptRaises(FederatedModule):
         raise RuntimeError("no optimizer for you")
 
 
+class OptNone(FederatedModule):
+    def configure_optimizers(self):
+        return None
+
+
 class OptNoParams(FederatedModule):
     def configure_optimizers(self):
         return torch.optim.SGD([], lr=0.1)
@@ -854,6 +859,9 @@ def _input_cases() -> list[Case]:
         started=True)
     mod("module-optimizer-without-parameters", "OptNoParams", 1, "round 0: every participant's fit failed",
         started=True)
+    mod("module-optimizers-none", "OptNone", 1, "round 0: every participant's fit failed (exception x4; the first: "
+                                               "client 0: exception: UserCodeError: OptNone.configure_optimizers() "
+                                               "returned no optimizer: a local fit needs one", started=True)
     for hook in ("OnFitStart", "OnTrainEpochStart", "OnTrainBatchStart", "OnTrainBatchEnd", "OnBeforeOptimizerStep"):
         mod(f"module-hook-{hook.lower()}-raises", f"{hook}Raises", 1, "round 0: every participant's fit failed "
                                                                         "(exception x4", started=True)

@@ -313,3 +313,21 @@ class ManualNet(FederatedModule):
     code, _, err = run_main([*base, "--trainer.fit_runner", "quick", "--trainer.default_root_dir",
                              str(tmp_path / "bad")], capsys)
     assert code == 2 and "fit_runner" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fit_runner", ["auto", "trainer"])
+def test_a_module_without_an_optimizer_is_a_one_line_error_on_both_paths(fit_runner: str, tmp_path: Any) -> None:
+    """``configure_optimizers`` returning ``None`` (Lightning: a warning, then a fit with no optimizer, so the client
+    would upload its start weights unchanged) fails the fit with one line naming the method; a manual-optimisation
+    module may return ``None``."""
+    from pl_fedsparse.errors import UserCodeError
+
+    module = tiny_module()
+    module.configure_optimizers = lambda: None  # type: ignore[method-assign]
+    loop = FederatedLoop(num_rounds=1, local_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         checkpoint_every=0, default_root_dir=str(tmp_path), fit_runner=fit_runner,
+                         on_client_fault="raise")
+    loop.setup(module, tiny_datamodule(num_clients=2))
+    with pytest.raises(UserCodeError, match=r"configure_optimizers\(\) returned no optimizer: a local fit needs one"):
+        loop.run_round(0)
+    loop.reporter.release()

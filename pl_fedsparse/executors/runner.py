@@ -47,7 +47,10 @@ from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrec
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from torch import Tensor
 
-__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "runner_support"]
+from pl_fedsparse.errors import UserCodeError
+
+__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RequireOptimizer", "RunnerUnsupported", "no_optimizer",
+           "runner_support"]
 
 #: ``trainer.fit_runner``: ``auto`` (the persistent runner where it applies, else a ``Trainer`` per fit), ``fast``
 #: (the runner, a one-line error where it does not apply), ``trainer`` (a ``Trainer`` per fit: the reference)
@@ -195,6 +198,25 @@ def _set_sampler_epoch(loader: Any, epoch: int) -> None:
             set_epoch(epoch)
 
 
+def no_optimizer(module: pl.LightningModule) -> UserCodeError:
+    """The error of a fit whose ``configure_optimizers`` returned ``None`` under automatic optimisation: Lightning
+    would train with no optimizer (a warning), so the client would upload its start weights unchanged, silently."""
+    return UserCodeError(f"{type(module).__qualname__}.configure_optimizers() returned no optimizer: a local fit "
+                         "needs one (return an optimizer, e.g. torch.optim.SGD(self.parameters(), lr=0.1); with "
+                         "automatic_optimization = False, step your own)")
+
+
+class RequireOptimizer(pl.Callback):
+    """On a ``Trainer`` fit: :func:`no_optimizer` where ``configure_optimizers`` returned ``None`` (what the fit
+    runner checks itself)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.core.optimizer import _MockOptimizer
+
+        if pl_module.automatic_optimization and all(isinstance(o, _MockOptimizer) for o in trainer.optimizers):
+            raise no_optimizer(pl_module)
+
+
 def _optimizers(module: pl.LightningModule) -> tuple[list[torch.optim.Optimizer], list[Any]]:
     """``configure_optimizers`` parsed as ``Trainer.fit`` parses it (Lightning's own helpers)."""
     from lightning.pytorch.core.optimizer import (
@@ -207,6 +229,8 @@ def _optimizers(module: pl.LightningModule) -> tuple[list[torch.optim.Optimizer]
 
     conf = module.configure_optimizers()
     if conf is None:
+        if module.automatic_optimization:
+            raise no_optimizer(module)
         conf = _MockOptimizer()
     optimizers, schedulers, monitor = _configure_optimizers(conf)
     configs = _configure_schedulers_automatic_opt(schedulers, monitor)
