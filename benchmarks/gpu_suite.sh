@@ -20,8 +20,9 @@
 #             the rounds each reaches and its accuracy                                  -> paper_runs.jsonl, paper_runs/
 #   ray       benchmarks/ray_speedup.py on the GPU: in-process vs 4 Ray workers sharing it (0.25 GPU each)
 #                                                                                       -> ray_<mode>.txt
-#   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round and the MLP quickstart
-#             task, in process vs VectorizedExecutor: seconds per round and GPU utilisation -> vectorized_<task>.txt
+#   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round, the papers' VGG11-GN
+#             and ResNet18-GN with 20, the MLP quickstart task; in process vs VectorizedExecutor: seconds per round
+#             and GPU utilisation -> vectorized_<task>.txt
 #   profile   benchmarks/profile_fit.py: where a FedSpa round (VGG11-GN, 10 clients) spends its time, by package,
 #             and how busy the GPU is                                                    -> profile_fedspa.txt
 #   runner    the persistent fit runner (the default since the records above, which built a Trainer per fit):
@@ -126,6 +127,12 @@ if wanted vectorized; then
     step vectorized_lenet.txt "$PY" benchmarks/vectorized.py --task lenet --clients 100 --accelerator gpu --pairs 2 \
       --rounds 3 --data-root "$CIFAR10_ROOT"
   else say "vectorized lenet skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  for model in vgg11 resnet18; do  # the papers' own models (FedSpa's VGG11-GN, DisPFL's ResNet18-GN)
+    if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+      step "vectorized_$model.txt" "$PY" benchmarks/vectorized.py --task "$model" --clients 20 --accelerator gpu \
+        --pairs 2 --rounds 3 --data-root "$CIFAR10_ROOT"
+    else say "vectorized $model skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  done
   step vectorized_mlp.txt "$PY" benchmarks/vectorized.py --task mlp --clients 100 --accelerator gpu --pairs 3 --rounds 5
   [ "$DRY" = 1 ] && "$PY" benchmarks/vectorized.py --help > /dev/null && echo "vectorized.py parses"
 fi

