@@ -29,8 +29,10 @@ stacked tensors. Everything a fit is made of stays per client:
   alone and refuses the model in one line when they differ from the stacked ones by more than rounding
   (:data:`~pl_fedsparse.executors.stacked.STACKED_GRADIENT_TOLERANCE`, in full precision): a ``torch.func``
   batching rule that disagrees with its layer would otherwise pass a fast wrong answer off as the in-process run.
-  It does for ResNet18-GN on the CPU (torch 2.14.1: up to 3e-3 of the largest gradient), so that model runs in
-  process; VGG11-GN, LeNet-CIFAR, the McMahan CNN and the FEMNIST CNN train stacked to rounding;
+  ``vmap``'s own GroupNorm backward rule does (torch 2.14.1: ResNet18-GN's gradients up to 3e-3 off), so in full
+  precision linear, 2-D convolution and GroupNorm layers run each client's own kernel
+  (:func:`~pl_fedsparse.executors.stacked.exact_linear`); the papers' VGG11-GN, ResNet18-GN, LeNet-CIFAR, McMahan
+  CNN and FEMNIST CNN then train stacked to rounding;
 * **faults**: a client whose loss or weights become non-finite is rolled back and left out, the others of its group
   are unaffected (the maths of one client never reads another's); an exception inside a stacked step re-runs that
   group's clients one by one in process, so a failing client is contained as before.
