@@ -116,6 +116,19 @@ def test_the_papers_models_give_the_in_process_run(tmp_path: Path, backbone: lis
 
 
 @pytest.mark.slow
+def test_fedspa_on_vgg11_gives_the_in_process_run(tmp_path: Path) -> None:
+    """FedSpa's own setting in miniature: masked VGG11-GN with prune-and-regrow — stacked masks, GroupNorm and top-k
+    together give the in-process run to rounding."""
+    argv = ["--config", str(ROOT / "configs" / "cifar10_fedspa_dst_cpu.yaml"), "--data.name", "synthetic",
+            "--data.root", "null", "--data.num_clients", "4", "--data.max_train_samples", "null", "--data.augment",
+            "false", "--data.batch_size", "8", "--data.synthetic",
+            '{"num_train": 32, "num_test": 32, "size": 32, "channels": 3}', "--trainer.join_ratio", "1.0",
+            "--model.backbone", "pl_fedsparse.models.VGG11GN", "--model.lr", "0.01", "--trainer.local_epochs", "1",
+            "--trainer.eval_every", "1", "--trainer.num_rounds", "2"]
+    assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True), relative=True)
+
+
+@pytest.mark.slow
 def test_a_model_whose_stacked_gradients_disagree_is_refused_in_one_line(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the executor's own GroupNorm rule, ``vmap``'s (torch 2.14.1) gives ResNet18-GN gradients up to ~3e-3
