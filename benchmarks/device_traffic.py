@@ -29,6 +29,7 @@ it take the device's. A GPU's own profile
     python benchmarks/device_traffic.py                   # every config below, a table
     python benchmarks/device_traffic.py fedavg fedspa     # some of them
     python benchmarks/device_traffic.py --json out.json
+    python benchmarks/device_traffic.py --gpu             # on a CUDA device: torch.profiler's counts per fit and step
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, A
     with tempfile.TemporaryDirectory() as tmp:
         with counting() as c:
             try:
-                code = main([*args, "--trainer.default_root_dir", str(Path(tmp) / name)])
+                with contextlib.redirect_stdout(sys.stderr):  # (the run's own table stays out of the record)
+                    code = main([*args, "--trainer.default_root_dir", str(Path(tmp) / name)])
             except SystemExit as e:
                 code = int(e.code or 0)
     if code != 0:
@@ -236,18 +238,113 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, A
             "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
 
 
+#: CUDA runtime calls that copy between host and device memory, and those that make the host wait
+_RUNTIME_COPIES = ("cudaMemcpyAsync", "cudaMemcpy", "cudaMemcpy2DAsync", "cudaMemcpyPeerAsync")
+_RUNTIME_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def measure_gpu(name: str, rounds: int = 2) -> dict[str, Any]:
+    """``name`` run on the GPU (``trainer.accelerator gpu``, ``data.device cuda``) under ``torch.profiler``: per fit
+    and per training step, the CUDA runtime's copy calls and its waits, and the device's host↔device copies by
+    direction over the whole run; syncs inside steps also as ``torch.cuda.set_sync_debug_mode`` sees them."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from pl_fedsparse.cli import main
+    from pl_fedsparse.executors import runner as runner_mod
+    from pl_fedsparse.executors.in_process import InProcessExecutor
+
+    cfg, extra = CONFIGS[name]
+    extra = [a if a != "cpu" else "gpu" for a in extra]  # (the shrunk configs name the accelerator)
+    args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.accelerator", "gpu", "--data.device", "cuda",
+            "--trainer.enable_progress_bar", "false", "--trainer.eval_every", "100"]
+    if "--trainer.num_rounds" not in extra:
+        args += ["--trainer.num_rounds", str(rounds)]
+    counts: Counter[str] = Counter()
+    run_one, step = InProcessExecutor.run_one, runner_mod.FitRunner._step
+
+    def run_one_(self: Any, request: Any) -> Any:
+        counts["fits"] += 1
+        with record_function("pl_fed.fit"):
+            return run_one(self, request)
+
+    def step_(*a: Any, **k: Any) -> Any:
+        counts["steps"] += 1
+        with record_function("pl_fed.step"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return step(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts["sync_warnings"] += sum("synchroniz" in str(w.message) for w in caught)
+
+    InProcessExecutor.run_one = run_one_  # type: ignore[method-assign]
+    runner_mod.FitRunner._step = staticmethod(step_)  # type: ignore[method-assign]
+    try:
+        with tempfile.TemporaryDirectory() as tmp, profile(activities=[ProfilerActivity.CPU,
+                                                                      ProfilerActivity.CUDA]) as prof:
+            try:
+                with contextlib.redirect_stdout(sys.stderr):  # (the run's own table stays out of the record)
+                    code = main([*args, "--trainer.default_root_dir", str(Path(tmp) / name)])
+            except SystemExit as e:
+                code = int(e.code or 0)
+    finally:
+        InProcessExecutor.run_one, runner_mod.FitRunner._step = run_one, staticmethod(step)  # type: ignore
+    if code != 0:
+        raise RuntimeError(f"{name}: pl-fed exited {code}")
+    events = list(prof.events())
+    ranges = {ph: [(e.time_range.start, e.time_range.end) for e in events if e.name == f"pl_fed.{ph}"]
+              for ph in ("fit", "step")}
+
+    def inside(e: Any, ph: str) -> bool:
+        return any(a <= e.time_range.start <= b for a, b in ranges[ph])
+
+    runtime = [e for e in events if e.name in _RUNTIME_COPIES + _RUNTIME_WAITS]
+    fits, steps = max(1, counts["fits"]), max(1, counts["steps"])
+    out: dict[str, Any] = {"config": name, "fits": counts["fits"], "steps": counts["steps"]}
+    for kind, names in (("copies", _RUNTIME_COPIES), ("waits", _RUNTIME_WAITS)):
+        out[f"{kind}_per_fit"] = round(sum(e.name in names and inside(e, "fit") for e in runtime) / fits, 2)
+        out[f"{kind}_per_step"] = round(sum(e.name in names and inside(e, "step") for e in runtime) / steps, 3)
+    out["sync_warnings_per_step"] = round(counts["sync_warnings"] / steps, 3)
+    for d in ("HtoD", "DtoH", "DtoD"):
+        out[f"{d}_per_fit_run"] = round(sum(f"Memcpy {d}" in e.name for e in events) / fits, 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("configs", nargs="*", default=list(CONFIGS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fit-runner", default="auto", choices=["auto", "trainer"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gpu", action="store_true", help="count on a CUDA device with torch.profiler instead")
     a = ap.parse_args()
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if a.gpu:
+        if not torch.cuda.is_available():
+            print("error: --gpu needs a CUDA device (none is available)", file=sys.stderr)
+            raise SystemExit(2)
+        gpu_rows = []
+        for n in a.configs:
+            try:
+                gpu_rows.append(measure_gpu(n, a.rounds))
+            except Exception as e:  # one config's failure is reported, the others still run
+                print(f"# {n}: failed: {type(e).__name__}: {e}")
+        if gpu_rows:
+            gcols = [k for k in gpu_rows[0] if k != "config"]
+            print("| config | " + " | ".join(gcols) + " |")
+            print("|---|" + "---|" * len(gcols))
+            for r in gpu_rows:
+                print(f"| {r['config']} | " + " | ".join(str(r[c]) for c in gcols) + " |")
+        if a.json:
+            Path(a.json).write_text(json.dumps(gpu_rows, indent=1) + "\n")
+        return
     rows = [measure(n, a.rounds, a.fit_runner) for n in a.configs]
     cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",
             "data_transfers_per_fit", "syncs_per_fit",

@@ -23,6 +23,8 @@
 #   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round, the papers' VGG11-GN
 #             and ResNet18-GN with 20, the MLP quickstart task; in process vs VectorizedExecutor: seconds per round
 #             and GPU utilisation -> vectorized_<task>.txt
+#   traffic   benchmarks/device_traffic.py --gpu: torch.profiler's host<->device copies and waits per client fit and
+#             per training step for each method's config (the CPU counter's numbers, checked) -> traffic_gpu.txt
 #   profile   benchmarks/profile_fit.py: where a FedSpa round (VGG11-GN, 10 clients) spends its time, by package,
 #             and how busy the GPU is                                                    -> profile_fedspa.txt
 #   runner    the persistent fit runner (the default since the records above, which built a Trainer per fit):
@@ -48,7 +50,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests runner overhead rounds paper ray vectorized profile)
+STEPS=(env tests traffic runner overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
 for s in "${ONLY[@]}"; do
   case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
@@ -80,6 +82,11 @@ fi
 if wanted tests; then
   step tests.txt "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
   [ "$DRY" = 1 ] && "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | grep -v '^$' | tail -3
+fi
+
+if wanted traffic; then  # host<->device copies and waits per fit and per step, each method's config (synthetic)
+  step traffic_gpu.txt "$PY" benchmarks/device_traffic.py --gpu --json "$OUT/traffic_gpu.json"
+  [ "$DRY" = 1 ] && "$PY" benchmarks/device_traffic.py --help > /dev/null && echo "device_traffic.py parses"
 fi
 
 if wanted overhead; then
