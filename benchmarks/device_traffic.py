@@ -334,7 +334,7 @@ def main() -> None:
         for n in a.configs:
             try:
                 gpu_rows.append(measure_gpu(n, a.rounds))
-            except Exception as e:  # one config's failure is reported, the others still run
+            except Exception as e:  # noqa: BLE001 (one config's failure is reported, the others still run)
                 print(f"# {n}: failed: {type(e).__name__}: {e}")
         if gpu_rows:
             gcols = [k for k in gpu_rows[0] if k != "config"]

@@ -91,6 +91,13 @@ def test_every_supported_synthetic_config_gives_the_in_process_run(tmp_path: Pat
     assert_same_run(ref, got)
 
 
+def _images32(num_train: int = 64) -> list[str]:
+    """4 clients, all training every round, on 32×32 RGB synthetic images, batches of 8."""
+    return ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients", "4", "--data.max_train_samples",
+            "null", "--data.augment", "false", "--data.batch_size", "8", "--data.synthetic",
+            f'{{"num_train": {num_train}, "num_test": 32, "size": 32, "channels": 3}}', "--trainer.join_ratio", "1.0"]
+
+
 #: the papers' backbones (FedSpa's VGG11-GN, DisPFL's ResNet18-GN, DM-PFL's and FedPSE's McMahan CNN, pFedGate's
 #: LeNet, the FEMNIST CNN) on 32×32 RGB synthetic images
 PAPER_BACKBONES = [["pl_fedsparse.models.VGG11GN"], ["pl_fedsparse.models.ResNet18GN"],
@@ -106,10 +113,7 @@ PAPER_BACKBONES = [["pl_fedsparse.models.VGG11GN"], ["pl_fedsparse.models.ResNet
 def test_the_papers_models_give_the_in_process_run(tmp_path: Path, backbone: list[str]) -> None:
     """Convolutions and GroupNorm over stacked clients: the same run as one client at a time, to float rounding
     (1e-5 of the value); FedAvg, so that no top-k selection can turn a last-bit difference into another mask."""
-    argv = ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), "--data.name", "synthetic", "--data.root",
-            "null", "--data.num_clients", "4", "--data.max_train_samples", "null", "--data.augment", "false",
-            "--data.batch_size", "8", "--data.synthetic", '{"num_train": 64, "num_test": 32, "size": 32, "channels": 3}',
-            "--trainer.join_ratio", "1.0",
+    argv = ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *_images32(),
             "--model.backbone", *backbone, "--model.lr", "0.01", "--trainer.local_epochs", "1",
             "--trainer.eval_every", "1", "--trainer.num_rounds", "2"]
     assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True), relative=True)
@@ -119,10 +123,7 @@ def test_the_papers_models_give_the_in_process_run(tmp_path: Path, backbone: lis
 def test_fedspa_on_vgg11_gives_the_in_process_run(tmp_path: Path) -> None:
     """FedSpa's own setting in miniature: masked VGG11-GN with prune-and-regrow — stacked masks, GroupNorm and top-k
     together give the in-process run to rounding."""
-    argv = ["--config", str(ROOT / "configs" / "cifar10_fedspa_dst_cpu.yaml"), "--data.name", "synthetic",
-            "--data.root", "null", "--data.num_clients", "4", "--data.max_train_samples", "null", "--data.augment",
-            "false", "--data.batch_size", "8", "--data.synthetic",
-            '{"num_train": 32, "num_test": 32, "size": 32, "channels": 3}', "--trainer.join_ratio", "1.0",
+    argv = ["--config", str(ROOT / "configs" / "cifar10_fedspa_dst_cpu.yaml"), *_images32(32),
             "--model.backbone", "pl_fedsparse.models.VGG11GN", "--model.lr", "0.01", "--trainer.local_epochs", "1",
             "--trainer.eval_every", "1", "--trainer.num_rounds", "2"]
     assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True), relative=True)
@@ -137,10 +138,7 @@ def test_a_model_whose_stacked_gradients_disagree_is_refused_in_one_line(tmp_pat
     from pl_fedsparse.executors import stacked
 
     monkeypatch.setattr(stacked, "_stacked_group_norm", stacked._GROUP_NORM)
-    argv = ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), "--data.name", "synthetic", "--data.root",
-            "null", "--data.num_clients", "4", "--data.max_train_samples", "null", "--data.augment", "false",
-            "--data.batch_size", "8", "--data.synthetic", '{"num_train": 64, "num_test": 32, "size": 32, "channels": 3}',
-            "--trainer.join_ratio", "1.0",
+    argv = ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *_images32(),
             "--model.backbone", "pl_fedsparse.models.ResNet18GN", "--trainer.num_rounds", "1"]
     with pytest.raises(ConfigError, match=r"VectorizedExecutor cannot train model=FederatedModule \(backbone "
                                           r"ResNet18GN\): its stacked gradients differ from one client's own by "):
