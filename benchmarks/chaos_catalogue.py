@@ -884,8 +884,8 @@ def _input_cases() -> list[Case]:
         add(cid, (*syn, "--model.backbone", f"usermods.{cls}", "--model.backbone.init_args.num_classes", "4"), code,
             expect, _usermods)
 
-    bb("backbone-init-raises", "BackboneInitRaises", 1, "__init__ raised: my backbone cannot be built (while "
-                                                        "building the configured classes)")
+    bb("backbone-init-raises", "BackboneInitRaises", 1, "usermods.BackboneInitRaises.__init__ raised: my backbone "
+                                                        "cannot be built (while building the configured classes)")
     bb("backbone-forward-raises", "BackboneForwardRaises", 2,
        "model.backbone=BackboneForwardRaises is invalid: expected a network accepting inputs of shape (1, 8, 8) "
        "(torch.float32) from data.name='synthetic' (forward is not written yet)")

@@ -50,6 +50,11 @@ class NanLoss(FederatedModule):
     def loss(self, logits, y):
         return super().loss(logits, y) * float("nan")
 
+class BackboneRaises(torch.nn.Module):
+    def __init__(self, num_classes: int = 4):
+        super().__init__()
+        raise ValueError("my backbone cannot be built")
+
 class BrokenData(FederatedDataModule):
     def load_base_dataset(self):
         raise ZeroDivisionError("my loader divides by zero")
@@ -90,6 +95,19 @@ def test_a_broken_module_is_one_line_before_anything_is_written(project: Path, m
     got, _, err = run_main(_fit(project, model), capsys)
     assert got == code, err
     assert expected in one_line(err)
+    assert not (project / "run").exists()
+
+
+def test_a_failing_backbone_is_named_not_the_module_holding_it(project: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """jsonargparse names only the outermost class it was building (``model``); the line names the backbone."""
+    data = TINY_CLI[TINY_CLI.index("--data.name"):]
+    args = ["fit", "--seed_everything", "0", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+            "--model", "pl_fedsparse.FederatedModule", "--model.init_args.backbone", "usermods.BackboneRaises", *data,
+            "--trainer.num_rounds", "2", "--trainer.default_root_dir", str(project / "run")]
+    code, _, err = run_main(args, capsys)
+    assert code == 1, err
+    assert "usermods.BackboneRaises.__init__ raised: my backbone cannot be built" in one_line(err)
     assert not (project / "run").exists()
 
 

@@ -53,11 +53,32 @@ def _config_error_in(exc: BaseException) -> BaseException:
     path = re.search(r"class_path='([^']+)'", text)
     errors = re.search(r"\nErrors:\n\s*- (.+)", text)
     if path and errors and not errors.group(1).startswith(("Expected a", "Not a valid", "Import path", "Problem with")):
-        err = UserCodeError(f"{path.group(1)}.__init__ raised: {' '.join(errors.group(1).split())} (while building "
+        owner = _raising_init(exc) or path.group(1)  # (a nested class, e.g. model.backbone, names its own)
+        err = UserCodeError(f"{owner}.__init__ raised: {' '.join(errors.group(1).split())} (while building "
                             "the configured classes)")
         err.__cause__ = exc  # (PL_FED_DEBUG=1: jsonargparse's account, which lists every type it tried)
         return err
     return exc
+
+
+def _raising_init(exc: BaseException) -> str | None:
+    """``module.Class`` of the innermost ``__init__`` outside installed packages (the user's class, or ours) in the
+    tracebacks of ``exc``'s chain: which of the configured classes raised, where jsonargparse names only the
+    outermost one (``model`` for a failing ``model.backbone``)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        found, tb = None, seen.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            if owner is not None and "site-packages" not in frame.f_code.co_filename \
+                    and "/lib/python" not in frame.f_code.co_filename:
+                found = f"{type(owner).__module__}.{type(owner).__qualname__}"
+            tb = tb.tb_next
+        if found is not None:
+            return found
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- messages
