@@ -145,6 +145,16 @@ def test_a_model_whose_stacked_gradients_disagree_is_refused_in_one_line(tmp_pat
         _cli_run(tmp_path, argv, True)
 
 
+def test_bf16_with_group_norm_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    """Under autocast the executor's own GroupNorm rule is off and bf16 rounding would hide vmap's wrong one."""
+    argv = ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *_images32(),
+            "--model.backbone", "pl_fedsparse.models.VGG11GN", "--trainer.precision", "bf16-mixed",
+            "--trainer.num_rounds", "1"]
+    with pytest.raises(ConfigError, match=r"trainer.precision='bf16-mixed' is invalid with "
+                                          r"trainer.executor=VectorizedExecutor for a model with GroupNorm layers"):
+        _cli_run(tmp_path, argv, True)
+
+
 def test_the_gradient_check_sees_a_wrong_batching_rule() -> None:
     """Planted: a stacked gradient off by 1 % in one client (a wrong rule) is caught; rounding is not."""
     from pl_fedsparse.executors.stacked import STACKED_GRADIENT_TOLERANCE, stacked_gradient_error

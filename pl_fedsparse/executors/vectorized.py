@@ -17,7 +17,8 @@ stacked tensors. Everything a fit is made of stays per client:
   round: :func:`~pl_fedsparse.context.current_fit` is that client's context while it is called);
 * **gradient clipping** (``trainer.gradient_clip_val``): each client's total gradient norm, as Lightning clips it;
 * **mixed precision**: ``bf16-mixed`` autocasts the forward and the loss as Lightning's precision plugin does;
-  ``16-mixed`` (a loss scale per client) is refused;
+  ``16-mixed`` (a loss scale per client) is refused, and so is ``bf16-mixed`` for a model with GroupNorm layers
+  (see **gradients**);
 * **callbacks**: every federation hook runs per client, in order, as in process (``on_client_fit_start`` of each
   client with its start weights loaded, ``on_client_fit_end`` with its trained weights loaded); what a callback does
   *inside* a fit (Lightning's ``on_before_optimizer_step``, ``on_train_batch_end``, …) it declares in a vectorised
@@ -141,6 +142,12 @@ class VectorizedExecutor(ClientExecutor):
         if loop.precision == "16-mixed":
             raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
+        if loop.precision == "bf16-mixed" and any(isinstance(m, torch.nn.GroupNorm) for m in loop.model.modules()):
+            # (in full precision each client's GroupNorm runs alone under vmap; under autocast vmap's own rule would)
+            raise ConfigError("trainer.precision='bf16-mixed' is invalid with trainer.executor=VectorizedExecutor for "
+                              "a model with GroupNorm layers: expected 32-true (vmap's GroupNorm backward rule gives "
+                              "wrong gradients in torch 2.14.1, and bf16 rounding would hide it from the gradient "
+                              "check), or the in-process executor")
         check_module(loop.model)
         # the optimizer a fit would get, checked now, before the run directory or a checkpoint is written (the
         # round-0 context; configure_optimizers is the user's code and runs again in every fit)
