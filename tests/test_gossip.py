@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +204,43 @@ def test_partial_sampling_picks_only_clients_that_are_not_dropped(tmp_path: Path
         assert len(picked) == min(2, 8 - len(gone)) and not set(picked) & gone, (r, picked, gone)
         checked += bool(gone and picked)
     assert checked > 5
+
+
+def test_dpsgd_ft_every_fine_tunes_on_the_papers_schedule_without_changing_training(tmp_path: Path) -> None:
+    """DisPFL's D-PSGD-FT fine-tunes the consensus every 100 rounds (``every``); the fine-tuned models are only
+    evaluated, so the clients' training — losses, traffic, every model — is the same as with one fine-tuning after
+    the last round, and the last fine-tuning gives the same models."""
+    from pl_fedsparse import FederatedCallback
+
+    def run(d: str, every: int | None) -> tuple[Any, FineTune, list[int], list[dict[str, Any]]]:
+        rounds: list[int] = []
+
+        class Spy(FederatedCallback):
+            def on_client_fit_start(self, loop, module, context):  # type: ignore[no-untyped-def]
+                if context.kind == "finetune" and context.client_idx == 0:
+                    rounds.append(loop.round_idx)
+
+        ft = FineTune(epochs=1, every=every, start="consensus")
+        loop = _loop(tmp_path / d, RandomPeers(k=2), [Gossip(), ft, Spy()], rounds=5, eval_every=1)
+        loop.fit(tiny_module(), tiny_datamodule())
+        rows = [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+        return loop, ft, rounds, rows
+
+    end, ft_end, rounds_end, rows_end = run("end", None)
+    sched, ft_sched, rounds_sched, rows_sched = run("every", 2)
+    assert rounds_end == [4] and rounds_sched == [1, 3, 4]  # after rounds 2, 4 and the last (0-based 1, 3, 4)
+    keep = ("train_loss", "comm_cum_bytes_total", "comm_bytes_per_link", "num_participants")
+    assert [{k: r.get(k) for k in keep} for r in rows_sched] == [{k: r.get(k) for k in keep} for r in rows_end]
+    # before the first fine-tuning both report the clients' own (D-PSGD) models
+    assert rows_sched[0]["acc_mean"] == rows_end[0]["acc_mean"]
+    for k in range(end.num_clients):
+        a, b = sched.personal_state(k), end.personal_state(k)
+        assert all(torch.equal(a[n], b[n]) for n in a)
+        a, b = ft_sched.get_client_state(sched, k, "weights"), ft_end.get_client_state(end, k, "weights")
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("every", [0, -100, 1.5, True, "100"])
+def test_fine_tune_every_must_be_a_positive_int(every: Any) -> None:
+    with pytest.raises(ConfigError, match=r"FineTune.every=.* is invalid.*an int >= 1 or null"):
+        FineTune(every=every)

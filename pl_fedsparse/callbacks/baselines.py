@@ -75,7 +75,10 @@ class FineTune(FederatedCallback):
 
     Args:
         epochs: local epochs of fine-tuning (DisPFL's FedAvg-FT: 5, one ordinary local round).
-        every: also fine-tune after every ``every``-th round (DisPFL's D-PSGD-FT: 100); ``None``: only after the last.
+        every: also fine-tune after every ``every``-th round (DisPFL's D-PSGD-FT: 100, the schedule of its code;
+            rounds before the first fine-tuning report the method's own personal models, D-PSGD's for D-PSGD-FT);
+            ``None``: only after the last. The fine-tuned models are only evaluated: training is the same either
+            way.
         start: ``"global"``: the server's global model, sent to every client (counted as downstream traffic;
             FedAvg-FT). ``"consensus"``: the uniform average of all clients' personal models — what the DisPFL code's
             D-PSGD-FT fine-tunes, although no peer could compute it; not counted as traffic.
@@ -96,7 +99,8 @@ class FineTune(FederatedCallback):
                  start: Literal["global", "consensus"] = "global", lr: Literal["current", "reference"] = "current"
                  ) -> None:
         check(isinstance(epochs, int) and epochs >= 1, "FineTune.epochs", epochs, "an int >= 1")
-        check(every is None or every >= 1, "FineTune.every", every, "an int >= 1 or null")
+        check(every is None or (isinstance(every, int) and not isinstance(every, bool) and every >= 1),
+              "FineTune.every", every, "an int >= 1 or null")
         check(start in ("global", "consensus"), "FineTune.start", start, "one of global, consensus")
         check(lr in ("current", "reference"), "FineTune.lr", lr, "one of current, reference")
         self.epochs = epochs
