@@ -54,7 +54,7 @@ def test_results_notebook_reads_the_records_the_fedpse_page_cites(monkeypatch: p
     page = (root / "papers" / "fedpse" / "README.md").read_text()
     assert f"dir: {records}\n" in page  # a checked table of the page reads the same folder
     dirs = sorted(p for p in (root / records).iterdir() if (p / "summary.json").exists())
-    assert sorted(namespace["run_dirs"]) == dirs and len(dirs) == 12
+    assert sorted(namespace["run_dirs"]) == dirs and len(dirs) >= 12
     table = namespace["markdown_table"](namespace["runs"])
     for d in dirs:
         acc = json.loads((d / "summary.json").read_text())["final"]["acc_mean"] * 100

@@ -116,6 +116,42 @@ def test_the_long_fedpse_plan_is_the_protocol_runs_continued(monkeypatch: pytest
     assert sum(v is not None for v in cont.values()) == 1
 
 
+def test_the_fedpse_protocol_plan_reads_the_split_both_ways(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """FedPSE's protocol plan under the literal reading (``--order sorted``) is the recorded runs of the paper's split
+    with only the split changed, recorded in a folder of its own; its run directories never meet the halves runs'.
+    ``--seeds`` adds seeds to either plan, ``--lams`` keeps some λ only."""
+    monkeypatch.setenv("FEDPSE_TABLES_RUNS", str(tmp_path))
+    sys.modules.pop("fedpse_tables", None)  # module constants read the environment at import
+    mod = importlib.import_module("fedpse_tables")
+    assert mod.RUNS == tmp_path.resolve()
+    halves, literal = mod.plan("protocol"), mod.plan("protocol", "sorted")
+    assert len(halves) == 12 and [r["name"] for r in literal] == ["fedpse_protocol_sorted/" + r["name"] for r in halves]
+    records = ROOT / "papers/fedpse/records"
+    for h, s in zip(halves, literal):
+        assert mod._record_dir(h) / h["name"] == records / "fedpse_protocol" / h["name"]
+        assert mod._record_dir(s) / s["name"] == records / "fedpse_protocol_sorted" / h["name"]
+        ch, cs = mod.command(h), mod.command(s)
+        assert ch[ch.index("--data.noniid_order") + 1] == "halves" and cs[cs.index("--data.noniid_order") + 1] == "sorted"
+        assert ch[ch.index("--trainer.default_root_dir") + 1] != cs[cs.index("--trainer.default_root_dir") + 1]
+        assert [a for a in ch if a not in ("halves", "sorted") and not a.startswith(str(tmp_path))] == \
+            [a for a in cs if a not in ("halves", "sorted") and not a.startswith(str(tmp_path))]
+    run = literal[0]
+    cfg = runplan.resolve(runplan.Run(run["name"], mod.command(run)[4:]))  # after `python -m pl_fedsparse.cli fit`
+    old = yaml.safe_load((records / "fedpse_protocol" / halves[0]["name"] / "config.yaml").read_text())
+    assert cfg["data"]["noniid_order"] == "sorted"
+    for key in ("noniid_ratio", "num_clients", "batch_size", "seed", "partition", "max_train_samples"):
+        assert cfg["data"][key] == old["data"][key], key
+    assert cfg["model"] == old["model"] and cfg["seed_everything"] == old["seed_everything"]
+    assert cfg["trainer"]["callbacks"] == old["trainer"]["callbacks"]
+    assert cfg["trainer"]["num_rounds"] == old["trainer"]["num_rounds"] == 5
+    more = mod.plan("protocol", "halves", (3, 4))
+    assert [r["seed"] for r in more] == [3] * 4 + [4] * 4 and all(r["name"].endswith(f"_seed{r['seed']}") for r in more)
+    cmd = mod.command(more[-1])
+    assert cmd[cmd.index("--seed_everything") + 1] == cmd[cmd.index("--data.seed") + 1] == "4"
+    assert [(r["seed"], r["lam"], r["method"]) for r in mod.plan("protocol", "halves", (3, 4), (0.5,))] == [
+        (3, 0.5, "fedpse"), (3, 0.5, "fedavg"), (4, 0.5, "fedpse"), (4, 0.5, "fedavg")]  # ``--lams``: one λ only
+
+
 def test_a_plan_whose_arguments_do_not_resolve_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     bad = runplan.Run("bad", ["--config", "configs/cifar10_dmpfl_plus_cpu.yaml", "--trainer.callbacks",
                               '[{"class_path": "pl_fedsparse.callbacks.DualMask", "init_args": {"iterations": "x"}}]'])

@@ -21,8 +21,16 @@ at λ = 1); the runs of that protocol are a plan of their own, recorded under ``
     OMP_NUM_THREADS=1 python papers/fedpse/fedpse_tables.py run protocol   # FedPSE and FedAvg, 10 clients, 3 seeds
     python papers/fedpse/fedpse_tables.py protocol                         # its table
 
+The same plan under the literal reading, ``--order sorted``, is recorded under
+``papers/fedpse/records/fedpse_protocol_sorted/``; ``--seeds`` runs other seeds than 0-2 (either plan)::
+
+    OMP_NUM_THREADS=1 python papers/fedpse/fedpse_tables.py run protocol --order sorted
+    OMP_NUM_THREADS=1 python papers/fedpse/fedpse_tables.py run protocol --seeds 3 4 --lams 0.5   # λ = 0.5 only
+    python papers/fedpse/fedpse_tables.py protocol --order sorted --seeds 0 1 2 3 4
+
 ``FEDPSE_TABLES_CODE=<checkout>`` runs the CLI from another checkout (a worktree pinned at one commit) so that the
 runs keep one version of the code while this tree changes; the run logs name the commit.
+``FEDPSE_TABLES_RUNS=<folder>`` puts the run directories, logs and claims there instead of the default below.
 
 Each run is ``pl-fed fit --config configs/fmnist_<method>.yaml`` with command-line overrides (printed by
 ``python papers/fedpse/fedpse_tables.py plan tables``). Run directories go to ``benchmarks/_runs/fedpse_tables/`` (not
@@ -46,9 +54,13 @@ from runplan import commit_of as _commit
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (papers/<paper>/<script>)
 RECORD = ROOT / "papers" / "fedpse" / "records" / "fedpse_tables"
-RUNS = ROOT / "benchmarks" / "_runs" / "fedpse_tables"
+RUNS = Path(os.environ.get("FEDPSE_TABLES_RUNS", ROOT / "benchmarks" / "_runs" / "fedpse_tables")).resolve()
 #: the paper's protocol (``data.noniid_order: halves``): its own records
 PROTOCOL_RECORD = ROOT / "papers" / "fedpse" / "records" / "fedpse_protocol"
+#: the protocol under the literal reading (``sorted``): run names carry this folder (``fedpse_protocol_sorted/<run>``),
+#: so that its run directories and claims never meet the halves runs' of the same name
+SORTED_FOLDER = "fedpse_protocol_sorted"
+ORDERS = ("halves", "sorted")
 #: the code the runs use: a checkout pinned at one commit (``git worktree add ../bench <commit>``) keeps hours of runs
 #: on one version while this tree changes; default: this tree
 CODE = Path(os.environ.get("FEDPSE_TABLES_CODE", ROOT)).resolve()
@@ -91,19 +103,29 @@ def _tables_plan() -> list[dict]:
     return runs
 
 
-def _protocol_plan() -> list[dict]:
+def _protocol_plan(order: str = "halves", seeds: tuple[int, ...] = PROTOCOL["seeds"],
+                   lams: tuple[float, ...] = PROTOCOL["lams"]) -> list[dict]:
     n = PROTOCOL["clients"]
-    return [{"name": f"{m}_n{n}_lam{lam:g}_seed{seed}", "method": m, "clients": n, "lam": lam, "seed": seed,
-             "rounds": ROUNDS, "sweep": False, "order": "halves"}
-            for seed in PROTOCOL["seeds"] for lam in PROTOCOL["lams"] for m in PROTOCOL["methods"]]  # seed 0 first
+    prefix = "" if order == "halves" else SORTED_FOLDER + "/"
+    return [{"name": f"{prefix}{m}_n{n}_lam{lam:g}_seed{seed}", "method": m, "clients": n, "lam": lam, "seed": seed,
+             "rounds": ROUNDS, "sweep": False, "order": order}
+            for seed in seeds for lam in lams for m in PROTOCOL["methods"]]  # seed 0 first
 
 
-def plan(kind: str) -> list[dict]:
-    return {"sweep": _sweep_plan, "tables": _tables_plan, "protocol": _protocol_plan}[kind]()
+def plan(kind: str, order: str = "halves", seeds: tuple[int, ...] = PROTOCOL["seeds"],
+         lams: tuple[float, ...] = PROTOCOL["lams"]) -> list[dict]:
+    """The runs of one plan; ``order``, ``seeds`` and ``lams`` apply to the protocol plan only."""
+    if kind == "protocol":
+        return _protocol_plan(order, seeds, lams)
+    return {"sweep": _sweep_plan, "tables": _tables_plan}[kind]()
 
 
 def _record_dir(run: dict) -> Path:
-    return PROTOCOL_RECORD if run.get("order") == "halves" else RECORD
+    if run.get("order") == "halves":
+        return PROTOCOL_RECORD
+    if run.get("order") == "sorted":  # the protocol under the literal reading: its name holds its folder
+        return RECORD.parent
+    return RECORD
 
 
 def _chosen() -> dict:
@@ -146,8 +168,9 @@ def _claim(run: dict) -> bool:
         return False
 
 
-def run_plan(kind: str) -> None:
-    for run in plan(kind):
+def run_plan(kind: str, order: str = "halves", seeds: tuple[int, ...] = PROTOCOL["seeds"],
+             lams: tuple[float, ...] = PROTOCOL["lams"]) -> None:
+    for run in plan(kind, order, seeds, lams):
         done = _record_dir(run) / run["name"] / "summary.json"
         cmd = command(run)
         if done.exists() or cmd is None or not _claim(run):
@@ -174,12 +197,12 @@ def _record(name: str, record: Path = RECORD) -> None:
 
 def collect() -> None:
     """Record finished runs whose worker was stopped before it could copy them."""
-    for kind in ("sweep", "tables", "protocol"):
-        for run in plan(kind):
-            record = _record_dir(run)
-            if (RUNS / run["name"] / "summary.json").exists() and not (record / run["name"] / "summary.json").exists():
-                _record(run["name"], record)
-                print("recorded", run["name"])
+    protocol = [run for order in ORDERS for run in _protocol_plan(order, tuple(range(10)))]  # any seed up to 9
+    for run in _sweep_plan() + _tables_plan() + protocol:
+        record = _record_dir(run)
+        if (RUNS / run["name"] / "summary.json").exists() and not (record / run["name"] / "summary.json").exists():
+            _record(run["name"], record)
+            print("recorded", run["name"])
 
 
 def _summary(name: str) -> dict | None:
@@ -292,20 +315,21 @@ def paper_tables() -> None:
         print(f"| {n} | {both('fedpse')} | {both('fedpse_no_ewa')} | {gain} | {both('fedpse_no_dps')} |")
 
 
-def _protocol_acc(method: str, lam: float, seed: int) -> float | None:
-    path = PROTOCOL_RECORD / f"{method}_n{PROTOCOL['clients']}_lam{lam:g}_seed{seed}" / "summary.json"
+def _protocol_acc(method: str, lam: float, seed: int, order: str = "halves") -> float | None:
+    name = f"{method}_n{PROTOCOL['clients']}_lam{lam:g}_seed{seed}"
+    path = (PROTOCOL_RECORD if order == "halves" else RECORD.parent / SORTED_FOLDER) / name / "summary.json"
     return json.loads(path.read_text())["final"]["acc_mean"] if path.exists() else None
 
 
-def protocol_table() -> None:
+def protocol_table(order: str = "halves", seeds: tuple[int, ...] = PROTOCOL["seeds"]) -> None:
     """The paper's protocol: personal accuracy after the last round, mean over clients, per seed and mean ± std."""
     import statistics
 
-    print("| λ | method | " + " | ".join(f"seed {s}" for s in PROTOCOL["seeds"]) + " | mean ± std | paper |")
-    print("|---|---|" + "---|" * (len(PROTOCOL["seeds"]) + 2))
+    print("| λ | method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ± std | paper |")
+    print("|---|---|" + "---|" * (len(seeds) + 2))
     for lam in PROTOCOL["lams"]:
         for m in PROTOCOL["methods"]:
-            accs = [_protocol_acc(m, lam, s) for s in PROTOCOL["seeds"]]
+            accs = [_protocol_acc(m, lam, s, order) for s in seeds]
             done = [100 * a for a in accs if a is not None]
             spread = (f"{statistics.mean(done):.2f} ± {statistics.stdev(done):.2f}" if len(done) > 1
                       else "-" if not done else f"{done[0]:.2f}")
@@ -316,19 +340,34 @@ def protocol_table() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", required=True)
+    def protocol_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--order", choices=ORDERS, default=None,
+                       help="the protocol's split: halves (the paper's, default) or sorted (the literal reading)")
+        p.add_argument("--seeds", type=int, nargs="+", default=None, help="the protocol's seeds (default: 0 1 2)")
+        if p.prog.split()[-1] != "protocol":  # the table verb shows both λ
+            p.add_argument("--lams", type=float, nargs="+", default=None, help="the protocol's λ (default: 1 0.5)")
+
     for verb in ("run", "plan"):
         p = sub.add_parser(verb)
         p.add_argument("kind", choices=("sweep", "tables", "protocol"))
+        protocol_options(p)
     sub.add_parser("choose")
     sub.add_parser("collect")
     sub.add_parser("report")
     sub.add_parser("paper")
-    sub.add_parser("protocol")
+    protocol_options(sub.add_parser("protocol"))
     args = parser.parse_args()
+    if args.verb in ("run", "plan") and args.kind != "protocol" and (args.order, args.seeds, args.lams) != (None,) * 3:
+        parser.error(f"--order/--seeds/--lams: given with kind {args.kind!r}; they apply to kind 'protocol' only")
+    lams = tuple(getattr(args, "lams", None) or PROTOCOL["lams"])
+    if any(not 0.0 <= lam <= 1.0 for lam in lams):
+        parser.error(f"--lams: got {' '.join(f'{lam:g}' for lam in lams)}; each λ must be in [0, 1]")
+    order = args.order if getattr(args, "order", None) else "halves"
+    seeds = tuple(args.seeds) if getattr(args, "seeds", None) else PROTOCOL["seeds"]
     if args.verb == "run":
-        run_plan(args.kind)
+        run_plan(args.kind, order, seeds, lams)
     elif args.verb == "plan":
-        for run in plan(args.kind):
+        for run in plan(args.kind, order, seeds, lams):
             cmd = command(run)
             print(run["name"], ":", "(lr/batch not chosen yet)" if cmd is None else " ".join(cmd[1:]))
     elif args.verb == "choose":
@@ -338,7 +377,7 @@ def main() -> None:
     elif args.verb == "paper":
         paper_tables()
     elif args.verb == "protocol":
-        protocol_table()
+        protocol_table(order, seeds)
     else:
         report()
 
