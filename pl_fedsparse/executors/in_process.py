@@ -29,7 +29,7 @@ from pl_fedsparse.executors.base import (
     quiet_lightning,
 )
 from pl_fedsparse.errors import ConfigError
-from pl_fedsparse.executors.runner import FitRunner, RequireOptimizer, RunnerUnsupported, runner_support
+from pl_fedsparse.executors.runner import FitRunner, _RequireOptimizer, RunnerUnsupported, runner_support
 from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class InProcessExecutor(ClientExecutor):
         return pl.Trainer(
             accelerator=loop.accelerator, devices=1, precision=loop.precision,  # type: ignore[arg-type]
             max_epochs=-1 if steps else (epochs or loop.local_epochs), max_steps=steps or -1,
-            callbacks=[RequireOptimizer(), *loop.callbacks], logger=False, enable_checkpointing=False,
+            callbacks=[_RequireOptimizer(), *loop.callbacks], logger=False, enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
             gradient_clip_val=loop.gradient_clip_val, default_root_dir=str(loop.run_dir or "."),

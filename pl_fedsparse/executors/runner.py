@@ -49,7 +49,7 @@ from torch import Tensor
 
 from pl_fedsparse.errors import UserCodeError
 
-__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RequireOptimizer", "RunnerUnsupported", "no_optimizer",
+__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "no_optimizer",
            "runner_support"]
 
 #: ``trainer.fit_runner``: ``auto`` (the persistent runner where it applies, else a ``Trainer`` per fit), ``fast``
@@ -206,7 +206,7 @@ def no_optimizer(module: pl.LightningModule) -> UserCodeError:
                          "automatic_optimization = False, step your own)")
 
 
-class RequireOptimizer(pl.Callback):
+class _RequireOptimizer(pl.Callback):
     """On a ``Trainer`` fit: :func:`no_optimizer` where ``configure_optimizers`` returned ``None`` (what the fit
     runner checks itself)."""
 
