@@ -110,6 +110,14 @@ def _per_client(n: int, in_dims: Sequence[int | None], args: Sequence[Any]) -> l
             for k in range(n)]
 
 
+def _grads_per_client(grads: Any, n: int, in_dims: Sequence[int | None],
+                      args: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """A ``vmap`` rule for a function returning three optional gradients: each client's alone, stacked."""
+    per = [grads(*a) for a in _per_client(n, in_dims, args)]
+    outs = tuple(None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(3))
+    return outs, tuple(None if o is None else 0 for o in outs)
+
+
 class _StackedConv2d(torch.autograd.Function):
     """``F.conv2d`` whose batching rule runs each client's own convolution (forward and backward): the same bits
     as one client's, where ``vmap``'s rule (one grouped convolution) rounds differently — and, measured on this
@@ -156,9 +164,7 @@ class _ConvGrad(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        per = [_ConvGrad.forward(*a) for a in _per_client(info.batch_size, in_dims, args)]
-        outs = tuple(None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(3))
-        return outs, tuple(None if o is None else 0 for o in outs)
+        return _grads_per_client(_ConvGrad.forward, info.batch_size, in_dims, args)
 
 
 def _stacked_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride: Any = 1, padding: Any = 0,
@@ -229,9 +235,7 @@ class _GroupNormGrad(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        per = [_GroupNormGrad.forward(*a) for a in _per_client(info.batch_size, in_dims, args)]
-        outs = tuple(None if per[0][i] is None else torch.stack([p[i] for p in per]) for i in range(3))
-        return outs, tuple(None if o is None else 0 for o in outs)
+        return _grads_per_client(_GroupNormGrad.forward, info.batch_size, in_dims, args)
 
 
 def _stacked_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
