@@ -80,7 +80,7 @@ if wanted env; then
 fi
 
 if wanted tests; then
-  step tests.txt "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs tests
+  step tests.txt "$PY" -m pytest -v -p no:cacheprovider -m gpu -rs --tb=short tests  # -v: a run cut off still names each result
   [ "$DRY" = 1 ] && "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | grep -v '^$' | tail -3
 fi
 
@@ -89,6 +89,18 @@ if wanted traffic; then  # host<->device copies and waits per fit and per step, 
   [ "$DRY" = 1 ] && "$PY" benchmarks/device_traffic.py --help > /dev/null && echo "device_traffic.py parses"
 fi
 
+if wanted runner; then
+  for p in 32-true bf16-mixed; do
+    if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+      step "overhead_runner_$p.txt" "$PY" benchmarks/overhead.py --data-root "$CIFAR10_ROOT" --accelerator gpu --precision "$p" --repeats 7
+    else say "runner overhead $p skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  done
+  RUNNER_PROFILE=(benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml --accelerator gpu --clients 10
+                  --top 20 --data-root "$CIFAR10_ROOT")
+  if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+    step profile_fedspa_runner.txt "$PY" "${RUNNER_PROFILE[@]}" -- --data.device cuda
+  else say "runner profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+fi
 if wanted overhead; then
   for p in 32-true bf16-mixed 16-mixed; do
     if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
@@ -150,18 +162,6 @@ if wanted profile; then
     step profile_fedspa.txt "$PY" "${PROFILE[@]}" -- --data.device cuda
   else say "profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
   if [ "$DRY" = 1 ]; then "$PY" "${PROFILE[@]}" --dry-run -- --data.device cuda || exit 1; fi
-fi
-if wanted runner; then
-  for p in 32-true bf16-mixed; do
-    if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
-      step "overhead_runner_$p.txt" "$PY" benchmarks/overhead.py --data-root "$CIFAR10_ROOT" --accelerator gpu --precision "$p" --repeats 7
-    else say "runner overhead $p skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
-  done
-  RUNNER_PROFILE=(benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml --accelerator gpu --clients 10
-                  --top 20 --data-root "$CIFAR10_ROOT")
-  if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
-    step profile_fedspa_runner.txt "$PY" "${RUNNER_PROFILE[@]}" -- --data.device cuda
-  else say "runner profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
 fi
 [ "$DRY" = 1 ] && echo "dry run: every step's command resolves"
 exit $FAILED

@@ -174,6 +174,34 @@ def test_the_gradient_check_sees_a_wrong_batching_rule() -> None:
     assert err > STACKED_GRADIENT_TOLERANCE and name == "w"
 
 
+def test_the_gradient_check_runs_in_ieee_float32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sides of the check are computed with TF32 off (on a GPU cuDNN convolves in TF32 by default, and its
+    rounding put VGG11-GN's stacked and alone gradients 5.4e-4 apart on an H100), and the user's setting is back
+    for training: recorded at the check and at every later stacked step."""
+    import pl_fedsparse.executors.vectorized as vec
+    from pl_fedsparse.executors.stacked import full_fp32, stacked_gradient_error
+
+    conv, matmul = torch.backends.cudnn.conv, torch.backends.cuda.matmul
+    before = (conv.fp32_precision, matmul.fp32_precision)
+    seen: list[tuple[str, str]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> tuple[float, str]:
+        seen.append((conv.fp32_precision, matmul.fp32_precision))
+        return stacked_gradient_error(*args, **kwargs)
+
+    monkeypatch.setattr(vec, "stacked_gradient_error", recording)
+    conv.fp32_precision = "tf32"
+    try:
+        tiny_loop(tmp_path, executor=VectorizedExecutor(), num_rounds=1).fit(tiny_module(), tiny_datamodule())
+        assert seen == [("ieee", "ieee")]
+        assert conv.fp32_precision == "tf32"  # restored
+        with pytest.raises(RuntimeError), full_fp32():
+            raise RuntimeError("inside")
+        assert conv.fp32_precision == "tf32"  # restored after an exception too
+    finally:
+        conv.fp32_precision, matmul.fp32_precision = before
+
+
 @pytest.mark.parametrize(("name", "rounds"), [("dpsgd_cpu", 3), ("dpsgd_ft_cpu", 3), ("ditto_cpu", 3), ("feddst_cpu", 3),
                                              ("fedspa_dst_cpu", 3), ("fedspa_rsm_cpu", 3), ("local_p2p_cpu", 3),
                                              ("dmpfl_plus_cpu", 5)])

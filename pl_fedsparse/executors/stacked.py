@@ -243,6 +243,42 @@ def _stacked_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None
     return _StackedGroupNorm.apply(x, num_groups, weight, bias, eps)[0]
 
 
+#: the CUDA back ends whose float32 arithmetic may run in TF32 (10-bit mantissa): cuDNN's convolutions do by
+#: default, cuBLAS's matmuls when the user asks (``torch.set_float32_matmul_precision``)
+_FP32_BACKENDS = ("cudnn.conv", "cuda.matmul")
+
+
+def _fp32_setting(backend: str) -> Any:
+    """The back end's object holding its float32 precision (``torch.backends.cudnn.conv``, ...; before torch 2.9,
+    which has no ``cudnn.conv``, the nearest one that exists: ``torch.backends.cudnn`` and its ``allow_tf32``)."""
+    obj: Any = torch.backends
+    for part in backend.split("."):
+        if not hasattr(obj, part):
+            break
+        obj = getattr(obj, part)
+    return obj
+
+
+@contextlib.contextmanager
+def full_fp32() -> Iterator[None]:
+    """Float32 convolutions and matmuls in IEEE float32 on CUDA for the duration (TF32 off), the settings before
+    restored after. The gradient check (:func:`stacked_gradient_error`) runs under it: cuDNN convolves in TF32 by
+    default, whose rounding (relative 2^-11 per product) puts two kernel choices for the same layer 5e-4 apart
+    through VGG11-GN on an H100 — above the tolerance, though no batching rule is wrong. Without CUDA the settings
+    change nothing."""
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for backend in _FP32_BACKENDS:
+            obj = _fp32_setting(backend)
+            attr = "fp32_precision" if hasattr(obj, "fp32_precision") else "allow_tf32"  # torch >= 2.9 / before
+            saved.append((obj, attr, getattr(obj, attr)))
+            setattr(obj, attr, "ieee" if attr == "fp32_precision" else False)
+        yield
+    finally:
+        for obj, attr, value in reversed(saved):
+            setattr(obj, attr, value)
+
+
 @contextlib.contextmanager
 def exact_linear(enabled: bool) -> Iterator[None]:
     """``torch.nn.functional.linear``, ``conv2d`` and ``group_norm`` are :func:`_stacked_linear`,

@@ -28,7 +28,8 @@ stacked tensors. Everything a fit is made of stays per client:
   (or its clients are run in process, ``unsupported: sequential``);
 * **gradients**: at its first stacked step the executor also computes each of (up to) four clients' gradients
   alone and refuses the model in one line when they differ from the stacked ones by more than rounding
-  (:data:`~pl_fedsparse.executors.stacked.STACKED_GRADIENT_TOLERANCE`, in full precision): a ``torch.func``
+  (:data:`~pl_fedsparse.executors.stacked.STACKED_GRADIENT_TOLERANCE`, both sides in IEEE float32, TF32 off:
+  :func:`~pl_fedsparse.executors.stacked.full_fp32`): a ``torch.func``
   batching rule that disagrees with its layer would otherwise pass a fast wrong answer off as the in-process run.
   ``vmap``'s own GroupNorm backward rule does (torch 2.14.1: ResNet18-GN's gradients up to 3e-3 off), so in full
   precision linear, 2-D convolution and GroupNorm layers run each client's own kernel
@@ -79,6 +80,7 @@ from pl_fedsparse.executors.stacked import (
     adam_step,
     clip_per_client,
     exact_linear,
+    full_fp32,
     sgd_step,
     stacked_gradient_error,
 )
@@ -406,7 +408,7 @@ class VectorizedExecutor(ClientExecutor):
                 with exact_linear(not autocast):
                     grads, losses = grad_fn(sub_p, sub_f, xs, ys)
                     if not self._gradients_checked and not autocast:  # once: the first stacked step
-                        _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys, grads)
+                        _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys, grad_fn)
                         self._gradients_checked = True
                 for n, g in grads.items():
                     if idx is None:
@@ -477,11 +479,15 @@ def _overrides(callback: Any, hook: str) -> bool:
 
 
 def _check_gradients_of(module: pl.LightningModule, device_type: str, params: dict[str, Tensor],
-                        fixed: dict[str, Tensor], xs: Tensor, ys: Tensor, grads: dict[str, Tensor]) -> None:
+                        fixed: dict[str, Tensor], xs: Tensor, ys: Tensor, grad_fn: Any) -> None:
     """Refuse (one line) a module whose stacked gradients are not its clients' own up to rounding
     (:func:`~pl_fedsparse.executors.stacked.stacked_gradient_error`): a fast wrong answer must not pass as the
-    in-process executor's."""
-    err, name = stacked_gradient_error(_loss_of(module, device_type, False), params, fixed, xs, ys, grads)
+    in-process executor's. Both sides are computed again in IEEE float32
+    (:func:`~pl_fedsparse.executors.stacked.full_fp32`), so that TF32's rounding on a GPU is not taken for a wrong
+    batching rule; training itself keeps the user's setting (the in-process run uses it too)."""
+    with full_fp32():
+        grads = grad_fn(params, fixed, xs, ys)[0]
+        err, name = stacked_gradient_error(_loss_of(module, device_type, False), params, fixed, xs, ys, grads)
     if err > STACKED_GRADIENT_TOLERANCE:
         backbone = getattr(module, "backbone", None)
         what = type(module).__name__ + (f" (backbone {type(backbone).__name__})" if backbone is not None else "")
