@@ -15,7 +15,11 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   counted apart;
 * **synchronising calls**: ``.item()``, ``.tolist()``, ``.numpy()``, ``bool()/int()/float()`` of a tensor,
   ``nonzero``/``argwhere``, ``masked_select``, ``unique`` and indexing by a bool tensor — each makes the host wait
-  for the device.
+  for the device; and, seen one level down (``TorchDispatchMode``, the operators a GPU runs), any other operator
+  that reads a device value on the host: ``_local_scalar_dense`` (a 0-dim tensor used as a Python number or index,
+  ``t[i]`` with a tensor ``i``), ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``. (pFedGate's
+  device knapsack indexed with a 0-dim tensor: 6 waits per step on an H100, 0 in this counter before it looked one
+  level down.)
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
@@ -47,6 +51,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,6 +73,10 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
 _SYNC_NAMES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
                "masked_select", "unique", "unique_consecutive"}
 _TRANSFER_NAMES = {"cpu", "cuda", "pin_memory"}
+#: operators that read a device value on the host (a CUDA stream synchronisation each), seen at the dispatch level;
+#: ``repeat_interleave`` only with a tensor of repeats and no ``output_size`` (an int repeat is an expand)
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+             "unique_consecutive", "repeat_interleave"}
 _TORCH_DIR = str(Path(torch.__file__).parent)
 _DATA_DIR = str(REPO / "pl_fedsparse" / "data") + "/"
 _INHERITED = object()
@@ -85,6 +94,7 @@ class TrafficCounter(TorchFunctionMode):
         self.phase: list[str] = ["outside"]
         self.counts: Counter[tuple[str, str]] = Counter()
         self.samples: dict[tuple[str, str], list[str]] = {}
+        self.counted_above = 0  # > 0 inside a call counted already (its operators are not counted again)
 
     def _count(self, kind: str, what: str) -> None:
         key = (self.phase[-1], kind)
@@ -108,6 +118,7 @@ class TrafficCounter(TorchFunctionMode):
         if _TORCH_DIR in caller:  # torch's own housekeeping (e.g. clip_grad_norm_'s per-device grouping): not ours
             return func(*args, **kwargs)
         moves = "data_transfers" if _DATA_DIR in caller else "transfers"  # (the data's own moves, counted apart)
+        counted = True
         if name in _SYNC_NAMES:
             self._count("syncs", name)
         elif name in _TRANSFER_NAMES:
@@ -118,9 +129,38 @@ class TrafficCounter(TorchFunctionMode):
             self._count(moves, "to(device)")
         elif name in ("__getitem__", "__setitem__") and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+            counted = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+            if counted:
                 self._count("syncs", f"{name}[bool]")
-        return func(*args, **kwargs)
+        else:
+            counted = False
+        if not counted:
+            return func(*args, **kwargs)
+        self.counted_above += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.counted_above -= 1
+
+
+class SyncOpCounter(TorchDispatchMode):
+    """The operators that make the host wait for the device (``_SYNC_OPS``), counted into ``counter``'s phase unless
+    a call the function-level counter counted already made them (``.item()`` is one sync, not two)."""
+
+    def __init__(self, counter: TrafficCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name == "repeat_interleave":
+            repeats = args[1] if len(args) > 1 else args[0]  # (the Tensor overload: repeats alone)
+            syncs = isinstance(repeats, torch.Tensor) and (kwargs or {}).get("output_size") is None
+        else:
+            syncs = name in _SYNC_OPS
+        if syncs and not self.counter.counted_above:
+            self.counter._count("syncs", f"aten.{name}")
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -189,7 +229,7 @@ def counting() -> Iterator[TrafficCounter]:
     patch(torch.nn.Module, "cuda", mover(cuda, "cuda"))
     patch(torch.nn.Module, "cpu", mover(cpu, "cpu"))
     try:
-        with counter:
+        with counter, SyncOpCounter(counter):
             yield counter
     finally:
         for owner, attr, old in reversed(patches):

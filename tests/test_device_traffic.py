@@ -78,6 +78,13 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(FederatedModule, "training_step", syncing)
     assert device_traffic.measure("fedavg")["syncs_per_step"] == 1
+
+    def indexing(self: Any, batch: Any, batch_idx: int) -> Any:  # read on the host one level down (pFedGate's was)
+        loss = step(self, batch, batch_idx)
+        return loss + loss.detach().reshape(1)[torch.zeros((), dtype=torch.int64)] * 0
+
+    monkeypatch.setattr(FederatedModule, "training_step", indexing)
+    assert device_traffic.measure("fedavg")["syncs_per_step"] == 1
     monkeypatch.undo()
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     from pl_fedsparse.functional import sparse

@@ -324,7 +324,8 @@ def knapsack_greedy_tensor(values: Tensor, weights: Tensor, capacity: int, disti
         take = candidate & (pos < first)
         taken |= take
         room_used = room_used + (w * take).sum()
-        threshold = torch.where(first < n, w[first.clamp(max=n - 1)], threshold)
+        # (index_select, not ``w[first]``: a 0-dim index tensor is read on the host, a wait for the device)
+        threshold = torch.where(first < n, w.index_select(0, first.clamp(max=n - 1).view(1)).squeeze(0), threshold)
         last = first
     out = torch.zeros(n, dtype=torch.bool, device=dev)
     out[order] = taken
