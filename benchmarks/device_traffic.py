@@ -25,8 +25,8 @@ Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its upd
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
 **readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`) and **eval** (one evaluation
 loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader). Where the engine takes
-another path on the CPU than on a device (pFedGate's greedy knapsack, a Python scan on the CPU), the counter makes
-it take the device's. A GPU's own profile
+another path on the CPU than on a device (pFedGate's greedy knapsack, a Python scan on the CPU; prune-and-regrow's
+selections, by counting on the CPU and by sorting on a device), the counter makes it take the device's. A GPU's own profile
 (``torch.profiler``, ``torch.cuda.set_sync_debug_mode``) is the check on a lent device; this one runs anywhere, and
 ``tests/test_device_traffic.py`` holds its counts.
 
@@ -218,7 +218,10 @@ def counting() -> Iterator[TrafficCounter]:
 
     from pl_fedsparse.functional import gate, transfer
 
+    from pl_fedsparse.functional import sparse
+
     patch(gate, "HOST_KNAPSACK_ON_CPU", False)  # count the path a GPU takes (pFedGate's knapsack on the device)
+    patch(sparse, "HOST_SELECTION_ON_CPU", False)  # (and prune-and-regrow's selections by sorting, on the device)
     patch(transfer, "ALWAYS_PACK", True)  # and its copies to the host (packed, one per batch of tensors)
     patch(InProcessExecutor, "run_one", run_one_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))

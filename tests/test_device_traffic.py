@@ -28,7 +28,7 @@ def test_no_trainer_no_move_no_sync_per_step(config: str) -> None:
     assert r["fits"] > 0 and r["steps"] > 0
     assert r["trainers_per_fit"] == 0 and r["module_moves_per_fit"] == 0, r
     assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
-    assert r["readjust_transfers"] == 0, r
+    assert r["readjust_transfers"] == 0 and r["readjust_syncs_per_call"] == 0, r  # (masks selected by sorting)
 
 
 @pytest.mark.slow
@@ -99,6 +99,13 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(pr, "drop_and_grow", copying)
     assert device_traffic.measure("fedspa")["readjust_transfers"] > 0
+
+    def listing(mask: torch.Tensor, drop: torch.Tensor, grow: torch.Tensor, k: int) -> torch.Tensor:
+        mask.nonzero()  # what the CPU's selection does, once per tensor
+        return dag(mask, drop, grow, k)
+
+    monkeypatch.setattr(pr, "drop_and_grow", listing)
+    assert device_traffic.measure("fedspa")["readjust_syncs_per_call"] > 0
 
 
 @pytest.mark.slow

@@ -282,6 +282,29 @@ def test_the_device_path_selects_what_the_counting_path_selects(largest, dtype):
                 (trial, k, scores.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_drop_and_grow_on_the_device_path_gives_the_same_masks(dtype, monkeypatch):
+    """The device path of ``drop_and_grow`` (two stable sorts per selection, nothing read on the host) against the
+    CPU's (``nonzero`` lists and linear-time counting), forced on the CPU: the same masks on ties, NaN, ±0, ±inf,
+    half precision and integer scores, every ``k`` from 0 past the number of active entries, empty and dense masks."""
+    from pl_fedsparse.functional import sparse
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
+    for trial in range(40):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        pool = values[:5] if (trial % 2 or dtype == torch.int64) else values
+        drop, grow = (pool[torch.randint(0, len(pool), (n,), generator=g)].to(dtype) for _ in range(2))
+        mask = torch.rand(n, generator=g) < [0.5, 0.0, 1.0, 0.1][trial % 4]
+        for k in range(int(mask.sum()) + 3):
+            monkeypatch.setattr(sparse, "HOST_SELECTION_ON_CPU", True)
+            want = drop_and_grow(mask, drop, grow, k)
+            monkeypatch.setattr(sparse, "HOST_SELECTION_ON_CPU", False)
+            got = drop_and_grow(mask, drop, grow, k)
+            assert torch.equal(got, want), (trial, k, mask.tolist(), drop.tolist(), grow.tolist())
+            assert int(got.sum()) == int(mask.sum())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
 def test_prune_regrow_runs_on_the_weights_device_without_a_host_copy_of_the_scores():

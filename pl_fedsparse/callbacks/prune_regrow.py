@@ -28,7 +28,7 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.masking import SparseMask
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.errors import check
-from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, prune_regrow_count
+from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, prune_regrow_counts
 from pl_fedsparse.functional.transfer import to_device
 
 if TYPE_CHECKING:
@@ -81,10 +81,9 @@ def prune_regrow(masks: dict[str, Tensor], drop: dict[str, Tensor], grow: dict[s
         pairs = {n: (moved[f"m/{n}"], moved[f"g/{n}"]) for n in masks}
     else:
         pairs = {n: (m.to(drop[n].device), grow[n].to(drop[n].device)) for n, m in masks.items()}
-    out = {}
-    for name, m in masks.items():
-        out[name] = drop_and_grow(pairs[name][0], drop[name], pairs[name][1], prune_regrow_count(m, rate))
-    return out
+    counts = prune_regrow_counts(list(masks.values()), rate)  # (the masks as given: on the host between fits)
+    return {name: drop_and_grow(pairs[name][0], drop[name], pairs[name][1], k)
+            for name, k in zip(masks, counts)}
 
 
 def gradient_scores(loop: FederationView, update: ClientUpdate, names: list[str], batches: int) -> dict[str, Tensor]:

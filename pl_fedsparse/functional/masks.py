@@ -19,7 +19,7 @@ from torch import Tensor
 
 from pl_fedsparse.errors import check
 
-__all__ = ["topk_mask", "stable_top_k", "sorted_top_k", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
+__all__ = ["topk_mask", "stable_top_k", "sorted_top_k", "sortable", "permutation_scores", "random_mask", "uniform_densities", "check_density", "apply_masks", "erk_densities", "layer_densities",
            "masks_from_densities", "mask_density"]
 
 
@@ -245,11 +245,7 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
     """
     n = scores.numel()
     check(isinstance(k, int) and 0 <= k <= n, "k", k, f"an int in [0, {n}]")
-    s = scores.detach().reshape(-1)
-    if not s.is_floating_point():
-        s = s.double()
-    elif s.dtype in (torch.float16, torch.bfloat16):
-        s = s.float()
+    s = sortable(scores)
     if s.device.type != "cpu":
         return sorted_top_k(s, k, largest=largest)
     selected = torch.zeros(n, dtype=torch.bool, device=s.device)
@@ -270,6 +266,15 @@ def stable_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
     return selected
 
 
+def sortable(scores: Tensor) -> Tensor:
+    """``scores`` flat, detached, in a dtype whose comparisons keep their order: half precision in float32, integers
+    and bools in float64 (how :func:`stable_top_k` and :func:`sorted_top_k` compare)."""
+    s = scores.detach().reshape(-1)
+    if not s.is_floating_point():
+        return s.double()
+    return s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
+
+
 def sorted_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
     """:func:`stable_top_k` by a stable sort on the scores' own device: no host synchronisation (``k`` is known on
     the host), so an accelerator's prune-and-regrow never waits for a copy back. Used for scores off the CPU, where
@@ -280,11 +285,7 @@ def sorted_top_k(scores: Tensor, k: int, *, largest: bool) -> Tensor:
         >>> sorted_top_k(torch.tensor([0.5, 0.9, 0.5, 0.1]), 2, largest=True).tolist()
         [True, True, False, False]
     """
-    s = scores.detach().reshape(-1)
-    if not s.is_floating_point():
-        s = s.double()
-    elif s.dtype in (torch.float16, torch.bfloat16):
-        s = s.float()
+    s = sortable(scores)
     selected = torch.zeros(s.numel(), dtype=torch.bool, device=s.device)
     selected[torch.sort(s, descending=largest, stable=True).indices[:k]] = True
     return selected

@@ -10,15 +10,15 @@ regrowth), so every tensor keeps its exact number of active entries.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from pl_fedsparse.errors import check
-from pl_fedsparse.functional.masks import stable_top_k
+from pl_fedsparse.functional.masks import sortable, stable_top_k
 
-__all__ = ["cosine_prune_rate", "prune_regrow_count", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
+__all__ = ["cosine_prune_rate", "prune_regrow_count", "prune_regrow_counts", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
            "unpack_masks"]
 
 
@@ -65,6 +65,24 @@ def prune_regrow_count(mask: Tensor, rate: float) -> int:
     return math.ceil(rate * int(torch.count_nonzero(mask)))
 
 
+def prune_regrow_counts(masks: Sequence[Tensor], rate: float) -> list[int]:
+    """:func:`prune_regrow_count` of every mask, their active entries counted in one read (one wait where the masks
+    are on a device, not one per mask).
+
+    Example:
+        >>> prune_regrow_counts([torch.tensor([True, True, True, False]), torch.tensor([True, False])], 0.5)
+        [2, 1]
+    """
+    check(_is_real(rate) and 0 <= rate <= 1, "rate", rate, "a number in [0, 1]")
+    if not masks:
+        return []
+    if len({m.device for m in masks}) == 1:
+        nnz = torch.stack([torch.count_nonzero(m) for m in masks]).tolist()
+    else:  # (masks on several devices: one read each)
+        nnz = [int(torch.count_nonzero(m)) for m in masks]
+    return [math.ceil(rate * c) for c in nnz]
+
+
 def _as_scores(score: Tensor, mask: Tensor, param: str) -> Tensor:
     check(isinstance(score, Tensor) and score.shape == mask.shape, param,
           tuple(score.shape) if isinstance(score, Tensor) else type(score).__name__,
@@ -88,6 +106,9 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
     sort (:func:`~pl_fedsparse.functional.masks.stable_top_k`, found in linear time without sorting), so among
     equal scores the entry with the lower flat (row-major) index is dropped / grown first. NaN scores rank above
     every number (``torch.sort``'s convention): never dropped first, always grown first.
+
+    Off the CPU the same masks are found by stable sorts of all entries (:func:`_first_of_sort`), so that the host
+    never waits for the device: ``k`` is known on the host and the number of active entries is not read there.
 
     Args:
         mask: the bool mask of one tensor.
@@ -114,6 +135,12 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
     ds = _as_scores(drop_score, mask, "drop_score")
     gs = _as_scores(grow_score, mask, "grow_score")
     new = mask.detach().reshape(-1).clone()
+    if new.device.type != "cpu" or not HOST_SELECTION_ON_CPU:
+        if k > 0:  # (k is known on the host; the number of active entries is not read there)
+            k_t = torch.clamp(new.sum(), max=k)
+            new &= ~_first_of_sort(ds, ~new, k_t, largest=False)
+            new |= _first_of_sort(gs, new, k_t, largest=True)
+        return new.view(mask.shape)
     active = new.nonzero().squeeze(1)
     k = max(0, min(k, active.numel()))
     if k == 0:
@@ -122,6 +149,25 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
     inactive = (~new).nonzero().squeeze(1)
     new[inactive[stable_top_k(gs[inactive], k, largest=True)]] = True
     return new.view(mask.shape)
+
+
+#: on the CPU, :func:`drop_and_grow` selects among the active (inactive) entries it lists with ``nonzero``, by
+#: :func:`~pl_fedsparse.functional.masks.stable_top_k`'s linear-time counting (faster there); off the CPU it ranks
+#: all entries with stable sorts (:func:`_first_of_sort`) and reads nothing on the host, the same masks. ``False``
+#: takes the device path on the CPU too (the device-traffic counter and the tests do, to count and check it)
+HOST_SELECTION_ON_CPU = True
+
+
+def _first_of_sort(scores: Tensor, excluded: Tensor, k: Tensor, *, largest: bool) -> Tensor:
+    """A bool tensor, True at the first ``k`` (a 0-dim tensor, at most the number of entries not ``excluded``) of a
+    stable sort of ``scores`` (``descending=largest``) restricted to the entries not ``excluded`` — the entries
+    :func:`~pl_fedsparse.functional.masks.stable_top_k` takes among those, by two stable sorts on the scores' device
+    (the scores, then excluded-last: a stable sort keeps the first order within each part)."""
+    s = sortable(scores)
+    order = torch.sort(s, descending=largest, stable=True).indices
+    order = order[torch.sort(excluded[order].to(torch.uint8), stable=True).indices]
+    take = torch.arange(s.numel(), device=s.device) < k
+    return torch.zeros_like(take).scatter_(0, order, take)
 
 
 _BIT_WEIGHTS = [1 << i for i in range(8)]
