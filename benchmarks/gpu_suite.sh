@@ -7,11 +7,17 @@
 #   bash benchmarks/gpu_suite.sh --dry-run       # the commands parse and the configs resolve (no GPU; CI runs it)
 #   bash benchmarks/gpu_suite.sh --force         # re-run the recorded steps too
 #   bash benchmarks/gpu_suite.sh --only tests overhead   # some steps
+#   STEP_SECONDS=240 bash benchmarks/gpu_suite.sh       # each step cut off after 240 s (a short lease), kept as .failed
 #
 # Steps (each writes its record under benchmarks/gpu/; a step whose record exists is skipped, so a suite cut off by
 # a time limit resumes where it stopped):
 #   env       nvidia-smi, the Python packages' versions                                  -> env.txt
 #   tests     the GPU-marked tests (pytest -m gpu)                                       -> tests.txt
+#   runner    the persistent fit runner (the default since the records above, which built a Trainer per fit):
+#             overhead.py at 32-true and bf16-mixed, and profile_fit.py's FedSpa round (kernel time only)
+#                                                        -> overhead_runner_<precision>.txt, profile_fedspa_runner.txt
+#   traffic   benchmarks/device_traffic.py --gpu: torch.profiler's host<->device copies and waits per client fit and
+#             per training step for each method's config (the CPU counter's numbers, checked) -> traffic_gpu.txt
 #   overhead  benchmarks/overhead.py, engine vs a plain loop, at 32-true, bf16-mixed and 16-mixed
 #                                                                                       -> overhead_<precision>.txt
 #   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
@@ -23,13 +29,8 @@
 #   vectorized benchmarks/vectorized.py on the GPU: LeNet-CIFAR with 100 clients per round, the papers' VGG11-GN
 #             and ResNet18-GN with 20, the MLP quickstart task; in process vs VectorizedExecutor: seconds per round
 #             and GPU utilisation -> vectorized_<task>.txt
-#   traffic   benchmarks/device_traffic.py --gpu: torch.profiler's host<->device copies and waits per client fit and
-#             per training step for each method's config (the CPU counter's numbers, checked) -> traffic_gpu.txt
 #   profile   benchmarks/profile_fit.py: where a FedSpa round (VGG11-GN, 10 clients) spends its time, by package,
 #             and how busy the GPU is                                                    -> profile_fedspa.txt
-#   runner    the persistent fit runner (the default since the records above, which built a Trainer per fit):
-#             overhead.py at 32-true and bf16-mixed, and profile_fit.py's FedSpa round (kernel time only)
-#                                                        -> overhead_runner_<precision>.txt, profile_fedspa_runner.txt
 # Data: CIFAR10_ROOT (default data/cifar10, the extracted ImageFolder copy) and FMNIST_ROOT (default
 # /usr/share/datasets/fashion-mnist); a step whose data or package is missing is recorded as skipped, not failed.
 set -uo pipefail
@@ -50,8 +51,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests traffic runner overhead rounds paper ray vectorized profile)
+STEPS=(env tests runner traffic overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
+STEP_SECONDS=${STEP_SECONDS:-0}  # each step's time limit in seconds (0: none); a short lease sets it
 for s in "${ONLY[@]}"; do
   case " ${STEPS[*]} " in *" $s "*) ;; *) echo "error: gpu_suite.sh: --only '$s' is not a step (allowed: ${STEPS[*]})" >&2; exit 2 ;; esac
 done
@@ -65,7 +67,9 @@ step() {  # step <record> <command...>: run, tee into the record, keep a failed 
   if [ "$DRY" = 1 ]; then echo "\$ $*"; return 0; fi
   if ! todo "$rec"; then say "$rec recorded already (--force re-runs it)"; return 0; fi
   say "$*"
-  if "$@" 2>&1 | tee "$OUT/$rec.part"; then mv "$OUT/$rec.part" "$OUT/$rec"
+  local limit=()
+  [ "$STEP_SECONDS" != 0 ] && limit=(timeout -k 10 "$STEP_SECONDS")  # a step cut off is kept as <record>.failed
+  if "${limit[@]}" "$@" 2>&1 | tee "$OUT/$rec.part"; then mv "$OUT/$rec.part" "$OUT/$rec"
   else mv "$OUT/$rec.part" "$OUT/$rec.failed"; FAILED=1; fi
 }
 mkdir -p "$OUT"
@@ -80,13 +84,11 @@ if wanted env; then
 fi
 
 if wanted tests; then
-  step tests.txt "$PY" -m pytest -v -p no:cacheprovider -m gpu -rs --tb=short tests  # -v: a run cut off still names each result
+  # -v: a run cut off still names each result; four at a time where pytest-xdist is there (22 tests took over 380 s
+  # one at a time on an H100)
+  XDIST=(); "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 4)
+  step tests.txt "$PY" -m pytest -v -p no:cacheprovider -m gpu -rs --tb=short "${XDIST[@]}" tests
   [ "$DRY" = 1 ] && "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only tests | grep -v '^$' | tail -3
-fi
-
-if wanted traffic; then  # host<->device copies and waits per fit and per step, each method's config (synthetic)
-  step traffic_gpu.txt "$PY" benchmarks/device_traffic.py --gpu --json "$OUT/traffic_gpu.json"
-  [ "$DRY" = 1 ] && "$PY" benchmarks/device_traffic.py --help > /dev/null && echo "device_traffic.py parses"
 fi
 
 if wanted runner; then
@@ -101,6 +103,11 @@ if wanted runner; then
     step profile_fedspa_runner.txt "$PY" "${RUNNER_PROFILE[@]}" -- --data.device cuda
   else say "runner profile skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
 fi
+if wanted traffic; then  # host<->device copies and waits per fit and per step, each method's config (synthetic)
+  step traffic_gpu.txt "$PY" benchmarks/device_traffic.py --gpu --json "$OUT/traffic_gpu.json"
+  [ "$DRY" = 1 ] && "$PY" benchmarks/device_traffic.py --help > /dev/null && echo "device_traffic.py parses"
+fi
+
 if wanted overhead; then
   for p in 32-true bf16-mixed 16-mixed; do
     if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
