@@ -205,10 +205,13 @@ class ClientStateStore:
         self._memo: dict[int, tuple[weakref.ref, int, Any]] = {}
         self._written = 0  # bytes stored since the heap was last trimmed
         self._pending: dict[int, list[str]] = {}  # entries set during a fit, still on the device (flush_writes)
+        # per client, per entry: its leaves' copies on the fit's device, moved ahead with the start weights (prefetch)
+        self._prefetched: dict[int, dict[str, list[Tensor]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush_writes()
-        return {**vars(self), "_memo": {}}  # (weak references do not pickle; the memo is only a shortcut)
+        # (weak references do not pickle; the memo is only a shortcut, the prefetched copies only a fit's)
+        return {**vars(self), "_memo": {}, "_prefetched": {}}
 
     def _keep(self, value: TensorTree) -> TensorTree:
         """What the store holds for ``value``: compact on CPU and, with the lossless codec, encoded."""
@@ -273,8 +276,34 @@ class ClientStateStore:
             self.flush_writes(client_idx)
         value = self.stored(client_idx, key)
         if current_fit() is not None:
-            return self._private(value)
+            private = self._private(value)
+            twins = self._prefetched.get(client_idx, {}).get(key)
+            if twins is not None:  # on the fit's device already: moving this copy there costs no host copy
+                for host, twin in zip(_leaves(private, []), twins):
+                    transfer.remember_twin(host, twin)
+            return private
         return self.decode(value)
+
+    def prefetch(self, client_idx: int, device: torch.device | str, extra: Sequence[Tensor] = ()) -> list[Tensor]:
+        """Move the client's entries to ``device`` for the fit about to start, in one copy together with ``extra``
+        (the start weights); returns ``extra``'s copies there. The host copies :meth:`get` hands out during the fit
+        then reach ``device`` without crossing the link again when a callback moves them
+        (:func:`~pl_fedsparse.functional.transfer.to_device`); the fit reads host tensors as ever.
+        :meth:`end_prefetch` (the fit's end) drops the copies."""
+        self.end_prefetch(client_idx)
+        keys = [key for key in self._inits if self.has(client_idx, key) and key not in self._pending.get(client_idx, ())]
+        leaves = {key: _leaves(self.decode(self.stored(client_idx, key)), []) for key in keys}
+        flat = [t for key in keys for t in leaves[key]] + list(extra)
+        moved = iter(transfer.copy_tensors(flat, device, share=True, force=True))
+        self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}
+        out = list(moved)
+        transfer.mark_placed(out, device)
+        return out
+
+    def end_prefetch(self, client_idx: int) -> None:
+        """Drop what :meth:`prefetch` moved for the client (its fit has ended)."""
+        if self._prefetched.pop(client_idx, None) is not None:
+            transfer.clear_twins()
 
     def _private(self, value: TensorTree) -> TensorTree:
         """A copy of ``value`` that shares nothing mutable with the store (decoded tensors are new already)."""
@@ -342,12 +371,14 @@ class ClientStateStore:
         """Put back one client's entries exactly as :meth:`export_client` returned them (the same objects; entries
         created since are dropped): how a failed fit is rolled back."""
         self._drop_pending(client_idx)
+        self.end_prefetch(client_idx)
         self._data[client_idx] = dict(entries)
 
     def set(self, client_idx: int, key: str, value: TensorTree) -> None:
         """Replace the entry (stored compact on CPU)."""
         if key not in self._inits:
             raise KeyError(f"client state {key!r} was never declared")
+        self._prefetched.get(client_idx, {}).pop(key, None)  # (a later read gets the new value)
         if current_fit() is not None and not floatcodec.is_encoded(value):
             leaves = _leaves(value, [])
             if transfer.ALWAYS_PACK or transfer.needs_copy(leaves, "cpu"):

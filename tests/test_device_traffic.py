@@ -123,10 +123,10 @@ def test_counting_leaves_the_engine_as_it_found_it() -> None:
     assert device_traffic.measure("fedavg")["trainers_per_fit"] == 0  # and it still fits
 
 
-#: state copies across the host link per client fit, as counted today (start weights in, update out, the fit's
-#: store entries out, plus each method's own: masks in and out, pruning scores, pFedGate's gate, FedPSE's θ^{t−1});
+#: state copies across the host link per client fit, as counted today (the start weights and the client's entries in,
+#: the update out, the fit's store entries out, plus each method's own: DM-PFL's personal start, FedPSE's θ^{t−1});
 #: the issue's target is 2 — these hold what has been reached so that no copy comes back unnoticed
-STATE_TRANSFERS = {"fedavg": 2, "fedpse": 4, "pfedgate": 5.5, "dmpfl": 4.75, "fedspa": 7, "dispfl": 7}
+STATE_TRANSFERS = {"fedavg": 2, "fedpse": 4, "pfedgate": 4, "dmpfl": 4.75, "fedspa": 4, "dispfl": 4}
 
 
 @pytest.mark.slow

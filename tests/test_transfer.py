@@ -95,6 +95,40 @@ def test_the_store_keeps_device_writes_of_a_fit_until_it_ends(monkeypatch: pytes
     assert store.state_dict()[1]["mask"].tolist() == [False] * 3 and not store._pending
 
 
+def test_entries_moved_ahead_reach_the_device_without_another_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefetch`` moves the client's entries with the start weights in one copy; the host copies ``get`` hands out
+    in the fit then move to the device with no copy across the link, each move a copy of its own made there (so
+    what one consumer does to it never reaches another), and a host copy changed in place crosses as usual."""
+    monkeypatch.setattr(transfer, "ALWAYS_PACK", True)
+    store = ClientStateStore()
+    store.declare("gate", lambda k: {"w": torch.arange(3.0) + k, "b": torch.tensor([k])})
+    store.declare("mask", lambda k: torch.tensor([True, False, bool(k)]))
+    store.materialize([0, 1])
+    calls = []
+    real = transfer.copy_tensors
+    monkeypatch.setattr(transfer, "copy_tensors", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+    try:
+        with fit_scope(_ctx(1, 0)):
+            (start,) = store.prefetch(1, "cpu", extra=[torch.ones(2)])
+            assert calls == [4] and torch.equal(start, torch.ones(2))  # 3 entry tensors + the start weights: 1 copy
+            gate, mask = store.get(1, "gate"), store.get(1, "mask")
+            first = transfer.to_device({**gate, "mask": mask}, "cpu")
+            assert calls == [4]  # no copy across the link
+            assert torch.equal(first["w"], torch.arange(3.0) + 1) and first["mask"].tolist() == [True, False, True]
+            first["w"].add_(100)  # a consumer's in-place step on its device copy
+            again = transfer.to_device(gate, "cpu")
+            assert calls == [4] and torch.equal(again["w"], torch.arange(3.0) + 1)
+            mask[1] = True  # the host copy changed: it crosses as it is
+            assert transfer.to_device({"mask": mask}, "cpu")["mask"].tolist() == [True, True, True]
+            assert calls == [4, 1]
+        store.end_prefetch(1)
+        assert not transfer._twins and not store._prefetched
+        assert store.get(1, "gate")["w"].tolist() == [1.0, 2.0, 3.0]  # the stored entries untouched
+    finally:
+        transfer.clear_twins()
+        transfer._placed.clear()
+
+
 def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     good, nan = torch.ones(2), torch.tensor([1.0, float("nan")])
     u = ClientUpdate(0, 0, 1, {"a": good, "b": nan, "c": nan.clone()}, metrics={"train_loss": 0.5})

@@ -33,6 +33,7 @@ from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_device
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ class MaskedTraining:
     def __init__(self, *, mask_gradients: bool = True) -> None:
         self.mask_gradients = mask_gradients
         self.active: dict[str, Tensor] = {}
+        self._given: dict[str, Tensor] = {}
         self._frozen: dict[str, Tensor] = {}
         self._params: dict[str, Tensor] = {}
         self._step_masks: dict[str, Tensor] = {}
@@ -95,6 +97,7 @@ class MaskedTraining:
               frozen: dict[str, Tensor] | None = None, apply: bool = True) -> None:
         """Start a fit: ``module`` holds the start weights; ``apply`` multiplies them by ``trainable`` now."""
         self.active, self._frozen = trainable, dict(frozen or {})
+        self._given = trainable  # (what end() hands back where it is on the host: the masks do not change in a fit)
         self._params = dict(module.named_parameters())
         self._on = None
         if apply and self._params:
@@ -141,9 +144,12 @@ class MaskedTraining:
         self._step_masks, self._frozen_dev = {}, {}
 
     def end(self) -> dict[str, Tensor]:
-        """Finish the fit; returns the trainable masks (on CPU)."""
-        masks = to_device(self.active, "cpu", share=False)  # (one copy from a device)
-        self.active, self._frozen, self._params, self._on = {}, {}, {}, None
+        """Finish the fit; returns the trainable masks (on CPU: those given to :meth:`begin` where they were there,
+        else one copy from the device)."""
+        given = {k: m for k, m in self._given.items() if m.device.type == "cpu"}
+        rest = to_device({k: m for k, m in self.active.items() if k not in given}, "cpu", share=False)
+        masks = {k: given[k] if k in given else rest[k] for k in self.active}
+        self.active, self._frozen, self._params, self._on, self._given = {}, {}, {}, None, {}
         return masks
 
 
@@ -343,7 +349,21 @@ class SparseMask(UsesMaskedTraining):
 
     @override
     def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
-        self.training.begin(module, self.masks(loop, context.client_idx))
+        self.training.begin(module, self._fit_masks(loop, context.client_idx, module))
+
+    def _fit_masks(self, loop: FederationView, client_idx: int, module: pl.LightningModule) -> dict[str, Tensor]:
+        """:meth:`masks` for a fit. Where the packed mask is on the module's device already (moved with the start
+        weights: ``ClientStateStore.prefetch``), it is unpacked there too, and the device masks are remembered as the
+        host masks' twins: moving the masks to the device (``MaskedTraining``, prune-and-regrow) copies nothing
+        across the link."""
+        packed = self.get_client_state(loop, client_idx, "mask")
+        masks = unpack_masks(packed, self.shapes)
+        device = next((p.device for p in module.parameters()), None)
+        if device is not None and packed and transfer.twins_on(packed.values(), device):
+            on_device = unpack_masks(to_device(packed, device), self.shapes)
+            for name, mask in masks.items():
+                transfer.remember_twin(mask, on_device[name])
+        return masks
 
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:

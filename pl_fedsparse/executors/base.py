@@ -32,6 +32,7 @@ from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
 from pl_fedsparse.data.loaders import batch_to
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.protocol import check_model, training_loss
 
@@ -215,7 +216,15 @@ def begin_fit(loop: FederationView, request: FitRequest, load: bool = True) -> t
     ctx, k = request.context, request.context.client_idx
     loop.client_store.import_client(k, request.client_state)  # no-op in process: the same objects
     if load:
-        load_state(loop.model, request.start)
+        devices = {t.device for t in loop.model.state_dict().values()}
+        start = list(request.start.values())
+        if len(devices) == 1 and (transfer.ALWAYS_PACK or transfer.needs_copy(start, next(iter(devices)))):
+            # the start weights and the client's stored entries cross in one copy (the entries for the callbacks
+            # that move them to the device during the fit: ClientStateStore.prefetch)
+            moved = loop.client_store.prefetch(k, devices.pop(), extra=start)
+            load_state(loop.model, dict(zip(request.start, moved)))
+        else:
+            load_state(loop.model, request.start)
     seed_fit(ctx.seed)
     n_samples = int(loop.datamodule.num_samples(k, "train"))
     # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the
@@ -252,6 +261,7 @@ def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: in
     client keeps its previous state), the client's state exported into the update. ``finite``: ids of tensors the
     caller has already found finite (:func:`find_fault`)."""
     ctx, k = request.context, request.context.client_idx
+    loop.client_store.end_prefetch(k)
     loop.client_store.flush_writes(k)  # entries the fit set on the device: to the host, in one copy
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,

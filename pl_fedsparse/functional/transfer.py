@@ -20,12 +20,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "copy_tensors", "needs_copy", "to_device"]
+__all__ = ["ALIGN", "ALWAYS_PACK", "clear_twins", "copy_tensors", "mark_placed", "needs_copy", "remember_twin",
+           "to_device", "twins_on"]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
 ALIGN = 64
@@ -106,6 +108,14 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
         >>> to_device(m, "cpu")["w"] is m["w"]
         True
     """
+    if _twins:  # tensors whose copy on ``device`` was made already (moved with others, ahead of time)
+        found = {n: d for n, d in ((n, _take_twin(t, device)) for n, t in tensors.items()) if d is not None}
+        if found:
+            if ALWAYS_PACK:
+                _placed.update({id(d): (d, str(device)) for d in found.values()})
+            left = {n: t for n, t in tensors.items() if n not in found}
+            rest = to_device(left, device, share=share) if left else {}
+            return {n: found[n] if n in found else rest[n] for n in tensors}
     names = list(tensors)
     values = [tensors[n] for n in names]
     if not ALWAYS_PACK:
@@ -125,3 +135,47 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
 
 #: ``ALWAYS_PACK``'s record of what :func:`to_device` moved, by id: ``(tensor, device)`` — cleared with the flag
 _placed: dict[int, tuple[Tensor, str]] = {}
+
+
+#: host tensor id -> (weak reference to it, its version when remembered, its copy on a device): see remember_twin
+_twins: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
+def remember_twin(host: Tensor, twin: Tensor) -> None:
+    """Remember that ``twin`` (on a device) holds ``host``'s values, so that :func:`to_device` hands out a copy of
+    ``twin`` made on that device instead of crossing the link again — while ``host`` is alive and not changed in
+    place (its version counter). How a fit's client-state entries, moved ahead with its start weights in one copy,
+    reach the device when a callback moves them (``ClientStateStore.prefetch``)."""
+    key = id(host)
+    _twins[key] = (weakref.ref(host, lambda _, key=key: _twins.pop(key, None)), host._version, twin)
+
+
+def clear_twins() -> None:
+    """Forget every twin (a fit has ended: its device copies are freed)."""
+    _twins.clear()
+
+
+def twins_on(hosts: Iterable[Tensor], device: torch.device | str) -> bool:
+    """Whether every one of ``hosts`` has a twin on ``device`` (and has not changed since)."""
+    return all(_twin_of(t, device) is not None for t in hosts)
+
+
+def _twin_of(t: Tensor, device: torch.device | str) -> Tensor | None:
+    hit = _twins.get(id(t))
+    if hit is None or hit[0]() is not t or hit[1] != t._version or needs_copy([hit[2]], device):
+        return None
+    return hit[2]
+
+
+def _take_twin(t: Tensor, device: torch.device | str) -> Tensor | None:
+    """A copy, made on ``device``, of ``t``'s remembered twin there (the twin itself stays as it was, whatever is
+    done to the copy); ``None`` if there is none (or ``t`` changed in place since)."""
+    twin = _twin_of(t, device)
+    return None if twin is None else twin.clone()
+
+
+def mark_placed(tensors: Iterable[Tensor], device: torch.device | str) -> None:
+    """Under :data:`ALWAYS_PACK`, record ``tensors`` as moved to ``device`` already (by a :func:`copy_tensors` call
+    of their own), so that :func:`to_device` does not move them again; otherwise nothing."""
+    if ALWAYS_PACK:
+        _placed.update({id(t): (t, str(device)) for t in tensors})
