@@ -101,7 +101,8 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
     """``{name: t.to(device)}`` for a dict of tensors, with the copies across the link made as one
     (:func:`copy_tensors`, sharing its buffer): tensors already on ``device`` are handed back as they are, as
     ``Tensor.to`` does — unless :data:`ALWAYS_PACK` is set, which packs everything as a device run would.
-    ``share=False``: the moved tensors get storages of their own (for values kept long).
+    ``share=False``: the moved tensors get storages of their own (for values kept long). A tensor with a twin on
+    ``device`` (:func:`remember_twin`: moved there ahead of time) gets a copy of its twin made there instead.
 
     Example:
         >>> m = {"w": torch.ones(2)}
