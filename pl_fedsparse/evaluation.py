@@ -121,12 +121,22 @@ def logits_metrics(logits: Tensor, labels: Tensor, extra: Sequence[str] = ()) ->
         >>> round(m["f1_macro"], 4)  # class 0: precision 1, recall 0.5 -> 2/3; class 1: 0 (predicted, never true)
         0.3333
     """
+    out = pending_metrics(logits, labels, extra)
+    resolve_metrics([out])
+    return out
+
+
+def pending_metrics(logits: Tensor, labels: Tensor, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """:func:`logits_metrics` with the accuracy and the loss not yet read to the host: their sums stay on the logits'
+    device until :func:`resolve_metrics` reads many clients' at once (one copy, where one per value would make the
+    host wait for the device each time). The same numbers."""
     n = int(labels.shape[0])
     if n == 0:
         return {"acc": 0.0, "loss": 0.0, "n": 0.0, **{name: float("nan") for name in extra}}
-    acc = float((logits.argmax(1) == labels).sum()) / n
-    loss = float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")) / n
-    out = {"acc": acc, "loss": loss, "n": float(n)}
+    out: dict[str, Any] = {"acc": None, "loss": None, "n": float(n)}
+    # (the count and the float32 loss sum are exact in float64: read back, the same floats as read one by one)
+    out[_SUMS] = torch.stack([(logits.argmax(1) == labels).sum().double(),
+                              torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()])
     if extra:
         from torchmetrics.functional.classification import multiclass_calibration_error, multiclass_f1_score
 
@@ -137,6 +147,24 @@ def logits_metrics(logits: Tensor, labels: Tensor, extra: Sequence[str] = ()) ->
             out["ece"] = float(multiclass_calibration_error(logits.float().softmax(1), labels, num_classes=c,
                                                             n_bins=ECE_BINS, norm="l1"))
     return out
+
+
+#: where :func:`pending_metrics` keeps the sums it has not read yet
+_SUMS = "_sums"
+
+
+def resolve_metrics(metrics: Sequence[dict[str, Any]]) -> None:
+    """Fill in the accuracy and loss of every :func:`pending_metrics` dict, reading their sums in one copy per
+    device (in place)."""
+    pending = [m for m in metrics if _SUMS in m]
+    by_device: dict[torch.device, list[dict[str, Any]]] = {}
+    for m in pending:
+        by_device.setdefault(m[_SUMS].device, []).append(m)
+    for group in by_device.values():
+        for m, (correct, loss) in zip(group, torch.stack([m[_SUMS] for m in group]).tolist()):
+            n = m["n"]
+            m["acc"], m["loss"] = correct / n, loss / n
+            del m[_SUMS]
 
 
 def merge_views(views: dict[str, EvalView], new: list[EvalView]) -> None:
@@ -440,7 +468,7 @@ class Evaluator:
                    labels: dict[str, Tensor]) -> dict[str, dict[str, dict[str, float]]]:
         self.loop.call("on_client_predictions", k, outputs, labels)
         extra = self.loop.eval_metrics
-        return {name: {kind: logits_metrics(lg, labels[name], extra) for kind, lg in kinds_out.items()}
+        return {name: {kind: pending_metrics(lg, labels[name], extra) for kind, lg in kinds_out.items()}
                 for name, kinds_out in outputs.items() if views[name].report}
 
     @staticmethod
@@ -469,6 +497,7 @@ class Evaluator:
         per_client = [self._summarize(k, views, *(spread[i] if spread is not None else
                                                   self.forward(k, split, views, has_global, streamed[i])))
                       for i, k in todo]
+        resolve_metrics([m for pc in per_client for kinds in pc.values() for m in kinds.values()])  # one read
         out: dict[str, Any] = {}
         for name, v in views.items():
             if not v.report:

@@ -228,3 +228,26 @@ def test_an_evaluation_that_depends_on_the_batch_keeps_one_batch_size_on_every_d
     assert any("PFedGate's evaluation depends on the batch" in r.getMessage() for r in caplog.records)
     assert sizes("mixing", [], FederatedModule(_BatchCentred(), lr=0.1)) == (16, 16)
     assert sizes("explicit", [PFedGate(density=0.5)], tiny_module(), eval_batch_size=64) == (64, 64)
+
+
+def test_the_metrics_of_every_client_are_read_from_the_device_in_one_copy(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evaluation reads the accuracy and loss sums of all clients, views and models in one call (one copy per
+    device, where a read per value would make the host wait each time), and they are the numbers read one by one."""
+    import pl_fedsparse.evaluation as ev
+
+    calls: list[int] = []
+    real = ev.resolve_metrics
+    monkeypatch.setattr(ev, "resolve_metrics", lambda ms: calls.append(sum("_sums" in m for m in ms)) or real(ms))
+    loop = tiny_loop(tmp_path, num_rounds=1)
+    loop.fit(tiny_module(), tiny_datamodule())
+    # every client's personal and global metrics in one read per evaluation (the single ones: the per-client
+    # on_client_evaluate_end hook's, through logits_metrics)
+    assert [c for c in calls if c > 1] == [loop.num_clients * 2], calls
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(37, 5, generator=g), torch.randint(0, 5, (37,), generator=g)
+    pending = ev.pending_metrics(logits, labels)
+    real([pending])
+    assert pending == {"acc": float((logits.argmax(1) == labels).sum()) / 37,
+                       "loss": float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum")) / 37,
+                       "n": 37.0}
