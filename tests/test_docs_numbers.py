@@ -1024,7 +1024,6 @@ TABLE_PENDING: dict[str, int] = {
     "benchmarks/README.md": 1, "benchmarks/gpu/README.md": 5, "docs/methods.md": 1, "docs/outputs.md": 2,
     "docs/your-own-model.md": 1, "docs/extending.md": 1, "papers/dispfl/README.md": 2,
     "papers/dmpfl/README.md": 3, "papers/fedpse/README.md": 2, "papers/fedspa/README.md": 2,
-    "papers/pfedgate/README.md": 2, "papers/pfedgate/baselines.md": 1,
 }
 #: the counts when the rollout began (written out: TABLE_PENDING's counts may only go down)
 _TABLE_PENDING_AT_START = {
@@ -1550,8 +1549,6 @@ SKIP_PENDING = {
     ("papers/fedpse/README.md", "fedpse-claims-readings"), ("papers/fedpse/README.md", "fedpse-long-claims"),
     ("papers/fedpse/README.md", "fedpse-gpu"),
     ("papers/fedpse/baselines.md", "fedpse-protocol"), ("papers/fedpse/baselines.md", "fedpse-protocol-seeds"),
-    ("papers/pfedgate/README.md", "pfedgate-t1"), ("papers/pfedgate/README.md", "pfedgate-t8"),
-    ("papers/pfedgate/README.md", "pfedgate-seeds"), ("papers/pfedgate/README.md", "pfedgate-cost"),
 }
 
 
