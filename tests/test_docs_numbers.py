@@ -546,15 +546,26 @@ class Table:
     header_line: int = -1  # 0-based
 
 
-def find_tables(text: str, page: str) -> tuple[list[Table], list[str]]:
-    """Every ``<!-- numbers -->`` spec and the table right after it."""
-    lines = text.splitlines()
+def _line_offsets(lines: list[str]) -> list[int]:
+    """The character offset at which each line starts (and one past the last)."""
     offsets = [0]
     for line in lines:
         offsets.append(offsets[-1] + len(line) + 1)
+    return offsets
+
+
+def _line_of(offsets: list[int], pos: int) -> int:
+    """The 0-based line holding character ``pos``."""
+    return next(i for i, o in enumerate(offsets) if o > pos) - 1
+
+
+def find_tables(text: str, page: str) -> tuple[list[Table], list[str]]:
+    """Every ``<!-- numbers -->`` spec and the table right after it."""
+    lines = text.splitlines()
+    offsets = _line_offsets(lines)
     tables, errors = [], []
     for m in SPEC_RE.finditer(text):
-        first = next(i for i, o in enumerate(offsets) if o > m.start()) - 1
+        first = _line_of(offsets, m.start())
         try:
             spec = yaml.safe_load(m.group(1)) or {}
         except yaml.YAMLError as exc:
@@ -924,16 +935,12 @@ class Prose:
     text: str
 
 
-def _line_of(offsets: list[int], pos: int) -> int:
-    return next(i for i, o in enumerate(offsets) if o > pos) - 1
 
 
 def find_prose(text: str, page: str) -> tuple[list[Prose], list[str]]:
     """Every ``<!-- prose -->`` spec and the block right after it."""
     lines = text.splitlines()
-    offsets = [0]
-    for line in lines:
-        offsets.append(offsets[-1] + len(line) + 1)
+    offsets = _line_offsets(lines)
     out, errors = [], []
     for m in PROSE_RE.finditer(text):
         first = _line_of(offsets, m.start())

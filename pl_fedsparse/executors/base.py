@@ -126,8 +126,12 @@ def quiet_lightning() -> Iterator[None]:
 def load_state(module: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
     """Copy a (full or partial) state dict into ``module`` in place (no re-allocation, any device/dtype); from the
     host to a device, all of it in one copy across the link."""
+    _load_into(module.state_dict(keep_vars=True), state)
+
+
+def _load_into(own: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> None:
+    """:func:`load_state` into a module's ``state_dict(keep_vars=True)``."""
     with torch.no_grad():
-        own = module.state_dict(keep_vars=True)
         devices = {t.device for t in own.values()}
         if len(devices) == 1:
             state = to_device(state, devices.pop())
@@ -216,15 +220,14 @@ def begin_fit(loop: FederationView, request: FitRequest, load: bool = True) -> t
     ctx, k = request.context, request.context.client_idx
     loop.client_store.import_client(k, request.client_state)  # no-op in process: the same objects
     if load:
-        devices = {t.device for t in loop.model.state_dict().values()}
-        start = list(request.start.values())
-        if len(devices) == 1 and (transfer.ALWAYS_PACK or transfer.needs_copy(start, next(iter(devices)))):
+        own = loop.model.state_dict(keep_vars=True)
+        devices = {t.device for t in own.values()}
+        start = request.start
+        if len(devices) == 1 and (transfer.ALWAYS_PACK or transfer.needs_copy(list(start.values()), *devices)):
             # the start weights and the client's stored entries cross in one copy (the entries for the callbacks
             # that move them to the device during the fit: ClientStateStore.prefetch)
-            moved = loop.client_store.prefetch(k, devices.pop(), extra=start)
-            load_state(loop.model, dict(zip(request.start, moved)))
-        else:
-            load_state(loop.model, request.start)
+            start = dict(zip(start, loop.client_store.prefetch(k, *devices, extra=list(start.values()))))
+        _load_into(own, start)
     seed_fit(ctx.seed)
     n_samples = int(loop.datamodule.num_samples(k, "train"))
     # the callback contract (pl_fedsparse.contract): what a fit sets on a callback never leaves a worker, and the

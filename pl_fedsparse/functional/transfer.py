@@ -112,8 +112,7 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
     if _twins:  # tensors whose copy on ``device`` was made already (moved with others, ahead of time)
         found = {n: d for n, d in ((n, _take_twin(t, device)) for n, t in tensors.items()) if d is not None}
         if found:
-            if ALWAYS_PACK:
-                _placed.update({id(d): (d, str(device)) for d in found.values()})
+            mark_placed(found.values(), device)
             left = {n: t for n, t in tensors.items() if n not in found}
             rest = to_device(left, device, share=share) if left else {}
             return {n: found[n] if n in found else rest[n] for n in tensors}
