@@ -23,7 +23,6 @@ spec row missing from the table. The spec::
       total MB: '{r.s.comm_cum_bytes_total/1e6:.1f}'
       verdict: {text: '{claim(...).verdict}'}   # compare the whole text, not only its numbers
       global: {Local: '-', '*': '{...}'}    # a template per row label ('*': the others)
-    skip: [paper]                         # being phased out: columns not checked (use paper(...) instead)
     -->
 
 Run names are relative to ``dir``; a name starting with ``/`` is relative to the repository. Names in the spec (rows,
@@ -54,7 +53,9 @@ with the row's variables and these names:
 * ``cfg(file, "a.b.c")`` — the value at a dotted key (an integer part indexes a list) of a committed YAML file: a
   config (``cfg("/configs/quickstart.yaml", "trainer.num_rounds")``) or a run's ``config.yaml``;
   ``default("pl_fedsparse.callbacks.Ditto", "lam")`` — a parameter's default (:func:`inspect.signature`);
-  ``const("pl_fedsparse.run.stats.CONFIDENCE")`` — a module-level constant of the package;
+  ``const("pl_fedsparse.run.stats.CONFIDENCE")`` — a module-level name of the package: a constant, or a function or
+  class that the template calls (ERK's layer densities of a config's model: the code computes them, nothing copies
+  them);
   ``paper(name, key)`` — a number quoted from a paper: ``papers/quoted.yaml`` holds, per paper (``pfedgate``,
   ``fedspa``, ``fedpse``, ``dmpfl``, ``dispfl``), its citation and its values, each ``{value, where}`` with the value
   as the paper prints it ("0.9334", "85.70±0.2") and where (table / figure / section). ``{paper(...)}`` writes that
@@ -94,16 +95,13 @@ comments and headings, and after **the label rule** — numbers that name rather
   (``ICML 2022``), arXiv ids and DOIs;
 * a numbered list item's marker (``1.``) and footnote marks (``[2]``).
 
-Everything else is a number that needs a source. **Coverage:** a markdown table with a number (after the label rule)
-and no numbers spec, and a prose line with a number outside every prose-spec'd block, are errors naming page:line —
-except, during the rollout, on the pages of ``PROSE_PENDING`` (prose) and up to ``TABLE_PENDING[page]`` tables; both
-may only shrink, and ``python tests/test_docs_numbers.py`` prints what is left. ``skip:`` is allowed only
-in the specs of ``SKIP_PENDING`` (paper columns not yet converted to ``paper(...)``), which may only shrink. A table's key columns name its rows
-(their numbers are labels).
+Everything else is a number that needs a source. **Coverage, with no opt-out:** on every page, a markdown table with a
+number (after the label rule) and no numbers spec, a prose line with a number outside every prose-spec'd block, and a
+spec'd table column with numbers that the spec does not map are errors naming page:line (a column quoted from a paper
+reads ``paper(...)``). A table's key columns name its rows (their numbers are labels).
 
 ``python tests/test_docs_numbers.py --write PAGE...`` rewrites the checked cells of PAGE from the records (after new
-seeds are recorded, for example); ``python tests/test_docs_numbers.py [PAGE...] [--prose]`` checks the pages (all by
-default; ``--prose`` also lists a pending page's unmarked prose lines).
+seeds are recorded, for example); ``python tests/test_docs_numbers.py [PAGE...]`` checks the pages (all by default).
 """
 
 from __future__ import annotations
@@ -170,7 +168,14 @@ class Records:
 
     def __init__(self, root: Path):
         self.root = root
-        self._cache: dict[Path, object] = {}
+        self._cache: dict[tuple[str, Path], object] = {}  # by (how read, path): a file read as JSON and as text
+        self._runs: dict[Path, Run] = {}
+
+    def run(self, p: Path) -> Run:
+        """The run at ``p``, one object per checker run (its parsed files and seeds read once)."""
+        if p not in self._runs:
+            self._runs[p] = Run(self, p)
+        return self._runs[p]
 
     def path(self, base: Path, name: str) -> Path:
         p = (base / name) if not name.startswith("/") else (self.root / name.lstrip("/"))
@@ -178,25 +183,22 @@ class Records:
             raise LookupError(f"no record {p.relative_to(self.root) if p.is_relative_to(self.root) else p}")
         return p
 
+    def _read(self, kind: str, p: Path, load):
+        if (kind, p) not in self._cache:
+            self._cache[(kind, p)] = load(p.read_text())
+        return self._cache[(kind, p)]
+
     def json(self, p: Path):
-        if p not in self._cache:
-            self._cache[p] = json.loads(p.read_text())
-        return wrap(self._cache[p])
+        return wrap(self._read("json", p, json.loads))
 
     def jsonl(self, p: Path) -> list:
-        if p not in self._cache:
-            self._cache[p] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-        return wrap(self._cache[p])
+        return wrap(self._read("jsonl", p, lambda t: [json.loads(x) for x in t.splitlines() if x.strip()]))
 
     def yaml(self, p: Path):
-        if p not in self._cache:
-            self._cache[p] = yaml.safe_load(p.read_text())
-        return self._cache[p]
+        return self._read("yaml", p, yaml.safe_load)
 
     def text(self, p: Path) -> str:
-        if p not in self._cache:
-            self._cache[p] = p.read_text()
-        return self._cache[p]  # type: ignore[return-value]
+        return self._read("text", p, str)
 
 
 class Run:
@@ -289,7 +291,7 @@ def resolve_runs(records: Records, base: Path, spec: str) -> list[Run]:
                           key=_natural)
         else:
             hits = [records.path(base, word)]
-        runs += [Run(records, p) for p in hits if p not in [r.path for r in runs]]
+        runs += [records.run(p) for p in hits if p not in [r.path for r in runs]]
     if not runs:
         raise LookupError(f"no records for runs {spec!r} under {base.relative_to(records.root)}")
     return runs
@@ -603,7 +605,7 @@ class Result:
 
 def _namespace(records: Records, base: Path, row_vars: dict) -> dict:
     def run(name: str) -> Run:
-        return Run(records, records.path(base, name))
+        return records.run(records.path(base, name))
 
     def runs_of(spec: str) -> list[Run]:
         return resolve_runs(records, base, spec)
@@ -734,9 +736,35 @@ QUOTED = "papers/quoted.yaml"
 
 
 def quoted(root: Path = REPO) -> dict:
-    """``papers/quoted.yaml``: per paper its citation and its quoted values (``{key: {value, where}}``)."""
+    """``papers/quoted.yaml``: per paper its citation and its quoted values (``{key: {value, where}}``); parsed once
+    per version of the file."""
     path = root / QUOTED
-    return yaml.safe_load(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    st = path.stat()
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _QUOTED_CACHE:
+        _QUOTED_CACHE.clear()
+        _QUOTED_CACHE[key] = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
+    return _QUOTED_CACHE[key]
+
+
+_QUOTED_CACHE: dict[tuple[Path, int, int], dict] = {}
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one silently: a
+    value quoted twice under one name would hide the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{QUOTED}: {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 class Quoted(str):
@@ -792,8 +820,10 @@ def check_table(table: Table, page: str, records: Records, result: Result) -> No
     # names in the spec are compared as the table shows them (without `code` and **bold** marks)
     cols = {strip_md(str(k)): ({strip_md(str(a)): b for a, b in v.items()} if isinstance(v, dict) and set(v) != {"text"}
                                else v) for k, v in (spec.get("cols") or {}).items()}
-    skip = [strip_md(str(s)) for s in spec.get("skip") or []]
-    for name in keys + list(cols) + skip:
+    if "skip" in spec:
+        result.errors.append(f"{where}: 'skip:' is not allowed (every column is checked: a paper's column reads "
+                             "paper(...))")
+    for name in keys + list(cols):
         if name not in table.header:
             result.errors.append(f"{where}: the spec names column {name!r}, the table has {table.header}")
     if any(e.startswith(where) for e in result.errors):
@@ -833,7 +863,7 @@ def check_table(table: Table, page: str, records: Records, result: Result) -> No
         new_cells = list(cells)
         for ci, col in enumerate(table.header):
             page_cell = cells[ci]
-            if col in keys or col in skip:
+            if col in keys:
                 continue
             if col not in cols:
                 if prose_numbers(page_cell):
@@ -1003,44 +1033,6 @@ def check_prose(prose: Prose, page: str, records: Records, result: Result) -> No
                                  f"the records give {w}")
 
 
-#: pages whose prose is not yet marked up with ``<!-- prose -->`` specs: their prose numbers are not required to
-#: have a source yet (their tables are). This set must only shrink.
-PROSE_PENDING: set[str] = {
-    "docs/design-notes.md", "docs/extending.md", "docs/methods.md", "docs/scaling.md",
-    "docs/usage.md", "docs/your-own-model.md",
-    "benchmarks/ENGINE.md", "benchmarks/README.md", "benchmarks/gpu/README.md", "benchmarks/peers/README.md",
-    "papers/README.md", "papers/dispfl/README.md", "papers/dmpfl/README.md", "papers/fedpse/README.md",
-    "papers/fedpse/baselines.md", "papers/fedspa/README.md", "papers/pfedgate/README.md",
-    "papers/pfedgate/baselines.md",
-}
-
-
-#: the set when the rollout began (written out: PROSE_PENDING may only lose pages)
-_PROSE_PENDING_AT_START = frozenset({
-    "README.md", "docs/design-notes.md", "docs/extending.md", "docs/methods.md", "docs/outputs.md", "docs/scaling.md",
-    "docs/usage.md", "docs/your-own-data.md", "docs/your-own-model.md",
-    "benchmarks/ENGINE.md", "benchmarks/README.md", "benchmarks/gpu/README.md", "benchmarks/peers/README.md",
-    "papers/README.md", "papers/dispfl/README.md", "papers/dmpfl/README.md", "papers/fedpse/README.md",
-    "papers/fedpse/baselines.md", "papers/fedspa/README.md", "papers/pfedgate/README.md",
-    "papers/pfedgate/baselines.md",
-})
-
-#: pages with markdown tables of numbers that have no numbers spec yet, and how many: a page may have at most that
-#: many (the next unspecced table fails). These counts must only go down.
-TABLE_PENDING: dict[str, int] = {
-    "benchmarks/README.md": 1, "benchmarks/gpu/README.md": 5, "docs/methods.md": 1, "docs/outputs.md": 2,
-    "docs/your-own-model.md": 1, "docs/extending.md": 1, "papers/dispfl/README.md": 2,
-    "papers/fedpse/README.md": 2, "papers/fedspa/README.md": 2,
-}
-#: the counts when the rollout began (written out: TABLE_PENDING's counts may only go down)
-_TABLE_PENDING_AT_START = {
-    "benchmarks/README.md": 1, "benchmarks/gpu/README.md": 5, "docs/methods.md": 1, "docs/outputs.md": 2,
-    "docs/your-own-model.md": 1, "docs/extending.md": 1, "papers/README.md": 1, "papers/dispfl/README.md": 2,
-    "papers/dmpfl/README.md": 3, "papers/fedpse/README.md": 2, "papers/fedspa/README.md": 2,
-    "papers/pfedgate/README.md": 2, "papers/pfedgate/baselines.md": 1,
-}
-
-
 def _markdown_tables(lines: list[str]) -> list[tuple[int, int]]:
     """``(header line, end)`` of every markdown table (0-based, end exclusive)."""
     out, i = [], 0
@@ -1056,27 +1048,21 @@ def _markdown_tables(lines: list[str]) -> list[tuple[int, int]]:
     return out
 
 
-def coverage_errors(text: str, page: str, tables: list[Table], proses: list[Prose],
-                    prose_too: bool = True) -> list[str]:
-    """One line per markdown table with a number but no numbers spec, and (``prose_too``) per prose line with a
-    number that no prose spec covers: outside code fences, HTML comments, tables and headings."""
+def coverage_errors(text: str, page: str, tables: list[Table], proses: list[Prose]) -> list[str]:
+    """One line per markdown table with a number but no numbers spec, and per prose line with a number that no
+    prose spec covers: outside code fences, HTML comments, tables and headings."""
     lines = text.splitlines()
     errors = []
     specced = {t.header_line for t in tables}
     blocked = set()
-    unspecced = []
     for head, end in _markdown_tables(lines):
         blocked.update(range(head, end))
         if head in specced:
             continue
         found = [n for line in lines[head + 2:end] for c in split_row(line) for n in prose_numbers(c)]
         if found:
-            unspecced.append(f"{page}:{head + 1}: a table with numbers ({', '.join(found[:4])}"
-                             f"{', ...' if len(found) > 4 else ''}) has no <!-- numbers --> spec")
-    if len(unspecced) > TABLE_PENDING.get(page, 0):
-        errors += unspecced
-    if not prose_too:
-        return errors
+            errors.append(f"{page}:{head + 1}: a table with numbers ({', '.join(found[:4])}"
+                          f"{', ...' if len(found) > 4 else ''}) has no <!-- numbers --> spec")
     for p in proses:
         blocked.update(range(p.first, p.end))
     fence = False
@@ -1106,7 +1092,7 @@ def check_text(text: str, page: str, root: Path = REPO) -> Result:
         check_table(table, page, records, result)
     for prose in proses:
         check_prose(prose, page, records, result)
-    result.errors += coverage_errors(text, page, tables, proses, prose_too=page not in PROSE_PENDING)
+    result.errors += coverage_errors(text, page, tables, proses)
     return result
 
 
@@ -1417,12 +1403,6 @@ def test_a_deleted_prose_spec_leaves_its_numbers_uncovered():
     errors = check_text(_without_spec(_QUICK, "prose", "q"), "page.md").errors
     assert errors == ["page.md:2: the number(s) 20, 10 in prose come from no <!-- prose --> spec",
                       "page.md:3: the number(s) 67.13 in prose come from no <!-- prose --> spec"], errors
-    # on a page whose prose is pending the prose is not required a spec yet; its tables are
-    PROSE_PENDING.add("pending.md")
-    try:
-        assert not check_text(_without_spec(_QUICK, "prose", "q"), "pending.md").errors
-    finally:
-        PROSE_PENDING.discard("pending.md")
 
 
 def test_a_deleted_table_spec_fails():
@@ -1460,6 +1440,13 @@ def test_paper_values_read_as_printed(tmp_path):
     assert render('{paper("fedx", "t1.acc"):.1f} / {100*paper("fedx", "t1.frac"):.2f}', ns) == "85.7 / 93.34"
     with pytest.raises(LookupError, match="no value 't1.other'"):
         render('{paper("fedx", "t1.other")}', ns)
+
+
+def test_a_value_quoted_twice_under_one_name_fails(tmp_path):
+    (tmp_path / QUOTED).parent.mkdir(parents=True)
+    (tmp_path / QUOTED).write_text("fedspa:\n  values:\n    a: {value: '1', where: T1}\n    a: {value: '2', where: T1}\n")
+    with pytest.raises(yaml.constructor.ConstructorError, match="'a' is given twice"):
+        quoted(tmp_path)
 
 
 def test_a_quoted_value_not_in_the_paper_text_fails(tmp_path):
@@ -1530,53 +1517,16 @@ def test_the_label_rule():
     assert prose_numbers("Table 2, 0.3 and Phase 2 and 100 clients") == ["0.3", "100"]
 
 
-def test_prose_pending_only_shrinks():
-    """The pages whose prose is not marked up yet: a reminder, and a list that must only shrink (a page leaves it when
-    its prose numbers all have specs; none may join it)."""
-    assert PROSE_PENDING <= _PROSE_PENDING_AT_START, sorted(PROSE_PENDING - _PROSE_PENDING_AT_START)
-    assert PROSE_PENDING <= set(PAGES), sorted(PROSE_PENDING - set(PAGES))
-    for page in sorted(set(PAGES) - PROSE_PENDING):
-        text = _page(page)
-        tables, proses = find_tables(text, page)[0], find_prose(text, page)[0]
-        errors = [e for e in coverage_errors(text, page, tables, proses) if "in prose" in e]
-        assert not errors, f"{page} is not in PROSE_PENDING but:\n" + "\n".join(errors)
-    print(f"prose not yet marked up on {len(PROSE_PENDING)} page(s): {', '.join(sorted(PROSE_PENDING))}")
-
-
-#: the tables whose spec still skips columns (``skip:``), as (page, id): the option is being phased out — a column
-#: quoted from a paper reads ``paper(...)``; no other table may skip a column, and this set may only shrink
-SKIP_PENDING = {
-    ("benchmarks/ENGINE.md", "parity"),
-    ("papers/fedpse/README.md", "fedpse-t1"), ("papers/fedpse/README.md", "fedpse-t2"),
-    ("papers/fedpse/README.md", "fedpse-bytes"), ("papers/fedpse/README.md", "fedpse-claims-seeds"),
-    ("papers/fedpse/README.md", "fedpse-claims-readings"), ("papers/fedpse/README.md", "fedpse-long-claims"),
-    ("papers/fedpse/README.md", "fedpse-gpu"),
-    ("papers/fedpse/baselines.md", "fedpse-protocol"), ("papers/fedpse/baselines.md", "fedpse-protocol-seeds"),
-}
-
-
-def test_only_pending_tables_skip_columns():
-    """``skip:`` hides a column's numbers: only the tables of SKIP_PENDING (not yet converted to ``paper(...)``) may
-    use it, and a converted table leaves the set."""
-    have = {(page, t.spec.get("id")) for page in PAGES for t in find_tables(_page(page), page)[0] if t.spec.get("skip")}
-    assert have <= SKIP_PENDING, f"tables that skip columns without being pending: {sorted(have - SKIP_PENDING)}"
-    assert have == SKIP_PENDING, f"converted, remove from SKIP_PENDING: {sorted(SKIP_PENDING - have)}"
-    print(f"{len(have)} table(s) still skip columns (SKIP_PENDING)")
-
-
-def test_table_pending_only_shrinks():
-    """The tables of numbers still without a spec: at most the count at the rollout's start, per page, and exactly
-    the page's count (so a page that gains a spec lowers its count here)."""
-    for page, n in list(TABLE_PENDING.items()):
-        assert n <= _TABLE_PENDING_AT_START.get(page, 0), page
-        text = _page(page)
-        saved = TABLE_PENDING.pop(page)
-        try:
-            have = [e for e in coverage_errors(text, page, find_tables(text, page)[0], [], prose_too=False)]
-        finally:
-            TABLE_PENDING[page] = saved
-        assert len(have) == n, f"{page}: {len(have)} unspecced table(s), TABLE_PENDING says {n}:\n" + "\n".join(have)
-    print(f"tables without a spec yet: {sum(TABLE_PENDING.values())} on {len(TABLE_PENDING)} page(s)")
+def test_no_table_skips_a_column():
+    """``skip:`` (which hid a column's numbers while the paper columns were converted to ``paper(...)``) is gone:
+    a spec that uses it is one error line."""
+    text = _page("README.md")
+    assert not [t for page in PAGES for t in find_tables(_page(page), page)[0] if "skip" in t.spec]
+    spec = SPEC_RE.search(text)
+    assert spec is not None
+    planted = text[:spec.end() - 3] + "skip: [x]\n" + text[spec.end() - 3:]
+    errors = [e for e in check_text(planted, "README.md").errors if "skip" in e]
+    assert len(errors) == 1 and "'skip:' is not allowed" in errors[0], errors
 
 
 def _slug(heading: str) -> str:
@@ -1620,23 +1570,15 @@ def main(argv: list[str]) -> int:
                 if "page says" not in e:
                     print("  ", e)
         return 0
-    show_pending = "--prose" in argv
     pages = [a for a in argv if not a.startswith("--")] or PAGES
     total = 0
     for page in pages:
         text = _page(page)
         result = check_text(text, page)
         total += result.checked
-        pending = []
-        if page in PROSE_PENDING:
-            pending = [e for e in coverage_errors(text, page, find_tables(text, page)[0], find_prose(text, page)[0])
-                       if "in prose" in e]
         print(f"{page}: {len(result.tables)} checked table(s) and prose block(s), {result.checked} numbers, "
-              f"{len(result.errors)} error(s)" + (f"; prose not yet marked up (PROSE_PENDING): {len(pending)} "
-                                                 "line(s) with numbers" if page in PROSE_PENDING else "")
-              + (f"; {TABLE_PENDING[page]} table(s) without a spec yet (TABLE_PENDING)" if TABLE_PENDING.get(page)
-                 else ""))
-        for e in result.errors + (pending if show_pending else []):
+              f"{len(result.errors)} error(s)")
+        for e in result.errors:
             print("  ", e)
     print(f"{total} numbers checked")
     return 0

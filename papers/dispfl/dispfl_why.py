@@ -8,7 +8,7 @@ of the same protocol and changes one thing, for DisPFL and — where the change 
 the 200-round run's round 100 is not the reference; D-PSGD has no such schedule and the 200-round run's first 100
 rounds are the reference):
 
-* ``*_vgg``: a mostly dense ERK backbone — VGG11-GN at width 0.25 (579,786 parameters, ERK keeps ≥ 42 % of every
+* ``*_vgg``: a mostly dense ERK backbone — VGG11-GN at width 0.25 (579,786 parameters, ERK keeps ≥ 41 % of every
   layer; LeNet's ERK keeps 13 % of conv2) at about LeNet's cost per batch on this CPU;
 * ``dispfl_uniform``: uniform layer densities (every layer 50 %) instead of ERK, LeNet;
 * ``dispfl_d08``: density 0.8 (ERK) — how much of the gap is capacity;
