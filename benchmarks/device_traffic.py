@@ -10,7 +10,11 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   each moves a tensor across the host link unless it is already where it is sent (on the CPU every such call is
   counted: an upper bound). Many tensors packed into one copy
   (:func:`~pl_fedsparse.functional.transfer.copy_tensors`) are one transfer; the counter makes the engine pack on the
-  CPU as it does from a device (``transfer.ALWAYS_PACK``). **Data transfers** (calls made by ``pl_fedsparse.data``:
+  CPU as it does from a device (``transfer.ALWAYS_PACK``), and keeps track of what is on "the device": what was moved
+  there, and what an operator computed from it (``transfer.PlacementTracker``: a gradient, a mask drawn from the
+  trained weights) — so that the engine takes, on the CPU, the path it takes on a GPU (an update that stays on the
+  device through the callbacks, ``device_update``), moving such a tensor there again is no transfer, and moving it
+  to the host is one. **Data transfers** (calls made by ``pl_fedsparse.data``:
   images, labels and batch orders to the loader's device; none once ``data.device`` holds the data there) are
   counted apart;
 * **synchronising calls**: ``.item()``, ``.tolist()``, ``.numpy()``, ``bool()/int()/float()`` of a tensor,
@@ -232,7 +236,7 @@ def counting() -> Iterator[TrafficCounter]:
     patch(torch.nn.Module, "cuda", mover(cuda, "cuda"))
     patch(torch.nn.Module, "cpu", mover(cpu, "cpu"))
     try:
-        with counter, SyncOpCounter(counter):
+        with counter, SyncOpCounter(counter), transfer.PlacementTracker():
             yield counter
     finally:
         for owner, attr, old in reversed(patches):

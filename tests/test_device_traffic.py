@@ -126,7 +126,9 @@ def test_counting_leaves_the_engine_as_it_found_it() -> None:
 #: state copies across the host link per client fit, as counted today (the start weights and the client's entries in,
 #: the update out, the fit's store entries out, plus each method's own: DM-PFL's personal start, FedPSE's θ^{t−1});
 #: the issue's target is 2 — these hold what has been reached so that no copy comes back unnoticed
-STATE_TRANSFERS = {"fedavg": 2, "fedpse": 4, "pfedgate": 4, "dmpfl": 4.75, "fedspa": 4, "dispfl": 4}
+#: one copy in (the start weights with the client's entries), one out (the update with the fit's new entries);
+#: DM-PFL's global mask crosses once more each time the server changes it (3 times in its 24 fits here)
+STATE_TRANSFERS = {"fedavg": 2, "fedpse": 2, "pfedgate": 2, "dmpfl": 2.125, "fedspa": 2, "dispfl": 2}
 
 
 @pytest.mark.slow
@@ -142,5 +144,29 @@ def test_the_counter_sees_a_state_copy_per_tensor(monkeypatch: pytest.MonkeyPatc
     """Planted: the update copied to the host tensor by tensor (as before packing)."""
     from pl_fedsparse.executors import base
 
-    monkeypatch.setattr(base, "to_cpu_state", lambda s: {k: v.detach().to("cpu", copy=True) for k, v in s.items()})
+    whole = base.update_to_host
+    monkeypatch.setattr(base, "update_to_host", lambda u, copy: whole(u, lambda ts: [copy([t])[0] for t in ts]))
     assert device_traffic.measure("fedavg")["transfers_per_fit"] > STATE_TRANSFERS["fedavg"]
+
+
+@pytest.mark.slow
+def test_the_counter_sees_the_update_cross_before_the_callbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: a callback whose ``on_client_fit_end`` does not take the update on the device (a user's, say) —
+    the update crosses before the callbacks, and what they compute there crosses again; and DM-PFL's global mask
+    moved at every fit instead of once per mask."""
+    from pl_fedsparse.callbacks.masking import SparseMask
+
+    monkeypatch.setattr(SparseMask, "device_update", False)
+    assert device_traffic.measure("fedspa")["transfers_per_fit"] > STATE_TRANSFERS["fedspa"]
+    monkeypatch.undo()
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    from pl_fedsparse.callbacks.dmpfl import DualMask
+
+    where = DualMask._global_where
+
+    def uncached(self: Any, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        self._global_on = None
+        return where(self, like)
+
+    monkeypatch.setattr(DualMask, "_global_where", uncached)
+    assert device_traffic.measure("dmpfl")["transfers_per_fit"] > STATE_TRANSFERS["dmpfl"] + 0.5

@@ -4,6 +4,7 @@ check waits once per fit; and a run that packs (as a device run does) gives the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -149,7 +150,7 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fedspa", "dmpfl", "pfedgate", "fedpse"])
+@pytest.mark.parametrize("name", ["fedspa", "dispfl", "dmpfl", "pfedgate", "fedpse"])
 def test_a_run_that_packs_as_a_device_run_gives_the_same_numbers(name: str, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -167,7 +168,10 @@ def test_a_run_that_packs_as_a_device_run_gives_the_same_numbers(name: str, tmp_
                 "--trainer.default_root_dir", str(run)]
         if "--trainer.num_rounds" not in extra:
             args += ["--trainer.num_rounds", "2"]
-        code, _, err = run_main(args, capsys)
+        # packing as a device run does, with what is computed on "the device" known to be there: the update stays
+        # there through the callbacks and crosses at the fit's end (the path a GPU takes)
+        with transfer.PlacementTracker() if pack else contextlib.nullcontext():
+            code, _, err = run_main(args, capsys)
         assert code == 0, err
         rows.append(_metrics(run))
     transfer._placed.clear()
@@ -192,3 +196,98 @@ def test_packing_across_the_link_keeps_every_bit_and_is_one_copy_each_way() -> N
     copies = [e for e in prof.events() if "Memcpy HtoD" in e.name or "Memcpy DtoH" in e.name]
     assert sum("HtoD" in e.name for e in copies) == 1 and sum("DtoH" in e.name for e in copies) == 1, \
         [e.name for e in copies]
+
+
+def test_a_simulated_device_places_what_is_computed_from_placed_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``ALWAYS_PACK`` and :class:`~pl_fedsparse.functional.transfer.PlacementTracker` (the device-traffic
+    counter's view of a device run on the CPU), what an operator computes from a tensor "on the device" is there too
+    (moving it there again costs no copy), host copies are on the host, and a record dies with its tensor."""
+    monkeypatch.setattr(transfer, "ALWAYS_PACK", True)
+    host = torch.arange(4.0)
+    try:
+        with transfer.PlacementTracker():
+            on = transfer.to_device({"w": host}, "cpu")["w"]
+            derived = (on.abs() > 1, on.clone(), on[1:])
+            assert transfer.placed_on(host) is None and transfer.placed_on(on) == "cpu"
+            assert all(transfer.placed_on(t) == "cpu" for t in derived)
+            assert transfer.on_a_device(derived) and not transfer.on_a_device([host, host * 2])
+            (back,) = transfer.copy_tensors([on], "cpu")  # a host copy
+            assert transfer.placed_on(back) is None and torch.equal(back, host)
+            calls = []
+            real = transfer.copy_tensors
+            monkeypatch.setattr(transfer, "copy_tensors", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a,
+                                                                                                            **k))
+            transfer.to_device({"m": derived[0], "c": derived[1]}, "cpu")
+            assert not any(calls)  # computed there: nothing crosses
+            assert transfer.to_where({"h": host, "d": derived[1]}, host)["d"] is not derived[1]
+            assert [c for c in calls if c] == [1]  # to the host: the one "on the device"
+            n = len(transfer._placed)
+            del derived, on
+            assert len(transfer._placed) < n  # (weak records: a dead tensor's is dropped)
+    finally:
+        transfer._placed.clear()
+
+
+def test_an_update_reaches_the_host_in_one_copy_and_stays_one_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``update_to_host``: every tensor of an update left on the device (state, message, masks, extras, 0-dim
+    metrics) crosses in one copy; a tensor held in two places is still one tensor after it; host tensors stay."""
+    from pl_fedsparse.executors.base import update_to_host
+
+    monkeypatch.setattr(transfer, "ALWAYS_PACK", True)
+    try:
+        with transfer.PlacementTracker():
+            w = transfer.to_device({"w": torch.arange(3.0)}, "cpu")["w"]
+            mask, host = w > 0, torch.ones(2)
+            u = ClientUpdate(0, 0, 3, {"w": w, "h": host}, message=Message({"w": w}, {"w": mask}), masks={"w": mask},
+                             extras={"next": {"w": mask}, "n": 3}, metrics={"loss": w.sum() / 3, "n": 3.0})
+            calls = []
+            update_to_host(u, lambda ts: calls.append(list(ts)) or transfer.copy_tensors(ts, "cpu"))
+            assert len(calls) == 1 and len(calls[0]) == 3  # w, its mask, the loss: once each
+            assert not transfer.on_a_device([u.state["w"], u.masks["w"], u.extras["next"]["w"]])
+            assert u.state["h"] is host and u.message.tensors["w"] is u.state["w"]
+            assert u.message.masks["w"] is u.masks["w"] is u.extras["next"]["w"]
+            assert u.metrics == {"loss": 1.0, "n": 3.0} and isinstance(u.metrics["loss"], float)
+            assert u.extras["n"] == 3 and u.state["w"].tolist() == [0.0, 1.0, 2.0]
+    finally:
+        transfer._placed.clear()
+
+
+@pytest.mark.slow
+def test_a_callback_that_does_not_say_so_gets_the_update_on_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The contract of ``on_client_fit_end``: ``update.state`` holds host copies unless the hook's class sets
+    ``device_update`` — checked on a simulated device run, where the library's callbacks take it on the device."""
+    from conftest import run_main
+
+    from pl_fedsparse.callbacks import FederatedCallback
+    from pl_fedsparse.callbacks.base import takes_device_update
+    from pl_fedsparse.callbacks.masking import SparseMask
+
+    seen: list[bool] = []
+
+    class Mine(SparseMask):  # a user's override of a library hook: host copies, whatever its parent says
+        def on_client_fit_end(self, loop, module, update):  # type: ignore[no-untyped-def]
+            seen.append(transfer.on_a_device(update.state.values()))
+            super().on_client_fit_end(loop, module, update)
+
+    assert takes_device_update([SparseMask()]) and not takes_device_update([SparseMask(), Mine()])
+    assert takes_device_update([FederatedCallback()])
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(transfer, "ALWAYS_PACK", True)
+    monkeypatch.setattr(sys.modules[__name__], "Mine", Mine, raising=False)
+    try:
+        with transfer.PlacementTracker():
+            code, _, err = run_main(["fit", "--config", "configs/synthetic_fedavg.yaml", "--trainer.num_rounds", "1",
+                                     "--trainer.callbacks+", f"{__name__}.Mine", "--trainer.enable_progress_bar",
+                                     "false", "--trainer.default_root_dir", str(tmp_path / "mine")], capsys)
+            assert code == 0, err
+            assert seen and not any(seen)
+            seen.clear()
+            monkeypatch.setattr(Mine, "device_update", True, raising=False)
+            code, _, err = run_main(["fit", "--config", "configs/synthetic_fedavg.yaml", "--trainer.num_rounds", "1",
+                                     "--trainer.callbacks+", f"{__name__}.Mine", "--trainer.enable_progress_bar",
+                                     "false", "--trainer.default_root_dir", str(tmp_path / "says")], capsys)
+            assert code == 0, err
+            assert seen and all(seen)
+    finally:
+        transfer._placed.clear()

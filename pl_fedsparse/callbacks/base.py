@@ -55,11 +55,29 @@ from pl_fedsparse.view import EvalView
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FederatedCallback", "POLICIES"]
+__all__ = ["FederatedCallback", "POLICIES", "takes_device_update"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
 DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared", "evaluation_batch_matters")
 
 POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state", "client_masks")
+
+
+def takes_device_update(callbacks: Sequence[Any]) -> bool:
+    """Whether every callback with an ``on_client_fit_end`` takes the update where the weights are: for each, the
+    class in its MRO that defines the hook sets ``device_update = True`` in its own body (a user's override of a
+    built-in callback's hook gets CPU copies unless it says so too).
+
+    Example:
+        >>> class Mine(FederatedCallback):
+        ...     def on_client_fit_end(self, loop, module, update): ...
+        >>> takes_device_update([FederatedCallback()]), takes_device_update([Mine()])
+        (True, False)
+    """
+    for cb in callbacks:
+        owner = next((c for c in type(cb).__mro__ if "on_client_fit_end" in vars(c)), None)
+        if owner is not None and owner is not FederatedCallback and not vars(owner).get("device_update", False):
+            return False
+    return True
 
 
 class FederatedCallback(pl.Callback):
@@ -133,7 +151,16 @@ class FederatedCallback(pl.Callback):
 
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         """Called after the local fit (``update.context`` is the fit's context); may edit ``update`` (its message,
-        masks, extras)."""
+        masks, extras). ``update.state`` holds CPU copies of the trained weights — unless the class that defines this
+        hook sets ``device_update = True`` (see :attr:`device_update`)."""
+
+    #: whether this class's ``on_client_fit_end`` takes ``update.state`` (and ``update.message``) on the device the
+    #: weights trained on: it moves whatever it combines with them there, and may leave tensors on that device in
+    #: the update and in ``set_client_state`` — the engine brings all of them to the host in one copy when the fit
+    #: ends. Read from the class that defines ``on_client_fit_end`` (a subclass overriding the hook says it again):
+    #: when every callback's says so, a fit on a GPU moves its results to the host once instead of once before and
+    #: once after the callbacks (:func:`takes_device_update`). On the CPU nothing changes.
+    device_update: bool = False
 
     def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
         """Called with all updates of the round before aggregation."""

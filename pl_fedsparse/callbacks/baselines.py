@@ -57,6 +57,9 @@ class LocalTraining(FederatedCallback):
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         return self.get_client_state(loop, client_idx, "weights")
 
+    #: ``on_client_fit_end`` takes the update where the weights are: the weights are stored from where the update is
+    device_update = True
+
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         update.message = None  # nothing is uploaded

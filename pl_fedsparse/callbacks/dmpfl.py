@@ -50,11 +50,12 @@ from pl_fedsparse.callbacks.prune_regrow import PruneRegrowSchedule, gradient_sc
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
 from pl_fedsparse.errors import check
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
 from pl_fedsparse.functional.masks import check_density, layer_densities
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
-from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.functional.transfer import to_device, to_where
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -133,6 +134,12 @@ class DualMask(UsesMaskedTraining):
         self.global_mask: dict[str, Tensor] = {}
         self._counts: dict[str, int] = {}
         self._message_cache: tuple[dict[str, Tensor], dict[str, Tensor], Message] | None = None
+        self._global_on: tuple[dict[str, Tensor], str, dict[str, Tensor]] | None = None
+
+    #: device copies of ``m_g``, made once per mask and device (``_global_where``)
+    scratch_attributes = ("_global_on",)
+    #: ``on_client_fit_end`` works where the update is (masks moved there; see :meth:`_global_where`)
+    device_update = True
 
     @property
     def state_key(self) -> str:
@@ -175,15 +182,33 @@ class DualMask(UsesMaskedTraining):
         """``m_c`` (unpacked, bool)."""
         return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self.shapes)
 
+    def _masks_where(self, loop: FederationView, client_idx: int, like: Tensor) -> dict[str, Tensor]:
+        """``m_c`` where ``like`` is, unpacked there. The packed mask crossed with the fit's start weights
+        (``ClientStateStore.prefetch``): moving it copies nothing across the link."""
+        return unpack_masks(to_where(self.get_client_state(loop, client_idx, "mask"), like), self.shapes)
+
+    def _global_where(self, like: Tensor) -> dict[str, Tensor]:
+        """``m_g`` where ``like`` is: copied to a device once per global mask (it changes at aggregation only)."""
+        if not transfer.on_a_device([like]):
+            return self.global_mask
+        cached = self._global_on
+        if cached is None or cached[0] is not self.global_mask or cached[1] != str(like.device):
+            cached = self._global_on = (self.global_mask, str(like.device), to_device(self.global_mask, like.device,
+                                                                                    share=False))
+        return cached[2]
+
     def set_masks(self, loop: FederationView, client_idx: int, masks: dict[str, Tensor]) -> None:
         self.set_client_state(loop, client_idx, "mask", pack_masks(masks))
 
     def personal_weights(self, loop: FederationView, client_idx: int, masks: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``w_c`` as dense tensors (zero outside ``m_c``) for the masked tensors."""
+        """``w_c`` as dense tensors (zero outside ``m_c``) for the masked tensors, where ``masks`` are."""
         values = self.get_client_state(loop, client_idx, "weights")
+        like = next(iter(masks.values()), None)
+        if like is not None:
+            values = to_where({n: values[n] for n in masks}, like)
         out = {}
         for name, m in masks.items():
-            dense = torch.zeros(m.shape, dtype=values[name].dtype)
+            dense = values[name].new_zeros(m.shape)
             dense[m] = values[name]
             out[name] = dense
         return out
@@ -284,28 +309,28 @@ class DualMask(UsesMaskedTraining):
     def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         mode = self.fit_mode(loop, context)
         params: dict[str, Tensor] = dict(module.named_parameters())
+        like = next(iter(params.values()), None)
+        glob = self._global_where(like) if like is not None else self.global_mask
         if mode == "global":  # Alg. 2: train w_g ⊙ m_g
-            self.training.begin(module, {k: m.clone() for k, m in self.global_mask.items()}, apply=False)
+            self.training.begin(module, {k: m.clone() for k, m in glob.items()}, apply=False)
             return
-        m_c = self.masks(loop, context.client_idx)
+        # composed where the weights are: the client's masks and personal weights crossed with the start weights
+        # (ClientStateStore.prefetch), the global mask is there already (_global_where)
+        m_c = self._masks_where(loop, context.client_idx, like) if like is not None else {}
         w_c = self.personal_weights(loop, context.client_idx, m_c)
-        # composed where the weights are: the client's masks, personal weights and the global mask cross in one copy
-        on = to_device({**{f"m/{n}": m for n, m in m_c.items()}, **{f"w/{n}": w_c[n] for n in m_c},
-                        **{f"g/{n}": self.global_mask[n] for n in m_c}},
-                       next(iter(params.values())).device) if m_c else {}
         with torch.no_grad():
             for name in m_c:  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
                 p = params[name]
-                p.copy_(compose_personal(p.detach(), on[f"g/{name}"], on[f"w/{name}"], on[f"m/{name}"]).to(p.dtype))
+                p.copy_(compose_personal(p.detach(), glob[name], w_c[name], m_c[name]).to(p.dtype))
         if mode == "mask":  # Alg. 1 lines 7-9: train under m_c
             self.training.begin(module, m_c, apply=False)
             return
         # Alg. 3 line 6: only m_c − m_g moves; the shared part (and every unmasked tensor) is frozen bit-exactly
-        trainable = {k: m & ~self.global_mask[k] for k, m in m_c.items()}
-        frozen = {k: params[k].detach() * (on[f"m/{k}"] & on[f"g/{k}"]).to(params[k].dtype) for k in m_c}
+        trainable = {k: m & ~glob[k] for k, m in m_c.items()}
+        frozen = {k: params[k].detach() * (m_c[k] & glob[k]).to(params[k].dtype) for k in m_c}
         for name, p in params.items():
             if name not in m_c:
-                trainable[name] = torch.zeros(p.shape, dtype=torch.bool)
+                trainable[name] = torch.zeros_like(p, dtype=torch.bool)
                 frozen[name] = p.detach().clone()
         self.training.begin(module, trainable, frozen, apply=False)
 
@@ -315,12 +340,14 @@ class DualMask(UsesMaskedTraining):
         mode = self.fit_mode(loop, update.context)
         self.training.end()
         k = update.client_idx
+        like = next(iter(update.state.values()), None)
+        glob = self._global_where(like) if like is not None else self.global_mask
         if mode == "global":  # Alg. 2 line 9: upload w ⊙ m_g
             update.masks = dict(self.global_mask)
-            update.message = Message({n: (v * self.global_mask[n].to(v.dtype) if self._masked(n) else v)
-                                      for n, v in update.state.items()}, dict(self.global_mask))
+            update.message = Message({n: (v * glob[n].to(v.dtype) if self._masked(n) else v)
+                                      for n, v in update.state.items()}, dict(glob))
             return
-        m_c = self.masks(loop, k)
+        m_c = self._masks_where(loop, k, like) if like is not None else self.masks(loop, k)
         update.masks = m_c
         if mode == "personal":  # Alg. 3: keep w_c, upload nothing
             self._store_weights(loop, k, update.state, m_c)

@@ -247,6 +247,9 @@ class FedEM(FederatedCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._uninstall()
 
+    #: ``on_client_fit_end`` takes the update where the weights are: it stores the mixture weights as they are
+    device_update = True
+
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._uninstall()

@@ -41,7 +41,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.client import ClientUpdate, Message, to_cpu_state
+from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.functional.aggregation import weighted_average
@@ -53,6 +53,7 @@ from pl_fedsparse.functional.pse import (
     personalized_mask,
     topk_sparsify,
 )
+from pl_fedsparse.functional.transfer import to_where
 from pl_fedsparse.streams import register_stream
 
 if TYPE_CHECKING:
@@ -109,7 +110,11 @@ class ResidualUpload(FederatedCallback):
 
     @override
     def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
-        self._start = to_cpu_state({n: t for n, t in module.state_dict().items() if t.is_floating_point()})
+        # W^{r,0}, copied where the weights are (no copy across the link)
+        self._start = {n: t.detach().clone() for n, t in module.state_dict().items() if t.is_floating_point()}
+
+    #: ``on_client_fit_end`` works where the update is (the residual is moved there)
+    device_update = True
 
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
@@ -117,6 +122,9 @@ class ResidualUpload(FederatedCallback):
         if update.kind != "train" or update.message is None:
             return
         residual = self.get_client_state(loop, update.client_idx, "residual")
+        like = next(iter(update.state.values()), None)
+        if like is not None:
+            start, residual = to_where(start, like), to_where(residual, like)
         raw = {n: update.state[n] - start[n] for n in start}  # W^{r,T} − W^{r,0}
         sent, masks, new_res, ternary = self.compress(raw, residual)
         self.set_client_state(loop, update.client_idx, "residual", new_res)
@@ -265,6 +273,9 @@ class PersonalizedDownstream(FederatedCallback):
     @override
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         return self._next_start(loop, client_idx)
+
+    #: ``on_client_fit_end`` takes the update where the weights are: it reads only its client state
+    device_update = True
 
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:

@@ -34,7 +34,7 @@ from pl_fedsparse.errors import check
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
-from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.functional.transfer import to_device, to_where
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -365,19 +365,25 @@ class SparseMask(UsesMaskedTraining):
                 transfer.remember_twin(mask, on_device[name])
         return masks
 
+    #: ``on_client_fit_end`` works where the update is: the masks are moved there (no copy across the link where
+    #: they crossed with the start weights), the readjusted ones are computed there
+    device_update = True
+
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         masks = self.training.end()
         update.masks = masks
         nxt = self.next_masks(loop, module, update)
-        sent: dict[str, Tensor] = dict(masks)
+        like = next(iter(update.state.values()), None)
+        here = to_where(masks, like) if like is not None and masks else masks  # (where the update is)
+        sent: dict[str, Tensor] = dict(here)
         if nxt is not None:
             update.extras["next_mask"] = nxt
             self.set_masks(loop, update.client_idx, nxt)
             # the next mask travels as a bitmap beside the sparse values (FedSpa Alg. 1: U_k and m_{k,t+1} up)
-            sent.update({f"next_mask/{k}": m for k, m in nxt.items() if not torch.equal(m, masks[k])})
+            sent.update({f"next_mask/{k}": m for k, m in nxt.items() if not torch.equal(m, here[k])})
         if update.message is not None:
-            update.message = Message(apply_masks(update.message.tensors, masks), sent)
+            update.message = Message(apply_masks(update.message.tensors, here), sent)
 
     @override
     def evaluation_start_is_shared(self, loop: FederationView, kind: str) -> bool:

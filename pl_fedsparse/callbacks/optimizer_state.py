@@ -81,6 +81,9 @@ class KeepOptimizerState(FederatedCallback):
         self._captured = {f"{i}.{name}": v.detach() if isinstance(v, Tensor)
                           else torch.as_tensor(v) for i, entries in state.items() for name, v in entries.items()}
 
+    #: ``on_client_fit_end`` takes the update where the weights are: it stores the optimizer's buffers as they are
+    device_update = True
+
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         if self._captured is not None:

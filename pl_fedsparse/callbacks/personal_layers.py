@@ -319,6 +319,10 @@ class PersonalLayers(FederatedCallback):
             p.requires_grad_(self._flags[n])
         self._params, self._flags = {}, {}
 
+    #: ``on_client_fit_end`` takes the update where the weights are: the personal layers are stored from where the
+    #: update is
+    device_update = True
+
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._restore()

@@ -117,7 +117,7 @@ from pl_fedsparse.functional.gate import (
 from pl_fedsparse.functional.gate_sliced import sliced_forward
 from pl_fedsparse.functional.gate_upload import index_wise_average, pack_blocks, unpack_blocks
 from pl_fedsparse.functional.pse import elementwise_average
-from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.functional.transfer import to_device, to_where
 from pl_fedsparse.models.gate import GatingLayer, adapted_forward
 from pl_fedsparse.streams import register_stream
 
@@ -470,7 +470,8 @@ class PFedGate(FederatedCallback):
         self._load_gate(loop, context.client_idx)
         self._stats = {"fit": True}
         if context.kind == "train" and self.aggregation != "fedavg":  # θ^{t−1}, for the update Δ = θ^t − θ^{t−1}
-            self._start = to_cpu_state({n: t for n, t in module.state_dict().items() if t.is_floating_point()})
+            # (copied where the weights are: no copy across the link)
+            self._start = {n: t.detach().clone() for n, t in module.state_dict().items() if t.is_floating_point()}
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -545,6 +546,10 @@ class PFedGate(FederatedCallback):
         self._captured = ({k: v.detach().clone() for k, v in self.gate.state_dict().items()}, opt_state)
         self._gate_opt = None
 
+    #: ``on_client_fit_end`` takes the update where the weights are: the fit's statistics stay where they were
+    #: summed; the start copy is moved where the update is
+    device_update = True
+
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._uninstall()
@@ -564,18 +569,24 @@ class PFedGate(FederatedCallback):
         n = int(stats.get("n", 0))
         if n == 0:
             return
-        union = stats["union"].to("cpu", torch.bool)  # (the fit's statistics, read once)
-        flags, kept_sums = union.tolist(), stats["kept"].tolist()
+        # the fit's statistics stay where they were summed: figures as 0-dim tensors, read on the host with the rest
+        # of the update when the fit ends (update_to_host) — the same numbers as Python's: integer sums, float64
+        # divisions, round half to even
+        union = stats["union"].to(torch.bool)
+        _, sizes = block_span_tensors(table, union.device)
         update.extras[UNION] = union
-        update.metrics["gate_density"] = float(stats["density"]) / n
-        update.metrics["gate_upload_ratio"] = sum(w for w, u in zip(table.sizes, flags) if u) / table.numel
+        update.metrics["gate_density"] = stats["density"] / n  # type: ignore[assignment]
+        update.metrics["gate_upload_ratio"] = (sizes * union).sum().double() / table.numel  # type: ignore[assignment]
         # FLOPs at the achieved per-batch density: per tensor, a mask of its batch-averaged kept share
-        update.masks = {name: torch.arange(math.prod(shape)).view(shape) < round(kept / n)
-                        for name, shape, kept in zip(table.names, table.shapes, kept_sums)}
+        limits = torch.round(stats["kept"].double() / n)
+        update.masks = {name: torch.arange(math.prod(shape), device=union.device).view(shape) < limits[i]
+                        for i, (name, shape) in enumerate(zip(table.names, table.shapes))}
         fwd, train = self.gate_flops  # the gate's own compute: a forward on every batch, a backward when it trains
         loop.accounting.charge_flops(k, n * fwd + stats.get("gate_trained", 0) * (train - fwd), update)
         if ctx.kind != "train" or update.message is None:
             return
+        if start:
+            start = to_where(start, next(iter(update.state.values())))
         if self.aggregation == "index":  # App. A: the union's blocks and their L-bit index; buffers dense
             delta = {name: update.state[name] - start[name] for name in start}
             packed = pack_blocks(delta, union, table)

@@ -29,7 +29,7 @@ from pl_fedsparse.callbacks.masking import SparseMask
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, prune_regrow_counts
-from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.functional.transfer import to_where
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -76,8 +76,8 @@ def prune_regrow(masks: dict[str, Tensor], drop: dict[str, Tensor], grow: dict[s
     bool mask travels to them; the new masks are on that device."""
     devices = {drop[name].device for name in masks}
     if len(devices) == 1:  # every mask and grow score to the drop scores' device, in one copy
-        moved = to_device({**{f"m/{n}": m for n, m in masks.items()}, **{f"g/{n}": grow[n] for n in masks}},
-                          devices.pop())
+        moved = to_where({**{f"m/{n}": m for n, m in masks.items()}, **{f"g/{n}": grow[n] for n in masks}},
+                         drop[next(iter(masks))])
         pairs = {n: (moved[f"m/{n}"], moved[f"g/{n}"]) for n in masks}
     else:
         pairs = {n: (m.to(drop[n].device), grow[n].to(drop[n].device)) for n, m in masks.items()}

@@ -20,7 +20,7 @@ import logging
 import math
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -250,10 +250,18 @@ def seed_fit(seed: int) -> None:
 
 
 def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, metrics: dict[str, float],
-               state: Mapping[str, Tensor] | None = None) -> ClientUpdate:
+               state: Mapping[str, Tensor] | None = None, on_device: bool = False) -> ClientUpdate:
     """The update of a finished fit: the module's trained state (or ``state``), copied to the CPU, uploaded whole
-    until a callback's ``on_client_fit_end`` says otherwise."""
-    state = to_cpu_state(module.state_dict() if state is None else state)  # type: ignore[union-attr]
+    until a callback's ``on_client_fit_end`` says otherwise.
+
+    ``on_device``: copied where the weights are instead (on a device, a copy made there); the update reaches the
+    host when the fit ends, in one copy with the client's new entries (:func:`end_fit`) — for fits whose callbacks
+    all take the update where the weights are (:func:`~pl_fedsparse.callbacks.base.takes_device_update`)."""
+    state = module.state_dict() if state is None else state  # type: ignore[union-attr]
+    if on_device and transfer.on_a_device(state.values()):
+        state = {n: t.detach().clone() for n, t in state.items()}
+    else:
+        state = to_cpu_state(state)
     return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
                         message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
 
@@ -265,7 +273,9 @@ def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: in
     caller has already found finite (:func:`find_fault`)."""
     ctx, k = request.context, request.context.client_idx
     loop.client_store.end_prefetch(k)
-    loop.client_store.flush_writes(k)  # entries the fit set on the device: to the host, in one copy
+    # the entries the fit set on the device, and an update still there (fit_update's on_device), to the host in
+    # one copy
+    update_to_host(update, lambda ts: loop.client_store.flush_writes(k, extra=ts))
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
                               kind=ctx.kind, context=ctx, fault="exception",
@@ -280,6 +290,41 @@ def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: in
     loop.contract.check_client_state(watch, ctx)
     update.client_state = request.client_state if update.fault else loop.client_store.export_client(k)
     return update
+
+def update_to_host(update: ClientUpdate | None, copy: Callable[[list[Tensor]], list[Tensor]]) -> None:
+    """Every tensor of ``update`` that is on a device — its state, message, masks, extras and tensor-valued metrics
+    (read as floats here) — replaced by its host copy, all moved by one call of ``copy`` (which may move more
+    alongside them and returns their copies in order); a tensor held in several places stays one tensor."""
+    found: dict[int, Tensor] = {}
+
+    def collect(tree: Any) -> None:
+        if isinstance(tree, Tensor):
+            if transfer.on_a_device([tree]):
+                found.setdefault(id(tree), tree)
+        elif isinstance(tree, Mapping):
+            for v in tree.values():
+                collect(v)
+
+    if update is not None:
+        for tree in (update.state, update.masks, update.extras, update.metrics,
+                     *((update.message.tensors, update.message.masks) if update.message is not None else ())):
+            collect(tree)
+    host = dict(zip(found, copy(list(found.values()))))
+    if update is None or not (host or any(isinstance(v, Tensor) for v in update.metrics.values())):
+        return
+
+    def swap(tree: Any) -> Any:
+        if isinstance(tree, Tensor):
+            return host.get(id(tree), tree)
+        if isinstance(tree, dict):
+            return {k: swap(v) for k, v in tree.items()}
+        return tree
+
+    update.state, update.masks, update.extras = swap(update.state), swap(update.masks), swap(update.extras)
+    update.metrics = {k: float(v) if isinstance(v, Tensor) else v for k, v in swap(update.metrics).items()}
+    if update.message is not None:
+        update.message.tensors, update.message.masks = swap(update.message.tensors), swap(update.message.masks)
+
 
 def find_fault(update: ClientUpdate, finite: Iterable[int] = ()) -> tuple[str | None, str | None]:
     """The first problem of a finished fit, as ``(kind, detail)`` (``(None, None)`` when healthy): ``no_loss``

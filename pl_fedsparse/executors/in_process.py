@@ -50,10 +50,12 @@ class InProcessExecutor(ClientExecutor):
         self.runner: FitRunner | None = None
         #: why the runner does not apply to this federation (``None``: it does, or it has not been asked yet)
         self.runner_off: str | None = None
+        #: whether updates stay on the weights' device until their fit ends (``None``: not asked yet)
+        self.device_update: bool | None = None
 
     def setup(self, loop: FederationView) -> None:
         self.loop = loop
-        self.runner, self.runner_off = None, None
+        self.runner, self.runner_off, self.device_update = None, None, None
         mode = getattr(loop, "fit_runner", "auto")
         if mode == "trainer":
             return
@@ -114,7 +116,7 @@ class InProcessExecutor(ClientExecutor):
                 meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
                 runner = self._fit(ctx.epochs, module, loader, meter)
                 metrics = module.fit_metrics() if meter is None else meter.metrics()
-                update = fit_update(module, ctx, n_samples, metrics)
+                update = fit_update(module, ctx, n_samples, metrics, on_device=self._device_update())
                 if runner is not None and runner.steps_run and runner.steps_without_loss == runner.steps_run:
                     update.extras[NO_LOSS_STEPS] = runner.steps_run  # (find_fault names it)
                 loop.call("on_client_fit_end", module, update)
@@ -125,6 +127,16 @@ class InProcessExecutor(ClientExecutor):
                 raise
             error = e
         return end_fit(loop, request, watch, n_samples, update, error)
+
+    def _device_update(self) -> bool:
+        """Whether the fits' updates stay where the weights trained until the fit ends (every callback takes them
+        there: :func:`~pl_fedsparse.callbacks.base.takes_device_update`), asked once."""
+        if self.device_update is None:
+            from pl_fedsparse.callbacks.base import takes_device_update
+
+            assert self.loop is not None
+            self.device_update = takes_device_update(self.loop.callbacks)
+        return self.device_update
 
     def _fit(self, epochs: int | None, module: pl.LightningModule, loader: Any,
              meter: FitMeter | None = None) -> FitRunner | None:

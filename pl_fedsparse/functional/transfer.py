@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "clear_twins", "copy_tensors", "mark_placed", "needs_copy", "remember_twin",
-           "to_device", "twins_on"]
+__all__ = ["ALIGN", "ALWAYS_PACK", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed", "needs_copy",
+           "on_a_device", "placed_on", "remember_twin", "to_device", "to_where", "twins_on"]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
 ALIGN = 64
@@ -94,6 +96,8 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
             n = t.numel() * t.element_size()
             view = moved[at:at + n].view(t.dtype).view(t.shape)
             out[i] = view if share else view.clone()
+    if ALWAYS_PACK:  # (a simulated device run: a copy is placed by its caller, e.g. to_device; a host copy is not)
+        _unplace(out)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
 
 
@@ -122,19 +126,75 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
         if not needs_copy(values, device):
             return dict(zip(names, values))
         return dict(zip(names, copy_tensors(values, device, share=share, force=True)))
-    # a device run on the CPU: what an earlier call moved "to the device" is there already; the rest crosses
+    # a device run on the CPU: what an earlier call moved "to the device" (or computed there) is there already; the
+    # rest crosses
     out = dict(zip(names, values))
-    todo = [n for n, t in zip(names, values) if _placed.get(id(t), (None, None))[0] is not t
-            or _placed[id(t)][1] != str(device)]
+    todo = [n for n, t in zip(names, values) if placed_on(t) != str(device)]
     moved = copy_tensors([tensors[n] for n in todo], device, share=share, force=True)
     for n, t in zip(todo, moved):
         out[n] = t
-        _placed[id(t)] = (t, str(device))
+    mark_placed(moved, device)
     return out
 
 
-#: ``ALWAYS_PACK``'s record of what :func:`to_device` moved, by id: ``(tensor, device)`` — cleared with the flag
-_placed: dict[int, tuple[Tensor, str]] = {}
+def to_where(tensors: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
+    """``tensors`` where ``like`` is: on its device (:func:`to_device`) — or, when ``like`` is on the host, the ones
+    on a device copied to the host in one copy (:func:`on_a_device`; a simulated device run's placed tensors too).
+    What a callback combining its own tensors with an update's uses, wherever the engine left that update."""
+    if on_a_device([like]):
+        return to_device(tensors, like.device)
+    away = [n for n, t in tensors.items() if on_a_device([t])]
+    return {**tensors, **dict(zip(away, copy_tensors([tensors[n] for n in away], "cpu")))}
+
+
+#: ``ALWAYS_PACK``'s record of what is on "the device" in a device run simulated on the CPU, by id: ``(weak
+#: reference, device)`` — what :func:`to_device` moved there, and (under :class:`PlacementTracker`) what was computed
+#: from it
+_placed: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def placed_on(t: Tensor) -> str | None:
+    """Under :data:`ALWAYS_PACK`: the (simulated) device ``t`` was placed on, ``None`` for a host tensor."""
+    hit = _placed.get(id(t))
+    return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def on_a_device(tensors: Iterable[Tensor]) -> bool:
+    """Whether any of ``tensors`` is on an accelerator — or, in a device run simulated on the CPU
+    (:data:`ALWAYS_PACK`), placed on its device (:func:`placed_on`)."""
+    return any(t.device.type != "cpu" or (ALWAYS_PACK and placed_on(t) is not None) for t in tensors)
+
+
+def _unplace(tensors: Iterable[Tensor]) -> None:
+    for t in tensors:
+        hit = _placed.get(id(t))
+        if hit is not None and hit[0]() is t:
+            del _placed[id(t)]
+
+
+class PlacementTracker(TorchDispatchMode):
+    """In a device run simulated on the CPU (:data:`ALWAYS_PACK`): what an operator computes from a tensor placed on
+    the device is on the device too, as on an accelerator (a mask drawn from the trained weights, a gradient, a
+    clone) — so that moving it "to the device" later is seen to cost no copy, and moving it to the host is seen to
+    cost one. Host copies made by :func:`copy_tensors` stay on the host. Used by the device-traffic counter and the
+    tests that count copies; a run under it gives the same numbers."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        device = next((d for d in map(placed_on, _tensor_leaves((args, kwargs))) if d is not None), None)
+        if device is not None:
+            mark_placed(_tensor_leaves(out), device)
+        return out
+
+
+def _tensor_leaves(tree: Any) -> list[Tensor]:
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensor_leaves(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensor_leaves(x)]
+    return []
 
 
 #: host tensor id -> (weak reference to it, its version when remembered, its copy on a device): see remember_twin
@@ -178,4 +238,6 @@ def mark_placed(tensors: Iterable[Tensor], device: torch.device | str) -> None:
     """Under :data:`ALWAYS_PACK`, record ``tensors`` as moved to ``device`` already (by a :func:`copy_tensors` call
     of their own), so that :func:`to_device` does not move them again; otherwise nothing."""
     if ALWAYS_PACK:
-        _placed.update({id(t): (t, str(device)) for t in tensors})
+        for t in tensors:
+            key = id(t)
+            _placed[key] = (weakref.ref(t, lambda _, key=key: _placed.pop(key, None)), str(device))
