@@ -298,7 +298,21 @@ class DualMask(UsesMaskedTraining):
             coverage = {k: mask_coverage([m[k] for m in masks]) for k in self.global_mask}
             self.global_mask = select_global_mask({k: new[k] for k in self.global_mask}, coverage, len(sent),
                                                   self._counts, self.coverage_threshold, self.global_mask_scope)
+            self._place_global(loop)
         return new
+
+    @override
+    def on_federation_start(self, loop: FederationView) -> None:
+        super().on_federation_start(loop)
+        self._place_global(loop)  # (m_g drawn in setup_federation, or restored from a checkpoint)
+
+    def _place_global(self, loop: FederationView) -> None:
+        """The server's ``m_g`` to the device the clients train on, once each time it changes (here, not in the
+        next fit: the fits then find it there, :meth:`_global_where`)."""
+        model = getattr(loop, "model", None)  # (a view without a working module: nothing to place)
+        like = next(iter(model.parameters()), None) if model is not None else None
+        if like is not None:
+            self._global_where(like)
 
     # ---- client fits ---------------------------------------------------------------------------------------------
     def fit_mode(self, loop: FederationView, context: FitContext) -> str:
