@@ -178,18 +178,15 @@ class DualMask(UsesMaskedTraining):
         densities = layer_densities(self.shapes, self.density, self.distribution, self.erk_power_scale, self.dense_1d)
         return random_top_masks(loop, self.shapes, key, self.density, densities)
 
-    def masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
-        """``m_c`` (unpacked, bool)."""
-        return unpack_masks(self.get_client_state(loop, client_idx, "mask"), self.shapes)
+    def masks(self, loop: FederationView, client_idx: int, like: Tensor | None = None) -> dict[str, Tensor]:
+        """``m_c`` (unpacked, bool) — where ``like`` is, unpacked there, when given (in a fit the packed mask crossed
+        with the start weights, ``ClientStateStore.prefetch``: moving it copies nothing across the link)."""
+        packed = self.get_client_state(loop, client_idx, "mask")
+        return unpack_masks(packed if like is None else to_where(packed, like), self.shapes)
 
-    def _masks_where(self, loop: FederationView, client_idx: int, like: Tensor) -> dict[str, Tensor]:
-        """``m_c`` where ``like`` is, unpacked there. The packed mask crossed with the fit's start weights
-        (``ClientStateStore.prefetch``): moving it copies nothing across the link."""
-        return unpack_masks(to_where(self.get_client_state(loop, client_idx, "mask"), like), self.shapes)
-
-    def _global_where(self, like: Tensor) -> dict[str, Tensor]:
+    def _global_where(self, like: Tensor | None) -> dict[str, Tensor]:
         """``m_g`` where ``like`` is: copied to a device once per global mask (it changes at aggregation only)."""
-        if not transfer.on_a_device([like]):
+        if like is None or not transfer.on_a_device([like]):
             return self.global_mask
         cached = self._global_on
         if cached is None or cached[0] is not self.global_mask or cached[1] != str(like.device):
@@ -310,9 +307,7 @@ class DualMask(UsesMaskedTraining):
         """The server's ``m_g`` to the device the clients train on, once each time it changes (here, not in the
         next fit: the fits then find it there, :meth:`_global_where`)."""
         model = getattr(loop, "model", None)  # (a view without a working module: nothing to place)
-        like = next(iter(model.parameters()), None) if model is not None else None
-        if like is not None:
-            self._global_where(like)
+        self._global_where(next(iter(model.parameters()), None) if model is not None else None)
 
     # ---- client fits ---------------------------------------------------------------------------------------------
     def fit_mode(self, loop: FederationView, context: FitContext) -> str:
@@ -324,13 +319,13 @@ class DualMask(UsesMaskedTraining):
         mode = self.fit_mode(loop, context)
         params: dict[str, Tensor] = dict(module.named_parameters())
         like = next(iter(params.values()), None)
-        glob = self._global_where(like) if like is not None else self.global_mask
+        glob = self._global_where(like)
         if mode == "global":  # Alg. 2: train w_g ⊙ m_g
             self.training.begin(module, {k: m.clone() for k, m in glob.items()}, apply=False)
             return
         # composed where the weights are: the client's masks and personal weights crossed with the start weights
         # (ClientStateStore.prefetch), the global mask is there already (_global_where)
-        m_c = self._masks_where(loop, context.client_idx, like) if like is not None else {}
+        m_c = self.masks(loop, context.client_idx, like)
         w_c = self.personal_weights(loop, context.client_idx, m_c)
         with torch.no_grad():
             for name in m_c:  # start: w_g at m_g ∩ m_c (Alg. 1 line 6, Alg. 3 line 3), w_c at m_c − m_g
@@ -355,13 +350,13 @@ class DualMask(UsesMaskedTraining):
         self.training.end()
         k = update.client_idx
         like = next(iter(update.state.values()), None)
-        glob = self._global_where(like) if like is not None else self.global_mask
+        glob = self._global_where(like)
         if mode == "global":  # Alg. 2 line 9: upload w ⊙ m_g
             update.masks = dict(self.global_mask)
             update.message = Message({n: (v * glob[n].to(v.dtype) if self._masked(n) else v)
                                       for n, v in update.state.items()}, dict(glob))
             return
-        m_c = self._masks_where(loop, k, like) if like is not None else self.masks(loop, k)
+        m_c = self.masks(loop, k, like)
         update.masks = m_c
         if mode == "personal":  # Alg. 3: keep w_c, upload nothing
             self._store_weights(loop, k, update.state, m_c)

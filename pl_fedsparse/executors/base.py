@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves, tree_map
 
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
@@ -295,30 +296,16 @@ def update_to_host(update: ClientUpdate | None, copy: Callable[[list[Tensor]], l
     """Every tensor of ``update`` that is on a device — its state, message, masks, extras and tensor-valued metrics
     (read as floats here) — replaced by its host copy, all moved by one call of ``copy`` (which may move more
     alongside them and returns their copies in order); a tensor held in several places stays one tensor."""
-    found: dict[int, Tensor] = {}
-
-    def collect(tree: Any) -> None:
-        if isinstance(tree, Tensor):
-            if transfer.on_a_device([tree]):
-                found.setdefault(id(tree), tree)
-        elif isinstance(tree, Mapping):
-            for v in tree.values():
-                collect(v)
-
-    if update is not None:
-        for tree in (update.state, update.masks, update.extras, update.metrics,
-                     *((update.message.tensors, update.message.masks) if update.message is not None else ())):
-            collect(tree)
+    message = update.message if update is not None else None
+    trees = () if update is None else (update.state, update.masks, update.extras, update.metrics,
+                                       *((message.tensors, message.masks) if message is not None else ()))
+    found = {id(t): t for t in tree_leaves(trees) if isinstance(t, Tensor) and transfer.on_a_device([t])}
     host = dict(zip(found, copy(list(found.values()))))
     if update is None or not (host or any(isinstance(v, Tensor) for v in update.metrics.values())):
-        return
+        return  # (the CPU's path: nothing to swap)
 
     def swap(tree: Any) -> Any:
-        if isinstance(tree, Tensor):
-            return host.get(id(tree), tree)
-        if isinstance(tree, dict):
-            return {k: swap(v) for k, v in tree.items()}
-        return tree
+        return tree_map(lambda t: host.get(id(t), t) if isinstance(t, Tensor) else t, tree)
 
     update.state, update.masks, update.extras = swap(update.state), swap(update.masks), swap(update.extras)
     update.metrics = {k: float(v) if isinstance(v, Tensor) else v for k, v in swap(update.metrics).items()}

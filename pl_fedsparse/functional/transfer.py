@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["ALIGN", "ALWAYS_PACK", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed", "needs_copy",
            "on_a_device", "placed_on", "remember_twin", "to_device", "to_where", "twins_on"]
@@ -167,8 +168,7 @@ def on_a_device(tensors: Iterable[Tensor]) -> bool:
 
 def _unplace(tensors: Iterable[Tensor]) -> None:
     for t in tensors:
-        hit = _placed.get(id(t))
-        if hit is not None and hit[0]() is t:
+        if placed_on(t) is not None:
             del _placed[id(t)]
 
 
@@ -181,20 +181,11 @@ class PlacementTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        device = next((d for d in map(placed_on, _tensor_leaves((args, kwargs))) if d is not None), None)
+        device = next((d for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+                       for d in (placed_on(t),) if d is not None), None)
         if device is not None:
-            mark_placed(_tensor_leaves(out), device)
+            mark_placed((t for t in tree_leaves(out) if isinstance(t, Tensor)), device)
         return out
-
-
-def _tensor_leaves(tree: Any) -> list[Tensor]:
-    if isinstance(tree, Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensor_leaves(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensor_leaves(x)]
-    return []
 
 
 #: host tensor id -> (weak reference to it, its version when remembered, its copy on a device): see remember_twin
