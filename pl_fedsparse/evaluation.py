@@ -47,6 +47,7 @@ from torch import Tensor
 from pl_fedsparse.data.loaders import TensorBatchLoader, batch_to
 from pl_fedsparse.errors import ConfigError, UserCodeError, check, user_code
 from pl_fedsparse.executors.base import load_state
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 from pl_fedsparse.view import EvalView
@@ -397,6 +398,7 @@ class Evaluator:
         if self._independent is None or self._independent[0] is not loop.model:
             module, was_training = loop.model, loop.model.training
             x = loop.datamodule.example_input(2).to(loop.device)
+            transfer.mark_placed((x,), loop.device)  # (a device run simulated on the CPU: on "the device")
             module.to(loop.device).eval()
             try:
                 with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Fault injection, to test that a federation survives failing clients (``trainer.on_client_fault``).
+"""Testing tools: fault injection, to test that a federation survives failing clients (``trainer.on_client_fault``),
+and a device run simulated on the CPU, to find a tensor left on the wrong side without a GPU (:func:`simulated_device`).
 
 :class:`FaultInjection` breaks one client's fit in chosen rounds, the way real clients fail: NaN weights (a
 diverged or corrupted model), NaN gradients, an infinite value in the upload, an exception (a crashed device), or no
@@ -15,21 +16,25 @@ training data. Put it **last** in ``trainer.callbacks`` so that it sees the uplo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
+from pl_fedsparse.functional import gate, sparse, transfer
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FaultInjection", "FAULT_KINDS"]
+__all__ = ["FaultInjection", "FAULT_KINDS", "simulated_device"]
 
 FaultKind = Literal["nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data"]
 FAULT_KINDS = ("nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data")
@@ -101,3 +106,81 @@ class FaultInjection(FederatedCallback):
             name = next(n for n, t in tensors.items() if t.is_floating_point())
             tensors[name] = torch.full_like(tensors[name], float("inf"))
             update.message = Message(tensors, dict(update.message.masks))
+
+
+class _Moves(TorchFunctionMode):
+    """Moves as on an accelerator. ``Tensor.cpu()`` makes a host copy (on the CPU it returns the tensor itself). The
+    device of a tensor on "the device" (``t.device``) is remembered, so that ``Tensor.to`` with it, and a tensor made
+    with ``device=`` it, are on the device too; ``.to`` with any other device (a name, ``torch.device("cpu")``) is
+    taken for the host, as are the data layer's own moves (to ``data.device``: a batch reaches "the device" where the
+    engine moves it there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: dict[int, torch.device] = {}  # id -> a device object read from a tensor on "the device"
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu and transfer.placed_on(args[0]) is not None:
+            (out,) = transfer.copy_tensors([args[0]], "cpu", force=True)
+            return out
+        out = func(*args, **kwargs)
+        if getattr(func, "__self__", None) is _DEVICE and func.__name__ == "__get__":
+            if transfer.placed_on(args[0]) is not None:
+                self.devices[id(out)] = out
+        elif isinstance(out, torch.Tensor) and any(id(a) in self.devices and a is self.devices[id(a)]
+                                                   for a in (*args[1:2], kwargs.get("device"))
+                                                   if isinstance(a, torch.device)):
+            if out is args[0]:  # (on the CPU ``.to`` returns the tensor itself; on a device it is a copy there)
+                out = out.clone()
+            transfer.mark_placed([out], out.device)
+        return out
+
+
+#: ``Tensor.device`` (a function mode sees its getter, ``__get__`` of this descriptor)
+_DEVICE = torch.Tensor.device
+
+
+@contextlib.contextmanager
+def simulated_device(strict: bool = True) -> Iterator[None]:
+    """Run what is inside as a run on an accelerator would, on the CPU: every host↔device copy the engine makes on a
+    device is made (packed, :data:`~pl_fedsparse.functional.transfer.ALWAYS_PACK`), the kernels take their device
+    paths (prune-and-regrow's selections by sorting, pFedGate's knapsack as tensor operations), and the tensors on
+    "the device" are tracked (:class:`~pl_fedsparse.functional.transfer.PlacementTracker`: what was moved there —
+    ``Tensor.to`` with a device, the batches — and what an operator computed from them; ``Tensor.cpu()`` makes a host
+    copy).
+
+    With ``strict`` (the default), an operator given a tensor on the device and a host tensor of one dimension or
+    more raises :class:`~pl_fedsparse.functional.transfer.DeviceMismatch`, as CUDA's "Expected all tensors to be on
+    the same device" would: how a callback that keeps a host tensor (a mask, a running statistic) and meets the
+    update on the device (``device_update = True``) is found without a GPU. A tensor made from no tensor
+    (``torch.arange(8, device=x.device)``, ``torch.tensor(data, device=...)``) may meet either side: the CPU cannot
+    tell which device its ``device=`` names. Numbers are the same as without it.
+
+    Example:
+        >>> from pl_fedsparse.functional.transfer import DeviceMismatch, to_device
+        >>> with simulated_device():
+        ...     w = to_device({"w": torch.ones(3)}, "cpu")["w"]      # moved to "the device"
+        ...     ok = w * torch.arange(3.0)                           # made from nothing: either side
+        ...     try:
+        ...         w * w.cpu()                                     # a host copy meets the device
+        ...     except DeviceMismatch as e:
+        ...         print(str(e).split(" was")[0])
+        aten::mul
+    """
+    saved = transfer.ALWAYS_PACK, gate.HOST_KNAPSACK_ON_CPU, sparse.HOST_SELECTION_ON_CPU
+    transfer.ALWAYS_PACK, gate.HOST_KNAPSACK_ON_CPU, sparse.HOST_SELECTION_ON_CPU = True, False, False
+    _clear_device_caches()  # (made per device: on the CPU the host's copies would be handed to "the device")
+    try:
+        with _Moves(), transfer.PlacementTracker(strict=strict):
+            yield
+    finally:
+        transfer.ALWAYS_PACK, gate.HOST_KNAPSACK_ON_CPU, sparse.HOST_SELECTION_ON_CPU = saved
+        transfer._placed.clear()
+        _clear_device_caches()
+
+
+def _clear_device_caches() -> None:
+    """Drop the library's tensors cached per device (pFedGate's block tables)."""
+    gate.block_span_tensors.cache_clear()
+    gate._device_groups.cache_clear()

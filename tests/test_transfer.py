@@ -16,6 +16,7 @@ from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.executors.base import find_fault
 from pl_fedsparse.functional import transfer
+from pl_fedsparse.testing import simulated_device
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,7 +152,7 @@ def _metrics(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedspa", "dispfl", "dmpfl", "pfedgate", "fedpse"])
-def test_a_run_that_packs_as_a_device_run_gives_the_same_numbers(name: str, tmp_path: Path,
+def test_a_simulated_device_run_gives_the_same_numbers_and_mixes_no_sides(name: str, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -162,19 +163,18 @@ def test_a_run_that_packs_as_a_device_run_gives_the_same_numbers(name: str, tmp_
     cfg, extra = device_traffic.CONFIGS[name]
     rows = []
     for pack in (False, True):
-        monkeypatch.setattr(transfer, "ALWAYS_PACK", pack)
         run = tmp_path / str(pack)
         args = ["fit", "--config", cfg, *extra, "--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false",
-                "--trainer.default_root_dir", str(run)]
+                "--trainer.on_client_fault", "raise", "--trainer.default_root_dir", str(run)]
         if "--trainer.num_rounds" not in extra:
             args += ["--trainer.num_rounds", "2"]
-        # packing as a device run does, with what is computed on "the device" known to be there: the update stays
-        # there through the callbacks and crosses at the fit's end (the path a GPU takes)
-        with transfer.PlacementTracker() if pack else contextlib.nullcontext():
+        # as a device run: packed copies, the kernels' device paths, what is computed on "the device" known to be
+        # there (the update stays there through the callbacks and crosses at the fit's end), and a tensor meeting
+        # the device from the host fails as on a GPU (strict)
+        with simulated_device() if pack else contextlib.nullcontext():
             code, _, err = run_main(args, capsys)
         assert code == 0, err
         rows.append(_metrics(run))
-    transfer._placed.clear()
     assert rows[0] == rows[1]
 
 

@@ -25,6 +25,7 @@ import torch
 
 from pl_fedsparse.data.base import input_kind
 from pl_fedsparse.errors import check
+from pl_fedsparse.functional import transfer
 
 __all__ = ["TensorBatchLoader", "batch_to", "normalize", "epoch_seed", "dataset_loader", "item_input"]
 
@@ -89,7 +90,9 @@ def batch_to(x: torch.Tensor, y: torch.Tensor, device: torch.device | str,
              non_blocking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's inputs and labels on ``device`` (no copy where they are there already, as with a loader whose data
     lives on that device: ``data.device``)."""
-    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+    x, y = x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+    transfer.mark_placed((x, y), device)  # (a device run simulated on the CPU: the batch is on "the device")
+    return x, y
 
 
 class TensorBatchLoader:

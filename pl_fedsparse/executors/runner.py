@@ -46,8 +46,10 @@ import torch
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from pl_fedsparse.errors import UserCodeError
+from pl_fedsparse.functional import transfer
 
 __all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "no_optimizer",
            "runner_support"]
@@ -434,6 +436,8 @@ class FitRunner:
 def _to_device(batch: Any, device: torch.device) -> Any:
     """``batch`` on ``device``: as it is when every tensor is there already (no copy, no traversal cost beyond a
     check), else Lightning's ``move_data_to_device``."""
+    if transfer.ALWAYS_PACK:  # (a device run simulated on the CPU: the batch is on "the device")
+        transfer.mark_placed((t for t in tree_leaves(batch) if isinstance(t, Tensor)), device)
     if isinstance(batch, (tuple, list)) and all(not isinstance(t, Tensor) or t.device == device for t in batch):
         return batch
     if isinstance(batch, Tensor) and batch.device == device:

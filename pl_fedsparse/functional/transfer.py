@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed", "needs_copy",
+__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed", "needs_copy",
            "on_a_device", "placed_on", "remember_twin", "to_device", "to_where", "twins_on"]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
@@ -154,6 +154,22 @@ def to_where(tensors: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
 _placed: dict[int, tuple[weakref.ref, str]] = {}
 
 
+#: tensors made under a strict :class:`PlacementTracker` from no existing tensor (a factory call), by id: neither on
+#: the host nor on the device as far as the simulation can tell
+_fresh: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _remember(record: dict[int, tuple[weakref.ref, str]], tensors: Iterable[Tensor], device: str) -> None:
+    for t in tensors:
+        key = id(t)
+        record[key] = (weakref.ref(t, lambda _, key=key: record.pop(key, None)), device)
+
+
+def _is_fresh(t: Tensor) -> bool:
+    hit = _fresh.get(id(t))
+    return hit is not None and hit[0]() is t
+
+
 def placed_on(t: Tensor) -> str | None:
     """Under :data:`ALWAYS_PACK`: the (simulated) device ``t`` was placed on, ``None`` for a host tensor."""
     hit = _placed.get(id(t))
@@ -167,25 +183,68 @@ def on_a_device(tensors: Iterable[Tensor]) -> bool:
 
 
 def _unplace(tensors: Iterable[Tensor]) -> None:
+    """Record ``tensors`` as host tensors (copies made for the host)."""
     for t in tensors:
         if placed_on(t) is not None:
             del _placed[id(t)]
+        if _is_fresh(t):
+            del _fresh[id(t)]
+
+
+class DeviceMismatch(RuntimeError):
+    """An operator given tensors on the (simulated) device and host tensors together: on an accelerator it fails
+    ("Expected all tensors to be on the same device"); :class:`PlacementTracker` ``strict`` finds it on the CPU."""
+
+
+#: operators that take a host tensor beside a device one on an accelerator too: copies across the link, and indexing
+#: with host indices (moved to the device by the operator)
+_CROSSING_OPS = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to", "set_", "index",
+                           "index_put", "index_put_", "_index_put_impl_", "lift_fresh", "lift_fresh_copy"})
 
 
 class PlacementTracker(TorchDispatchMode):
     """In a device run simulated on the CPU (:data:`ALWAYS_PACK`): what an operator computes from a tensor placed on
     the device is on the device too, as on an accelerator (a mask drawn from the trained weights, a gradient, a
     clone) — so that moving it "to the device" later is seen to cost no copy, and moving it to the host is seen to
-    cost one. Host copies made by :func:`copy_tensors` stay on the host. Used by the device-traffic counter and the
-    tests that count copies; a run under it gives the same numbers."""
+    cost one. Host copies made by :func:`copy_tensors` stay on the host; data arrives on the device where the engine
+    moves a batch there (:func:`mark_placed`). Used by the device-traffic counter and the tests that count copies;
+    a run under it gives the same numbers.
+
+    Args:
+        strict: also fail as an accelerator would where an operator mixes a tensor on the device with a host tensor
+            of one dimension or more (0-dim host tensors are scalars there; copies and host indices are allowed):
+            :class:`DeviceMismatch`, naming the operator and the host tensors' shapes. How a tensor left on the
+            wrong side by the engine or a callback is found without a GPU.
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        super().__init__()
+        self.strict = strict
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        device = next((d for t in leaves for d in (placed_on(t),) if d is not None), None)
+        if self.strict and device is not None and func._schema.name.split("::")[-1] not in _CROSSING_OPS:
+            host = [tuple(t.shape) for t in leaves if t.dim() > 0 and placed_on(t) is None and not _is_fresh(t)]
+            if host:
+                raise DeviceMismatch(f"{func._schema.name} was given tensors on the device and on the host (shapes "
+                                     f"{', '.join(map(str, host))}): on an accelerator it fails")
         out = func(*args, **(kwargs or {}))
-        device = next((d for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
-                       for d in (placed_on(t),) if d is not None), None)
         if device is not None:
             mark_placed((t for t in tree_leaves(out) if isinstance(t, Tensor)), device)
+        elif self.strict and (func in _LIFTS or all(_is_fresh(t) for t in leaves)):
+            # made here from no tensor (``torch.arange(8, device=x.device)``) or only from such: on a GPU it is where
+            # its ``device=`` says, which the CPU cannot tell, so the strict check lets it meet either side
+            _remember(_fresh, (t for t in tree_leaves(out) if isinstance(t, Tensor)), "")
         return out
+
+    def __exit__(self, *exc: Any) -> None:
+        _fresh.clear()
+        super().__exit__(*exc)
+
+
+#: ``torch.tensor(data)`` (its device is in its ``device=``, as for a factory call)
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
 #: host tensor id -> (weak reference to it, its version when remembered, its copy on a device): see remember_twin
@@ -229,6 +288,4 @@ def mark_placed(tensors: Iterable[Tensor], device: torch.device | str) -> None:
     """Under :data:`ALWAYS_PACK`, record ``tensors`` as moved to ``device`` already (by a :func:`copy_tensors` call
     of their own), so that :func:`to_device` does not move them again; otherwise nothing."""
     if ALWAYS_PACK:
-        for t in tensors:
-            key = id(t)
-            _placed[key] = (weakref.ref(t, lambda _, key=key: _placed.pop(key, None)), str(device))
+        _remember(_placed, tensors, str(device))
