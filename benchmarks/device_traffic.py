@@ -220,13 +220,9 @@ def counting() -> Iterator[TrafficCounter]:
             return fn(self, *a, **k)
         return moved
 
-    from pl_fedsparse.functional import gate, transfer
+    from pl_fedsparse.functional import transfer
+    from pl_fedsparse.testing import device_paths
 
-    from pl_fedsparse.functional import sparse
-
-    patch(gate, "HOST_KNAPSACK_ON_CPU", False)  # count the path a GPU takes (pFedGate's knapsack on the device)
-    patch(sparse, "HOST_SELECTION_ON_CPU", False)  # (and prune-and-regrow's selections by sorting, on the device)
-    patch(transfer, "ALWAYS_PACK", True)  # and its copies to the host (packed, one per batch of tensors)
     patch(InProcessExecutor, "run_one", run_one_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
     patch(pr, "drop_and_grow", dag_)
@@ -236,7 +232,9 @@ def counting() -> Iterator[TrafficCounter]:
     patch(torch.nn.Module, "cuda", mover(cuda, "cuda"))
     patch(torch.nn.Module, "cpu", mover(cpu, "cpu"))
     try:
-        with counter, SyncOpCounter(counter), transfer.PlacementTracker():
+        # count the paths a GPU takes (pFedGate's knapsack and prune-and-regrow's selections on the device, copies
+        # to the host packed, one per batch of tensors)
+        with device_paths(), counter, SyncOpCounter(counter), transfer.PlacementTracker():
             yield counter
     finally:
         for owner, attr, old in reversed(patches):

@@ -34,7 +34,7 @@ from pl_fedsparse.functional import gate, sparse, transfer
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FaultInjection", "FAULT_KINDS", "simulated_device"]
+__all__ = ["FaultInjection", "FAULT_KINDS", "device_paths", "simulated_device"]
 
 FaultKind = Literal["nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data"]
 FAULT_KINDS = ("nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data")
@@ -168,12 +168,22 @@ def simulated_device(strict: bool = True) -> Iterator[None]:
         ...         print(str(e).split(" was")[0])
         aten::mul
     """
+    with device_paths(), _Moves(), transfer.PlacementTracker(strict=strict):
+        yield
+
+
+@contextlib.contextmanager
+def device_paths() -> Iterator[None]:
+    """The engine's device paths on the CPU: copies packed as from a device
+    (:data:`~pl_fedsparse.functional.transfer.ALWAYS_PACK`), prune-and-regrow's selections by sorting, pFedGate's
+    knapsack as tensor operations (the same numbers as the CPU's own paths); the library's per-device caches dropped
+    on the way in and out (on the CPU the host's would be handed to "the device"). Part of :func:`simulated_device`;
+    the device-traffic counter uses it with its own tracker."""
     saved = transfer.ALWAYS_PACK, gate.HOST_KNAPSACK_ON_CPU, sparse.HOST_SELECTION_ON_CPU
     transfer.ALWAYS_PACK, gate.HOST_KNAPSACK_ON_CPU, sparse.HOST_SELECTION_ON_CPU = True, False, False
-    _clear_device_caches()  # (made per device: on the CPU the host's copies would be handed to "the device")
+    _clear_device_caches()
     try:
-        with _Moves(), transfer.PlacementTracker(strict=strict):
-            yield
+        yield
     finally:
         transfer.ALWAYS_PACK, gate.HOST_KNAPSACK_ON_CPU, sparse.HOST_SELECTION_ON_CPU = saved
         transfer._placed.clear()

@@ -320,19 +320,24 @@ class Values(list):
 
 
 def _paired(a, b):
-    """``(a, b)`` reordered so that ``a[i]`` and ``b[i]`` share seeds, or ``None`` when the runs cannot be paired."""
+    """``(a, b)`` on the seeds they share, ``a[i]`` and ``b[i]`` of one seed — as ``pl-fed report`` pairs groups: at
+    least two shared seeds (a side's runs on other seeds are left out of the paired test) — or ``None`` when the runs
+    cannot be paired."""
     sa, sb = getattr(a, "seeds", None), getattr(b, "seeds", None)
-    if not sa or not sb or None in sa or None in sb or len(set(sa)) != len(sa) or set(sa) != set(sb):
+    if not sa or not sb or None in sa or None in sb or len(set(sa)) != len(sa) or len(set(sb)) != len(sb):
         return None
     where = {k: i for i, k in enumerate(sb)}
-    return list(a), [b[where[k]] for k in sa]
+    shared = [i for i, k in enumerate(sa) if k in where]
+    if len(shared) < 2:
+        return None
+    return [a[i] for i in shared], [b[where[sa[i]]] for i in shared]
 
 
 @dataclass
 class Claim:
     """``a > b`` over seeds, read as a reviewer would (``pl-fed report``'s statistics,
     :mod:`pl_fedsparse.run.report`): runs on the same seeds are compared pair by pair — the mean of ``a − b`` per
-    seed, its 95 % interval and the paired t-test's p; other groups by Welch's difference. The verdict is read from
+    shared seed (at least two), its 95 % interval and the paired t-test's p; other groups by Welch's difference. The verdict is read from
     the interval: "holds" when it lies above 0, "reversed" when below, "not shown" when it holds 0 (and below two
     seeds a side, where there is no interval)."""
 
@@ -351,7 +356,9 @@ class Claim:
 
     @property
     def gap(self) -> float:
-        return statistics.fmean(self.a) - statistics.fmean(self.b)
+        """The difference of the means — over the shared seeds where the runs are paired (the paired test's gap)."""
+        a, b = _paired(self.a, self.b) or (self.a, self.b)
+        return statistics.fmean(a) - statistics.fmean(b)
 
     @property
     def spread(self) -> float:

@@ -327,8 +327,13 @@ def test_the_dmpfl_table_plan_is_the_same_grid_as_a_sweep(rounds: int, monkeypat
     c = campaign(mod.sweep_args())
     assert (c.out, c.record) == (mod.RUNS, mod.RECORD) and c.runs == runs
     _same_runs(runs, mod.RUNS, _old_dmpfl_table(rounds, "/d", mod.RUNS), overwrite=False)
-    # the records the docs cite are this sweep's runs, all done: a sweep started now runs nothing
-    assert sorted(p.name for p in mod.RECORD.iterdir() if (p / "summary.json").exists()) == sorted(r.name for r in runs)
+    # the records the docs cite are this sweep's runs and its extra seeds' (``--extra``), the sweep's all done: a
+    # sweep started now runs nothing
+    extra = mod.plan(extra=True)
+    assert {r.name for r in extra} == ({f"{m}_seed{s}" for m in mod.EXTRA_METHODS for s in mod.EXTRA_SEEDS}
+                                       if rounds == 30 else set())
+    recorded = {p.name for p in mod.RECORD.iterdir() if (p / "summary.json").exists()}
+    assert {r.name for r in runs} <= recorded <= {r.name for r in runs} | {r.name for r in extra}
     assert all(r.state(ROOT / "nowhere", mod.RECORD) == "done" for r in runs)
 
 
