@@ -1276,6 +1276,11 @@ def test_claims_use_paired_statistics_and_agree_with_scipy():
     level = Claim(Values([3.0, 5.0, 4.0], [1, 2, 3]), Values([3.5, 3.7, 3.6], [1, 2, 3]))
     assert level.same_verdict.startswith("no difference shown")
     assert Claim(Values([3.0, 5.0], [1, 2]), Values([1.0, 1.2], [1, 2])).verdict.endswith("paired, 2 seeds)")
+    # more seeds on one side: paired on the seeds both have (as pl-fed report pairs), the gap theirs
+    more = Claim(Values([71.0, 72.5, 73.1, 60.0, 61.0], [("s", k) for k in range(5)]), b)
+    assert more.stats["test"] == "paired" and abs(more.stats["p"] - ref.pvalue) < 1e-9
+    assert abs(more.gap - (sum(pa) - sum(pb)) / 3) < 1e-12 and more.verdict.endswith("paired, 3 seeds)")
+    assert Claim(Values([1.0, 2.0, 3.0], [0, 1, 2]), Values([1.0, 2.0, 3.0], [2, 5, 6])).stats["test"] == "Welch"
 
 
 def test_every_summary_equals_its_last_metrics_row():
