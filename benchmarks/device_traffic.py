@@ -255,13 +255,12 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, A
     if "--trainer.num_rounds" in extra:
         args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.eval_every", "100",
                 "--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner]
-    with tempfile.TemporaryDirectory() as tmp:
-        with counting() as c:
-            try:
-                with contextlib.redirect_stdout(sys.stderr):  # (the run's own table stays out of the record)
-                    code = main([*args, "--trainer.default_root_dir", str(Path(tmp) / name)])
-            except SystemExit as e:
-                code = int(e.code or 0)
+    with tempfile.TemporaryDirectory() as tmp, counting() as c:
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # (the run's own table stays out of the record)
+                code = main([*args, "--trainer.default_root_dir", str(Path(tmp) / name)])
+        except SystemExit as e:
+            code = int(e.code or 0)
     if code != 0:
         raise RuntimeError(f"{name}: pl-fed exited {code}")
     fits = max(1, c.counts[("fit", "fits")])

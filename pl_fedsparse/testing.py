@@ -34,7 +34,7 @@ from pl_fedsparse.functional import gate, sparse, transfer
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FaultInjection", "FAULT_KINDS", "device_paths", "simulated_device"]
+__all__ = ["FAULT_KINDS", "FaultInjection", "device_paths", "simulated_device"]
 
 FaultKind = Literal["nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data"]
 FAULT_KINDS = ("nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data")

@@ -89,3 +89,28 @@ def test_a_callback_that_keeps_a_host_tensor_fails_as_on_a_gpu(callback: str, fa
         assert f"{callback}.on_client_fit_end raised DeviceMismatch" in line and "on the host" in line, line
     else:
         assert code == 0, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/synthetic_fedavg.yaml", "configs/synthetic_fedspa.yaml"])
+def test_the_vectorized_executor_mixes_no_sides(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Many clients per step on "the device": the same numbers as a plain run, nothing met from the host."""
+    import contextlib
+    import json
+
+    from conftest import run_main
+
+    monkeypatch.chdir(REPO)
+    rows = []
+    for sim in (False, True):
+        run = tmp_path / str(sim)
+        with simulated_device() if sim else contextlib.nullcontext():
+            code, _, err = run_main(["fit", "--config", config, "--trainer.num_rounds", "2", "--trainer.executor",
+                                     "pl_fedsparse.executors.VectorizedExecutor", "--trainer.on_client_fault",
+                                     "raise", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+                                     str(run)], capsys)
+        assert code == 0, err
+        rows.append([{k: v for k, v in json.loads(x).items() if not k.startswith("time")}
+                     for x in (run / "metrics.jsonl").read_text().splitlines()])
+    assert rows[0] == rows[1]

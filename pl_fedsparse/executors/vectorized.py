@@ -84,6 +84,7 @@ from pl_fedsparse.executors.stacked import (
     sgd_step,
     stacked_gradient_error,
 )
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.protocol import training_loss
 
 if TYPE_CHECKING:
@@ -297,6 +298,7 @@ class VectorizedExecutor(ClientExecutor):
             for name, rows in pending.items():
                 _copy_runs(stacked[name], rows)
         stacked = {n: t[:len(started)] for n, t in stacked.items()}
+        transfer.mark_placed(stacked.values(), loop.device)  # (a device run simulated on the CPU: on "the device")
         # one optimizer configuration per stacked group (the same module and kind: in practice always one)
         by_signature: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
         for item in started:
@@ -401,6 +403,7 @@ class VectorizedExecutor(ClientExecutor):
                 else:
                     xs = torch.stack([batches[live[q]][0] for q in positions]).to(device)
                     ys = torch.stack([batches[live[q]][1] for q in positions]).to(device)
+                transfer.mark_placed((xs, ys), device)  # (a device run simulated on the CPU: on "the device")
                 whole = len(positions) == len(live)
                 idx = None if whole else torch.tensor(positions, device=device)
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}

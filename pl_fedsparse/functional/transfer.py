@@ -238,7 +238,7 @@ class PlacementTracker(TorchDispatchMode):
             _remember(_fresh, (t for t in tree_leaves(out) if isinstance(t, Tensor)), "")
         return out
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         _fresh.clear()
         super().__exit__(*exc)
 
