@@ -35,6 +35,7 @@ outside the run directory touched, no marker of an import). Prints one line per 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -272,7 +273,9 @@ def catalogue(only: str | None, jobs: int, out: Path, record: str | None) -> int
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     # the finished run several cases copy: made once, in this process, before the cases run side by side
-    prepare(next((c for c in cases if c.group == "link"), cases[0]), Path(tempfile.mkdtemp(prefix="catalogue-")))
+    scratch = Path(tempfile.mkdtemp(prefix="catalogue-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    prepare(next((c for c in cases if c.group == "link"), cases[0]), scratch)
     lines: list[str] = []
 
     def say(text: str) -> None:

@@ -22,6 +22,7 @@ All paths in the arguments are relative to the scratch folder, which is the work
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -1178,6 +1179,7 @@ def _finished_run(d: Path) -> None:
         from pl_fedsparse.cli import main
 
         where = Path(tempfile.mkdtemp(prefix="catalogue-template-"))
+        atexit.register(shutil.rmtree, where, ignore_errors=True)  # (made once per process: gone with it)
         _npz(**_arrays())(where)
         with _cwd(where), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as e:
             code = main(list(FINISHED_ARGS))
