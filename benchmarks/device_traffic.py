@@ -242,7 +242,6 @@ def counting() -> Iterator[TrafficCounter]:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, old)
-        transfer._placed.clear()
 
 
 def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, Any]:

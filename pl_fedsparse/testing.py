@@ -117,7 +117,8 @@ class _Moves(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.devices: dict[int, torch.device] = {}  # id -> a device object read from a tensor on "the device"
+        # id -> a device object read from a tensor on "the device" (held, so that no other object takes its id)
+        self.devices: dict[int, torch.device] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -128,9 +129,8 @@ class _Moves(TorchFunctionMode):
         if getattr(func, "__self__", None) is _DEVICE and func.__name__ == "__get__":
             if transfer.placed_on(args[0]) is not None:
                 self.devices[id(out)] = out
-        elif isinstance(out, torch.Tensor) and any(id(a) in self.devices and a is self.devices[id(a)]
-                                                   for a in (*args[1:2], kwargs.get("device"))
-                                                   if isinstance(a, torch.device)):
+        elif isinstance(out, torch.Tensor) and any(isinstance(a, torch.device) and id(a) in self.devices
+                                                   for a in (*args[1:2], kwargs.get("device"))):
             if out is args[0]:  # (on the CPU ``.to`` returns the tensor itself; on a device it is a copy there)
                 out = out.clone()
             transfer.mark_placed([out], out.device)

@@ -144,6 +144,15 @@ def one_line(err: str, prefix: str = "error:") -> str:
     return lines[0]
 
 
+def metric_rows(run: Any) -> list[dict[str, Any]]:
+    """A run directory's metrics.jsonl rows without their timings (what two runs of the same numbers share)."""
+    import json
+    from pathlib import Path
+
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time")}
+            for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
 def fit_rows(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
     """Run ``pl-fed fit <args>`` (which must name ``--trainer.default_root_dir``), expect exit 0, return the evaluated
     rows of its metrics.jsonl (every round has a row; ``"evaluated": false`` ones carry costs only)."""

@@ -97,9 +97,8 @@ def test_the_vectorized_executor_mixes_no_sides(config: str, tmp_path: Path, mon
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Many clients per step on "the device": the same numbers as a plain run, nothing met from the host."""
     import contextlib
-    import json
 
-    from conftest import run_main
+    from conftest import metric_rows, run_main
 
     monkeypatch.chdir(REPO)
     rows = []
@@ -111,6 +110,5 @@ def test_the_vectorized_executor_mixes_no_sides(config: str, tmp_path: Path, mon
                                      "raise", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
                                      str(run)], capsys)
         assert code == 0, err
-        rows.append([{k: v for k, v in json.loads(x).items() if not k.startswith("time")}
-                     for x in (run / "metrics.jsonl").read_text().splitlines()])
+        rows.append(metric_rows(run))
     assert rows[0] == rows[1]

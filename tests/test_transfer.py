@@ -5,7 +5,6 @@ check waits once per fit; and a run that packs (as a device run does) gives the 
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from pathlib import Path
 
@@ -145,11 +144,6 @@ def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: p
     assert len(waits) == 1
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time")}
-            for x in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedspa", "dispfl", "dmpfl", "pfedgate", "fedpse"])
 def test_a_simulated_device_run_gives_the_same_numbers_and_mixes_no_sides(name: str, tmp_path: Path,
@@ -157,7 +151,7 @@ def test_a_simulated_device_run_gives_the_same_numbers_and_mixes_no_sides(name: 
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     sys.path.insert(0, str(REPO / "benchmarks"))
     import device_traffic
-    from conftest import run_main
+    from conftest import metric_rows, run_main
 
     monkeypatch.chdir(REPO)
     cfg, extra = device_traffic.CONFIGS[name]
@@ -174,7 +168,7 @@ def test_a_simulated_device_run_gives_the_same_numbers_and_mixes_no_sides(name: 
         with simulated_device() if pack else contextlib.nullcontext():
             code, _, err = run_main(args, capsys)
         assert code == 0, err
-        rows.append(_metrics(run))
+        rows.append(metric_rows(run))
     assert rows[0] == rows[1]
 
 

@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed", "needs_copy",
-           "on_a_device", "placed_on", "remember_twin", "to_device", "to_where", "twins_on"]
+__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed",
+           "needs_copy", "on_a_device", "placed_on", "remember_twin", "to_device", "to_where", "twins_on"]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
 ALIGN = 64
