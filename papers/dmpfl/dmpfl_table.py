@@ -20,7 +20,8 @@ sampling all change with the seed).
     python papers/dmpfl/dmpfl_table.py table              # mean ± sample std over the recorded seeds
     python papers/dmpfl/dmpfl_table.py plan               # the runs, their state and arguments (pl-fed sweep --dry-run)
     DMPFL_TABLE_CODE=../bench python papers/dmpfl/dmpfl_table.py run --extra --parallel 2
-                                                        # seeds 3-4 of DM-PFL+ and FedAvg (two "not shown" claims)
+                                                        # seeds 3-4 of the "not shown" claims' methods
+    DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_CODE=../bench python papers/dmpfl/dmpfl_table.py run --extra --parallel 2
     DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_CODE=../bench python papers/dmpfl/dmpfl_table.py run --parallel 2
                                                         # the 100-round plan: every row, 15-35 min a run
     DMPFL_TABLE_ROUNDS=100 DMPFL_TABLE_METHODS=ditto ... run   # some methods only
@@ -62,11 +63,14 @@ DATA = os.environ.get("DMPFL_TABLE_DATA", str(ROOT / "data" / "cifar10"))
 SEEDS = (0, 1, 2)
 #: the methods, in the grid's order
 METHODS = [entry["name"] for entry in yaml.safe_load(GRID.read_text())["configs"]]
-#: the 30-round claims DM-PFL+ > FedAvg at 100 % shift (paired p 0.072) and DM-PFL+ > DM-PFL on average over shifts
-#: (p 0.114) were "not shown" at three seeds, and their runs are cheap (10-20 min), so these methods also run at
-#: these seeds (``run --extra``: the same sweep at ``EXTRA_SEEDS``, these methods only; recorded beside the others)
+#: claims "not shown" at three seeds whose runs are cheap also run at these seeds (``run --extra``: the same sweep at
+#: ``EXTRA_SEEDS``, the horizon's ``EXTRA_METHODS`` only; recorded beside the others). 30 rounds (6-20 min a run):
+#: DM-PFL+ > FedAvg at 100 % shift (paired p 0.072), DM-PFL+ > DM-PFL on average over shifts (p 0.114), DM-PFL >
+#: FedAvg+FT at 100 % shift (p 0.711). 100 rounds (17-35 min a run): DM-PFL > FedAvg+FT with and without shift and
+#: DM-PFL > Ditto
 EXTRA_SEEDS = (3, 4)
-EXTRA_METHODS = ("dmpfl_plus", "fedavg")
+EXTRA_METHODS_BY_ROUNDS = {30: ("dmpfl_plus", "fedavg", "fedavg_ft"), 100: ("dmpfl_plus", "fedavg_ft", "ditto")}
+EXTRA_METHODS = EXTRA_METHODS_BY_ROUNDS.get(ROUNDS, ())
 #: Table 1's shift levels (the page's "avg"; 50 % is evaluated too but is not one of them)
 LEVELS = (0, 20, 40, 60, 80, 100)
 
@@ -86,8 +90,9 @@ def sweep_args() -> list[str]:
 
 
 def extra_args() -> list[str]:
-    """The ``pl-fed sweep`` arguments of the extra seeds (30 rounds only): ``EXTRA_METHODS`` at ``EXTRA_SEEDS``."""
-    if ROUNDS != 30:
+    """The ``pl-fed sweep`` arguments of the extra seeds: ``EXTRA_METHODS`` at ``EXTRA_SEEDS`` (none for a horizon
+    without them)."""
+    if not EXTRA_METHODS:
         return []
     return [*sweep_args(), "--seeds", *map(str, EXTRA_SEEDS), *(x for m in EXTRA_METHODS for x in ("--only", f"{m}_seed*"))]
 
@@ -145,7 +150,8 @@ def main() -> int:
             print(f"{run.name}: resolves", flush=True)
         return 0
     if a.extra and not extra_args():
-        raise SystemExit(f"error: --extra is the 30-round plan's; DMPFL_TABLE_ROUNDS={ROUNDS} has none")
+        raise SystemExit(f"error: --extra: DMPFL_TABLE_ROUNDS={ROUNDS} has no extra seeds; expected one of "
+                         f"{', '.join(map(str, EXTRA_METHODS_BY_ROUNDS))}")
     args = [*(extra_args() if a.extra else sweep_args()), *(["--dry-run"] if a.verb == "plan" else []), *rest]
     print(f"# code: {CODE} at {runplan.commit_of(CODE)}", flush=True)
     return subprocess.call([sys.executable, "-m", "pl_fedsparse.cli", "sweep", *args], cwd=CODE)
