@@ -14,7 +14,9 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   there, and what an operator computed from it (``transfer.PlacementTracker``: a gradient, a mask drawn from the
   trained weights) — so that the engine takes, on the CPU, the path it takes on a GPU (an update that stays on the
   device through the callbacks, ``device_update``), moving such a tensor there again is no transfer, and moving it
-  to the host is one. **Data transfers** (calls made by ``pl_fedsparse.data``:
+  to the host is one. A simulated device run keeps copies on "the device" between fits as a GPU run does
+  (``trainer.device_state_budget``, :mod:`~pl_fedsparse.functional.resident`): what is found there does not cross
+  again (``--budget 0`` counts without them). **Data transfers** (calls made by ``pl_fedsparse.data``:
   images, labels and batch orders to the loader's device; none once ``data.device`` holds the data there) are
   counted apart;
 * **synchronising calls**: ``.item()``, ``.tolist()``, ``.numpy()``, ``bool()/int()/float()`` of a tensor,
@@ -37,6 +39,8 @@ selections, by counting on the CPU and by sorting on a device), the counter make
     python benchmarks/device_traffic.py                   # every config below, a table
     python benchmarks/device_traffic.py fedavg fedspa     # some of them
     python benchmarks/device_traffic.py --json out.json
+    python benchmarks/device_traffic.py --budget 0        # no copies kept on the device between fits (each fit moves
+                                                          # its start weights and entries: 2 transfers a fit)
     python benchmarks/device_traffic.py --gpu             # on a CUDA device: torch.profiler's counts per fit and step
 """
 
@@ -244,16 +248,19 @@ def counting() -> Iterator[TrafficCounter]:
                 setattr(owner, attr, old)
 
 
-def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, Any]:
-    """Run config ``name`` for ``rounds`` rounds under the counter; per-fit and per-step figures."""
+def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = "auto") -> dict[str, Any]:
+    """Run config ``name`` for ``rounds`` rounds under the counter; per-fit and per-step figures. ``budget``:
+    ``trainer.device_state_budget`` (``"auto"``: what a simulated device run keeps, ``"0"``: no copy kept on the
+    device between fits)."""
     from pl_fedsparse.cli import main
 
     cfg, extra = CONFIGS[name]
+    common = ["--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner,
+              "--trainer.device_state_budget", budget]
     args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.num_rounds", str(rounds), "--trainer.eval_every",
-            str(rounds), "--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner]
+            str(rounds), *common]
     if "--trainer.num_rounds" in extra:
-        args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.eval_every", "100",
-                "--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner]
+        args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.eval_every", "100", *common]
     with tempfile.TemporaryDirectory() as tmp, counting() as c:
         try:
             with contextlib.redirect_stdout(sys.stderr):  # (the run's own table stays out of the record)
@@ -276,7 +283,7 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto") -> dict[str, A
     per["eval_syncs_per_loader"] = round(c.counts[("eval", "syncs")] / loaders, 2)
     per["readjust_syncs_per_call"] = round(c.counts[("readjust", "syncs")] / max(1, c.counts[("readjust", "calls")]),
                                            2)
-    return {"config": name, "fit_runner": fit_runner, "fits": c.counts[("fit", "fits")],
+    return {"config": name, "fit_runner": fit_runner, "device_state_budget": budget, "fits": c.counts[("fit", "fits")],
             "steps": c.counts[("step", "steps")], **per,
             "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
 
@@ -361,6 +368,8 @@ def main() -> None:
     ap.add_argument("configs", nargs="*", default=list(CONFIGS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fit-runner", default="auto", choices=["auto", "trainer"])
+    ap.add_argument("--budget", default="auto", help="trainer.device_state_budget (0: no device copies kept between "
+                    "fits; auto: what a simulated device run keeps)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--gpu", action="store_true", help="count on a CUDA device with torch.profiler instead")
     a = ap.parse_args()
@@ -388,7 +397,7 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(gpu_rows, indent=1) + "\n")
         return
-    rows = [measure(n, a.rounds, a.fit_runner) for n in a.configs]
+    rows = [measure(n, a.rounds, a.fit_runner, a.budget) for n in a.configs]
     cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",
             "data_transfers_per_fit", "syncs_per_fit",
             "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",

@@ -25,6 +25,7 @@ from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import floatcodec, transfer
 from pl_fedsparse.functional.accounting import message_nbytes
+from pl_fedsparse.functional.resident import ResidentCopies
 from pl_fedsparse.resources import check_fits, human_bytes
 
 __all__ = ["STATE_CODECS", "ClientStateStore", "ClientUpdate", "Message", "StateInit", "to_cpu_state"]
@@ -130,7 +131,9 @@ def _compact(value: TensorTree) -> TensorTree:
     if isinstance(value, Mapping):
         return {k: _compact(v) for k, v in value.items()}
     if isinstance(value, Tensor):
-        return value.detach() if value.device.type == "cpu" else value.detach().to("cpu")
+        if value.device.type == "cpu":  # (the tensor itself when it is detached already: its device copy is found)
+            return value.detach() if value.requires_grad or value.grad_fn is not None else value
+        return value.detach().to("cpu")
     return value
 
 
@@ -186,6 +189,9 @@ class ClientStateStore:
             :meth:`export_client` and :meth:`state_dict` hand out the encoded form (it travels to workers and
             into checkpoints as it is); :meth:`load_state_dict` converts a checkpoint written with the other codec.
             A tensor shared by many clients (e.g. the initial weights) is encoded once and stays shared.
+        device_budget: bytes of device memory for copies of what crossed to the fits' device, kept between fits
+            (:attr:`resident`; ``trainer.device_state_budget``): a fit's start weights and entries found there do
+            not cross again. 0 (default) keeps none. The stored values stay on the host either way.
 
     After every :attr:`release_every` bytes of newly stored state the store hands the heap's free pages back to the
     system (:func:`~pl_fedsparse.allocator.release_free_memory`): without that, the driver of a long federation
@@ -195,9 +201,13 @@ class ClientStateStore:
     #: bytes of newly stored client state after which the heap's free pages are handed back (0: never)
     release_every: int = 64 << 20
 
-    def __init__(self, codec: Literal["none", "lossless"] = "none") -> None:
+    def __init__(self, codec: Literal["none", "lossless"] = "none", device_budget: int = 0) -> None:
         check(codec in STATE_CODECS, "trainer.client_state_codec", codec, "one of " + ", ".join(STATE_CODECS))
         self.codec = codec
+        #: device copies of what crossed to the fits' device (entries, start weights) and of the entries a fit wrote
+        #: there, kept between fits within ``device_budget`` bytes (``trainer.device_state_budget``): a later fit
+        #: reads them without crossing the link (:mod:`~pl_fedsparse.functional.resident`)
+        self.resident = ResidentCopies(device_budget)
         self._inits: dict[str, StateInit] = {}
         self._data: dict[int, dict[str, TensorTree]] = {}
         self._sealed = False
@@ -210,8 +220,9 @@ class ClientStateStore:
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush_writes()
-        # (weak references do not pickle; the memo is only a shortcut, the prefetched copies only a fit's)
-        return {**vars(self), "_memo": {}, "_prefetched": {}}
+        # (weak references do not pickle; the memo is only a shortcut, the prefetched copies only a fit's; the
+        # device copies stay on their device)
+        return {**vars(self), "_memo": {}, "_prefetched": {}, "resident": ResidentCopies(self.resident.budget)}
 
     def _keep(self, value: TensorTree) -> TensorTree:
         """What the store holds for ``value``: compact on CPU and, with the lossless codec, encoded."""
@@ -294,9 +305,20 @@ class ClientStateStore:
         keys = [key for key in self._inits if self.has(client_idx, key) and key not in self._pending.get(client_idx, ())]
         leaves = {key: _leaves(self.decode(self.stored(client_idx, key)), []) for key in keys}
         flat = [t for key in keys for t in leaves[key]] + list(extra)
-        moved = iter(transfer.copy_tensors(flat, device, share=True, force=True))
-        self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}
-        out = list(moved)
+        # what is on the device already (``resident``) stays there; the rest crosses in one copy and is kept there
+        # (an encoded entry's decoded tensors are new at every read: never found again, so not kept)
+        keepable = {id(t) for key in keys if not _has_encoded(self.stored(client_idx, key)) for t in leaves[key]}
+        keepable.update(id(t) for t in extra)
+        res = self.resident
+        found: list[Tensor | None] = [res.lookup(t, device) for t in flat] if res.active else [None] * len(flat)
+        todo = [i for i, c in enumerate(found) if c is None]
+        for i, c in zip(todo, transfer.copy_tensors([flat[i] for i in todo], device, share=True, force=True)):
+            found[i] = c
+            if id(flat[i]) in keepable:
+                res.keep(flat[i], c)
+        moved = iter(found)
+        self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}  # type: ignore[misc]
+        out: list[Tensor] = list(moved)  # type: ignore[arg-type]
         transfer.mark_placed(out, device)
         return out
 
@@ -411,13 +433,28 @@ class ClientStateStore:
         clients = list(self._pending) if client_idx is None else [client_idx] if client_idx in self._pending else []
         values = [(k, key, self._data[k][key]) for k in clients for key in self._pending[k]]
         leaves = [_leaves(v, []) for _, _, v in values]
-        moved = iter(transfer.copy_tensors([t for ls in leaves for t in ls] + list(extra), "cpu"))
-        for (k, key, value), _ in zip(values, leaves):
+        res = self.resident
+        flat = [t for ls in leaves for t in ls] + list(extra)
+        packed: list[Tensor | None] = []
+        moved = iter(transfer.copy_tensors(flat, "cpu", packed=packed if res.active else None))
+        # the copies packed on the device before the buffer crossed (private: no callback holds them) stay there as
+        # the host copies' device copies
+        there = iter(packed if res.active else [None] * len(flat))
+        for (k, key, value), device_leaves in zip(values, leaves):
             kept = self._data[k][key] = self._keep(_replace(value, moved))
             self._count(kept)
+            copies = [next(there) for _ in device_leaves]
+            if not _has_encoded(kept):  # (an encoded entry is decoded anew at every read: never found again)
+                for host, copy in zip(_leaves(kept, []), copies):
+                    if copy is not None and transfer.on_a_device([copy]):
+                        res.keep(host, copy)
         for k in clients:
             del self._pending[k]
-        return list(moved)
+        out = list(moved)
+        for host, copy in zip(out, there):
+            if copy is not None and transfer.on_a_device([copy]):
+                res.keep(host, copy)
+        return out
 
     def _count(self, value: TensorTree) -> None:
         self._written += _nbytes(value)

@@ -35,6 +35,7 @@ from pl_fedsparse import policies
 from pl_fedsparse.allocator import apply_flush_denormal
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
+from pl_fedsparse.functional.resident import device_budget, parse_budget
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CallbackContract
 from pl_fedsparse.errors import ConfigError, RunStoppedError, UserCodeError, check, user_code
@@ -122,6 +123,14 @@ class FederatedLoop:
             else a ``Trainer`` per fit; ``"fast"`` the runner or a one-line error; ``"trainer"`` a fresh
             ``lightning.Trainer`` per fit, the reference. The same numbers either way (bit for bit on the CPU); the
             runner saves the Trainer's milliseconds per fit.
+        device_state_budget: device memory for copies of the federation's state kept on the fits' device between
+            fits (:mod:`~pl_fedsparse.functional.resident`): the server's weights moved for a round's first fit are
+            not moved again for its other fits, and the entries a client's fit wrote are still there for its next
+            fit — so only what changed on the host since crosses the link. ``"auto"`` (default): half the device's
+            free memory when the federation starts, on an accelerator; nothing on the CPU, where there is no link.
+            A size (``"2GiB"``, ``"512MB"``, bytes as an int); ``0`` turns it off. The host keeps every value as
+            before (aggregation, checkpoints and callbacks outside fits read host tensors), so no number changes;
+            the least recently used copies are dropped first when the budget is reached.
 
     Example:
         .. code-block:: yaml
@@ -148,7 +157,7 @@ class FederatedLoop:
         on_client_fault: Literal["skip", "continue", "raise"] = "skip", keep_checkpoints: int = 2, seed: int = 0,
         client_state_codec: Literal["none", "lossless"] = "none",
         callback_contract: Literal["error", "warn"] = "error", flush_denormal: bool = False,
-        fit_runner: Literal["auto", "fast", "trainer"] = "auto",
+        fit_runner: Literal["auto", "fast", "trainer"] = "auto", device_state_budget: int | str = "auto",
     ) -> None:
         check_arguments(num_rounds=num_rounds, join_ratio=join_ratio, clients_per_round=clients_per_round,
                         local_epochs=local_epochs, local_steps=local_steps, eval_every=eval_every,
@@ -158,6 +167,8 @@ class FederatedLoop:
                         keep_checkpoints=keep_checkpoints, callback_contract=callback_contract, fit_runner=fit_runner)
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
         self.fit_runner = fit_runner
+        parse_budget(device_state_budget)  # (a one-line error now, not when the federation starts)
+        self.device_state_budget = device_state_budget
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global
         self.eval_metrics: list[str] = list(dict.fromkeys(eval_metrics or []))
@@ -531,7 +542,7 @@ class FederatedLoop:
         self._check_client_data(datamodule)
         self._resolve_policies()
         self.streams = Streams(self.seed)
-        self.client_store = ClientStateStore(self.client_state_codec)
+        self.client_store = ClientStateStore(self.client_state_codec, device_budget(self.device_state_budget, device))
         self.history, self.last_client_acc, self.round_idx, self.time_cum = [], [], 0, 0.0
         with user_code(model, "state_dict", "setting up the federation"):
             self.initial_state = to_cpu_state(model.state_dict())

@@ -53,7 +53,7 @@ def needs_copy(tensors: Sequence[Tensor], device: torch.device | str) -> bool:
 
 
 def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share: bool = False,
-                 force: bool = False) -> list[Tensor]:
+                 force: bool = False, packed: list[Tensor | None] | None = None) -> list[Tensor]:
     """Detached copies of ``tensors`` on ``device``, moved in one host↔device copy per source device.
 
     Args:
@@ -63,6 +63,9 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
         share: hand out views of the one buffer (see the module docstring) instead of tensors of their own.
         force: pack and copy even when everything is on ``device`` already (what a device run does; on the CPU
             the copy is then a plain ``clone``) — tests and the device-traffic counter use it.
+        packed: a list that receives, in order, each tensor's copy in the packed buffer on its own device (a
+            private copy made there, before the buffer crossed; ``None`` where nothing was packed): what a caller
+            keeps to find the values on the source device again (:mod:`~pl_fedsparse.functional.resident`).
 
     Returns:
         The copies, in order. Without ``force`` and with nothing to move, each is ``t.detach().clone()``.
@@ -70,6 +73,8 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
     dev = torch.device(device)
     if not tensors:
         return []
+    if packed is not None:
+        packed[:] = [None] * len(tensors)
     if not (force or ALWAYS_PACK) and not needs_copy(tensors, dev):
         return [t.detach().clone() for t in tensors]
     for t in tensors:
@@ -97,6 +102,11 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
             n = t.numel() * t.element_size()
             view = moved[at:at + n].view(t.dtype).view(t.shape)
             out[i] = view if share else view.clone()
+            if packed is not None:
+                packed[i] = buf[at:at + n].view(t.dtype).view(t.shape)
+                where = placed_on(t)
+                if where is not None:  # (a simulated device run: the packed copy is where its source was)
+                    _remember(_placed, [packed[i]], where)
     if ALWAYS_PACK:  # (a simulated device run: a copy is placed by its caller, e.g. to_device; a host copy is not)
         _unplace(out)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
