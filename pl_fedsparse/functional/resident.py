@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -74,7 +75,7 @@ def parse_budget(value: Any, param: str = "trainer.device_state_budget") -> int 
             amount = float(number)
         except ValueError:
             amount = -1.0
-        if unit in _UNITS and amount >= 0 and amount == amount and amount != float("inf"):
+        if unit in _UNITS and math.isfinite(amount) and amount >= 0:
             return int(amount * _UNITS[unit])
     raise ConfigError(f"{param}={value!r} is invalid: expected {allowed}")
 
@@ -158,8 +159,14 @@ class ResidentCopies:
             self.used += nbytes
         slot[0] += 1
         copies = self._copies
-        copies[key] = (weakref.ref(host, lambda _, key=key, me=weakref.ref(self): me() and me()._drop(key)),
-                       host._version, copy, copy._version)
+        me = weakref.ref(self)  # (the host's callback must not keep the cache alive)
+
+        def forget(_: weakref.ref, key: int = key) -> None:
+            cache = me()
+            if cache is not None:
+                cache._drop(key)
+
+        copies[key] = (weakref.ref(host, forget), host._version, copy, copy._version)
         while self.used > self.budget and copies:
             self._drop(next(iter(copies)))
 
