@@ -48,7 +48,7 @@ from pl_fedsparse.data.loaders import TensorBatchLoader, batch_to
 from pl_fedsparse.errors import ConfigError, UserCodeError, check, user_code
 from pl_fedsparse.executors.base import load_state
 from pl_fedsparse.functional import transfer
-from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.functional.transfer import to_host
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
 from pl_fedsparse.view import EvalView
 
@@ -315,7 +315,7 @@ class Evaluator:
                 logits.append(out.float())  # kept where they are: no wait for the device per batch
                 labels.append(y)
             if logits:  # all of them to the host in one copy
-                both = to_device({"logits": torch.cat(logits), "labels": torch.cat(labels)}, "cpu")
+                both = to_host({"logits": torch.cat(logits), "labels": torch.cat(labels)})
                 all_logits, all_labels = both["logits"], both["labels"]
         module.train()
         if not logits:

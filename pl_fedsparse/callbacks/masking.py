@@ -34,7 +34,7 @@ from pl_fedsparse.errors import check
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
 from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
-from pl_fedsparse.functional.transfer import to_device, to_where
+from pl_fedsparse.functional.transfer import to_device, to_host, to_where
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -147,7 +147,7 @@ class MaskedTraining:
         """Finish the fit; returns the trainable masks (on CPU: those given to :meth:`begin` where they were there,
         else one copy from the device)."""
         given = {k: m for k, m in self._given.items() if m.device.type == "cpu"}
-        rest = to_device({k: m for k, m in self.active.items() if k not in given}, "cpu", share=False)
+        rest = to_host({k: m for k, m in self.active.items() if k not in given}, share=False)
         masks = {k: given[k] if k in given else rest[k] for k in self.active}
         self.active, self._frozen, self._params, self._on, self._given = {}, {}, {}, None, {}
         return masks

@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed",
-           "needs_copy", "on_a_device", "placed_on", "remember_twin", "to_device", "to_where", "twins_on"]
+           "needs_copy", "on_a_device", "placed_on", "remember_twin", "to_device", "to_host", "to_where",
+           "twins_on"]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
 ALIGN = 64
@@ -148,14 +149,30 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
     return out
 
 
+def to_host(tensors: Mapping[str, Tensor], *, share: bool = True) -> dict[str, Tensor]:
+    """``tensors`` on the host: the ones on a device (:func:`on_a_device`; a simulated device run's placed tensors
+    too) copied there in one copy, host tensors handed back as they are. ``share=False``: the copies get storages of
+    their own. (Not ``to_device(tensors, "cpu")``: in a device run simulated on the CPU, "the device" is the CPU too,
+    and a placed tensor would stay placed.)
+
+    Example:
+        >>> m = {"w": torch.ones(2)}
+        >>> to_host(m)["w"] is m["w"]
+        True
+    """
+    away = [n for n, t in tensors.items() if on_a_device([t])]
+    if not away:
+        return dict(tensors)
+    return {**tensors, **dict(zip(away, copy_tensors([tensors[n] for n in away], "cpu", share=share, force=True)))}
+
+
 def to_where(tensors: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
     """``tensors`` where ``like`` is: on its device (:func:`to_device`) — or, when ``like`` is on the host, the ones
-    on a device copied to the host in one copy (:func:`on_a_device`; a simulated device run's placed tensors too).
-    What a callback combining its own tensors with an update's uses, wherever the engine left that update."""
+    on a device copied to the host in one copy (:func:`to_host`). What a callback combining its own tensors with an
+    update's uses, wherever the engine left that update."""
     if on_a_device([like]):
         return to_device(tensors, like.device)
-    away = [n for n, t in tensors.items() if on_a_device([t])]
-    return {**tensors, **dict(zip(away, copy_tensors([tensors[n] for n in away], "cpu")))}
+    return to_host(tensors, share=False)
 
 
 #: ``ALWAYS_PACK``'s record of what is on "the device" in a device run simulated on the CPU, by id: ``(weak
