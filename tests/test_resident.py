@@ -135,3 +135,29 @@ def test_a_tiny_budget_keeps_less_and_changes_nothing(tmp_path: Path, monkeypatc
     kept, cache = _run(tmp_path, "64", capsys)
     plain, _ = _run(tmp_path, "0", capsys)
     assert kept == plain and cache.hits == 0 and cache.used <= 64
+
+
+def test_the_cli_takes_a_budget_and_a_resume_may_change_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A speed and memory setting: the same numbers, so a resume may set another (recorded as a change), and a bad
+    value stops ``pl-fed`` with one line naming it."""
+    import json
+
+    from conftest import TINY_CLI, metric_rows, run_main
+
+    def fit(run: Path, *extra: str) -> None:
+        code, _, err = run_main(["fit", *TINY_CLI, "--trainer.default_root_dir", str(run), *extra], capsys)
+        assert code == 0, err
+
+    fit(tmp_path / "full", "--trainer.num_rounds", "3")
+    run = tmp_path / "run"
+    fit(run, "--trainer.num_rounds", "1", "--trainer.device_state_budget", "0")
+    fit(run, "--trainer.num_rounds", "3", "--trainer.device_state_budget", "2GiB",
+        "--ckpt_path", str(run / "checkpoints" / "last.ckpt"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumes"] == [{"round": 1, "changed": {"trainer.num_rounds": [1, 3],
+                                                           "trainer.device_state_budget": [0, "2GiB"]}}]
+    assert metric_rows(run) == metric_rows(tmp_path / "full")
+    code, _, err = run_main(["fit", *TINY_CLI, "--trainer.default_root_dir", str(tmp_path / "bad"),
+                             "--trainer.device_state_budget", "lots"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code != 0 and "trainer.device_state_budget='lots' is invalid" in last, err
