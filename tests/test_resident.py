@@ -83,12 +83,12 @@ def test_auto_is_nothing_on_the_cpu_and_some_in_a_simulated_device_run() -> None
         assert device_budget(0, "cpu") == 0
 
 
-def _run(tmp_path: Path, budget: str, capsys: pytest.CaptureFixture[str], config: str = "fedavg") -> tuple:
-    """``config`` (``benchmarks/device_traffic.py``'s) as a device run simulated on the CPU: the metrics, and the
-    loop's store (its device copies and their hits)."""
+def _run(tmp_path: Path, budget: str, capsys: pytest.CaptureFixture[str], config: str = "tiny") -> tuple:
+    """``config`` (``benchmarks/device_traffic.py``'s, or ``"tiny"``: FedAvg on the tests' tiny task) as a device run
+    simulated on the CPU: the metrics, and the loop's store's device copies (with their hits)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import device_traffic
-    from conftest import metric_rows, run_main
+    from conftest import TINY_CLI, metric_rows, run_main
 
     from pl_fedsparse.client import ClientStateStore
 
@@ -99,13 +99,16 @@ def _run(tmp_path: Path, budget: str, capsys: pytest.CaptureFixture[str], config
         made(self, *a, **k)
         stores.append(self)
 
-    cfg, extra = device_traffic.CONFIGS[config]
     run = tmp_path / f"{config}_{budget}"
-    args = ["fit", "--config", cfg, *extra, "--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false",
-            "--trainer.on_client_fault", "raise", "--trainer.device_state_budget", budget,
-            "--trainer.default_root_dir", str(run)]
-    if "--trainer.num_rounds" not in extra:
-        args += ["--trainer.num_rounds", "3"]
+    common = ["--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false", "--trainer.on_client_fault",
+              "raise", "--trainer.device_state_budget", budget, "--trainer.default_root_dir", str(run)]
+    if config == "tiny":  # (FedAvg on the tests' tiny task: 4 clients, every one in every round)
+        args = ["fit", *TINY_CLI, "--trainer.num_rounds", "3", *common]
+    else:
+        cfg, extra = device_traffic.CONFIGS[config]
+        args = ["fit", "--config", cfg, *extra, *common]
+        if "--trainer.num_rounds" not in extra:
+            args += ["--trainer.num_rounds", "3"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ClientStateStore, "__init__", init)
         with simulated_device():
@@ -114,7 +117,8 @@ def _run(tmp_path: Path, budget: str, capsys: pytest.CaptureFixture[str], config
     return metric_rows(run), stores[-1].resident
 
 
-@pytest.mark.parametrize("config", ["fedavg", pytest.param("dmpfl", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("config", ["tiny", pytest.param("fedavg", marks=pytest.mark.slow),
+                                    pytest.param("dmpfl", marks=pytest.mark.slow)])
 def test_copies_kept_on_the_device_change_no_number_and_are_found(config: str, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
