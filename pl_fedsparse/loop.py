@@ -117,20 +117,17 @@ class FederatedLoop:
             bytes (``benchmarks/flush_denormal.sh``). Off by default so that results stay bit
             for bit those of earlier runs; numbers move at most in their last bits when it is on, so a resume may
             change it. No effect on GPUs' own arithmetic.
-        fit_runner: what drives each local fit of the in-process executor (and of Ray workers): ``"auto"`` (default)
-            one persistent :class:`~pl_fedsparse.executors.runner.FitRunner` wherever it applies (modules with
-            automatic optimisation that keep Lightning's optimiser, backward and batch-transfer hooks; one optimizer),
-            else a ``Trainer`` per fit; ``"fast"`` the runner or a one-line error; ``"trainer"`` a fresh
-            ``lightning.Trainer`` per fit, the reference. The same numbers either way (bit for bit on the CPU); the
-            runner saves the Trainer's milliseconds per fit.
-        device_state_budget: device memory for copies of the federation's state kept on the fits' device between
-            fits (:mod:`~pl_fedsparse.functional.resident`): the server's weights moved for a round's first fit are
-            not moved again for its other fits, and the entries a client's fit wrote are still there for its next
-            fit — so only what changed on the host since crosses the link. ``"auto"`` (default): half the device's
-            free memory when the federation starts, on an accelerator; nothing on the CPU, where there is no link.
-            A size (``"2GiB"``, ``"512MB"``, bytes as an int); ``0`` turns it off. The host keeps every value as
-            before (aggregation, checkpoints and callbacks outside fits read host tensors), so no number changes;
-            the least recently used copies are dropped first when the budget is reached.
+        fit_runner: what drives each local fit: ``"auto"`` the runner where it applies, ``"fast"`` the runner or an
+            error, ``"trainer"`` a ``Trainer`` per fit. In detail, for the in-process executor (and Ray workers):
+            ``"auto"`` (default) one persistent :class:`~pl_fedsparse.executors.runner.FitRunner` wherever it
+            applies (modules with automatic optimisation that keep Lightning's optimiser, backward and batch-transfer
+            hooks; one optimizer), else a ``Trainer`` per fit; ``"fast"`` the runner or a one-line error;
+            ``"trainer"`` a fresh ``lightning.Trainer`` per fit, the reference. The same numbers either way (bit for
+            bit on the CPU); the runner saves the Trainer's milliseconds per fit.
+        device_state_budget: GPU memory for copies kept there between fits (auto, a size, or 0). What crossed to
+            the GPU is kept so that later fits find it (:mod:`~pl_fedsparse.functional.resident`; the same
+            numbers): ``"auto"`` (default) half the free GPU memory when the federation starts (none on the CPU); a
+            size (``"2GiB"``, ``"512MB"``, bytes as an int); ``0`` turns it off.
 
     Example:
         .. code-block:: yaml
