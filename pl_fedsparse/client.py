@@ -303,19 +303,21 @@ class ClientStateStore:
         :meth:`end_prefetch` (the fit's end) drops the copies."""
         self.end_prefetch(client_idx)
         keys = [key for key in self._inits if self.has(client_idx, key) and key not in self._pending.get(client_idx, ())]
-        leaves = {key: _leaves(self.decode(self.stored(client_idx, key)), []) for key in keys}
+        stored = {key: self.stored(client_idx, key) for key in keys}
+        leaves = {key: _leaves(self.decode(stored[key]), []) for key in keys}
         flat = [t for key in keys for t in leaves[key]] + list(extra)
-        # what is on the device already (``resident``) stays there; the rest crosses in one copy and is kept there
-        # (an encoded entry's decoded tensors are new at every read: never found again, so not kept)
-        keepable = {id(t) for key in keys if not _has_encoded(self.stored(client_idx, key)) for t in leaves[key]}
-        keepable.update(id(t) for t in extra)
-        res = self.resident
-        found: list[Tensor | None] = [res.lookup(t, device) for t in flat] if res.active else [None] * len(flat)
-        todo = [i for i, c in enumerate(found) if c is None]
-        for i, c in zip(todo, transfer.copy_tensors([flat[i] for i in todo], device, share=True, force=True)):
-            found[i] = c
-            if id(flat[i]) in keepable:
-                res.keep(flat[i], c)
+        if self.resident.active:  # what is on the device already stays there; the rest crosses and is kept there
+            found: list[Tensor | None] = [self.resident.lookup(t, device) for t in flat]
+            todo = [i for i, c in enumerate(found) if c is None]
+            for i, c in zip(todo, transfer.copy_tensors([flat[i] for i in todo], device, share=True, force=True)):
+                found[i] = c
+            transfer.mark_placed(found, device)  # (a simulated device run: the copies are on "the device")
+            # (an encoded entry's decoded tensors are new at every read: never found again, so not kept)
+            plain = {key: not _has_encoded(stored[key]) for key in keys}
+            keepable = [plain[key] for key in keys for _ in leaves[key]] + [True] * len(extra)
+            self._keep_resident([flat[i] if keepable[i] else None for i in todo], [found[i] for i in todo])
+        else:
+            found = list(transfer.copy_tensors(flat, device, share=True, force=True))
         moved = iter(found)
         self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}  # type: ignore[misc]
         out: list[Tensor] = list(moved)  # type: ignore[arg-type]
@@ -433,28 +435,28 @@ class ClientStateStore:
         clients = list(self._pending) if client_idx is None else [client_idx] if client_idx in self._pending else []
         values = [(k, key, self._data[k][key]) for k in clients for key in self._pending[k]]
         leaves = [_leaves(v, []) for _, _, v in values]
-        res = self.resident
-        flat = [t for ls in leaves for t in ls] + list(extra)
-        packed: list[Tensor | None] = []
-        moved = iter(transfer.copy_tensors(flat, "cpu", packed=packed if res.active else None))
-        # the copies packed on the device before the buffer crossed (private: no callback holds them) stay there as
-        # the host copies' device copies
-        there = iter(packed if res.active else [None] * len(flat))
+        # with a budget, the copies packed on the device before the buffer crossed (private: no callback holds them)
+        # stay there as the host copies' device copies
+        packed: list[Tensor | None] | None = [] if self.resident.active else None
+        moved = iter(transfer.copy_tensors([t for ls in leaves for t in ls] + list(extra), "cpu", packed=packed))
+        hosts: list[Tensor | None] = []
         for (k, key, value), device_leaves in zip(values, leaves):
             kept = self._data[k][key] = self._keep(_replace(value, moved))
             self._count(kept)
-            copies = [next(there) for _ in device_leaves]
-            if not _has_encoded(kept):  # (an encoded entry is decoded anew at every read: never found again)
-                for host, copy in zip(_leaves(kept, []), copies):
-                    if copy is not None and transfer.on_a_device([copy]):
-                        res.keep(host, copy)
+            if packed is not None:  # (an encoded entry is decoded anew at every read: never found again)
+                hosts += [None] * len(device_leaves) if _has_encoded(kept) else _leaves(kept, [])
         for k in clients:
             del self._pending[k]
         out = list(moved)
-        for host, copy in zip(out, there):
-            if copy is not None and transfer.on_a_device([copy]):
-                res.keep(host, copy)
+        if packed is not None:
+            self._keep_resident([*hosts, *out], packed)
         return out
+
+    def _keep_resident(self, hosts: Sequence[Tensor | None], copies: Sequence[Tensor | None]) -> None:
+        """Remember each device copy in ``copies`` for its host tensor (``None`` on either side: nothing to keep)."""
+        for host, copy in zip(hosts, copies):
+            if host is not None and copy is not None and transfer.on_a_device([copy]):
+                self.resident.keep(host, copy)
 
     def _count(self, value: TensorTree) -> None:
         self._written += _nbytes(value)

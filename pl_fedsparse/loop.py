@@ -35,7 +35,6 @@ from pl_fedsparse import policies
 from pl_fedsparse.allocator import apply_flush_denormal
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
-from pl_fedsparse.functional.resident import device_budget, parse_budget
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CallbackContract
 from pl_fedsparse.errors import ConfigError, RunStoppedError, UserCodeError, check, user_code
@@ -50,6 +49,7 @@ from pl_fedsparse.executors.base import (
     quiet_lightning,
 )
 from pl_fedsparse.executors.in_process import InProcessExecutor
+from pl_fedsparse.functional.resident import device_budget
 from pl_fedsparse.loop_checks import check_arguments, check_client_data, resolve_device
 from pl_fedsparse.metrics import SERVER, Accounting, TrainFlops
 from pl_fedsparse.protocol import check_datamodule
@@ -126,7 +126,7 @@ class FederatedLoop:
             bit on the CPU); the runner saves the Trainer's milliseconds per fit.
         device_state_budget: GPU memory for copies kept there between fits (auto, a size, or 0). What crossed to
             the GPU is kept so that later fits find it (:mod:`~pl_fedsparse.functional.resident`; the same
-            numbers): ``"auto"`` (default) half the free GPU memory when the federation starts (none on the CPU); a
+            numbers): ``"auto"`` (default) half the free GPU memory when the federation starts (none off CUDA); a
             size (``"2GiB"``, ``"512MB"``, bytes as an int); ``0`` turns it off.
 
     Example:
@@ -161,10 +161,10 @@ class FederatedLoop:
                         eval_split=eval_split, eval_metrics=eval_metrics, precision=precision, devices=devices,
                         accelerator=accelerator, gradient_clip_val=gradient_clip_val,
                         checkpoint_every=checkpoint_every, on_client_fault=on_client_fault,
-                        keep_checkpoints=keep_checkpoints, callback_contract=callback_contract, fit_runner=fit_runner)
+                        keep_checkpoints=keep_checkpoints, callback_contract=callback_contract, fit_runner=fit_runner,
+                        device_state_budget=device_state_budget)
         self.num_rounds, self.join_ratio, self.clients_per_round = num_rounds, join_ratio, clients_per_round
         self.fit_runner = fit_runner
-        parse_budget(device_state_budget)  # (a one-line error now, not when the federation starts)
         self.device_state_budget = device_state_budget
         self.local_epochs, self.local_steps = local_epochs, local_steps
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global

@@ -12,6 +12,7 @@ import torch
 from pl_fedsparse.contract import CONTRACT_MODES
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.executors.runner import FIT_RUNNERS
+from pl_fedsparse.functional.resident import parse_budget
 from pl_fedsparse.metrics import EVAL_METRICS
 
 log = logging.getLogger("pl_fedsparse.loop")
@@ -25,7 +26,8 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 def check_arguments(*, num_rounds: Any, join_ratio: Any, clients_per_round: Any, local_epochs: Any, local_steps: Any,
                     eval_every: Any, eval_split: Any, eval_metrics: Any, precision: Any, devices: Any,
                     accelerator: Any, gradient_clip_val: Any, checkpoint_every: Any, on_client_fault: Any,
-                    keep_checkpoints: Any, callback_contract: Any, fit_runner: Any) -> None:
+                    keep_checkpoints: Any, callback_contract: Any, fit_runner: Any,
+                    device_state_budget: Any = "auto") -> None:
     """The :class:`~pl_fedsparse.loop.FederatedLoop`'s arguments (``trainer.*``), each checked in one line."""
     check(isinstance(num_rounds, int) and num_rounds >= 1, "trainer.num_rounds", num_rounds, "an int >= 1")
     check(0 < join_ratio <= 1, "trainer.join_ratio", join_ratio, "a number in (0, 1]")
@@ -51,6 +53,7 @@ def check_arguments(*, num_rounds: Any, join_ratio: Any, clients_per_round: Any,
     check(callback_contract in CONTRACT_MODES, "trainer.callback_contract", callback_contract,
           "one of " + ", ".join(CONTRACT_MODES))
     check(fit_runner in FIT_RUNNERS, "trainer.fit_runner", fit_runner, "one of " + ", ".join(FIT_RUNNERS))
+    parse_budget(device_state_budget)
 
 
 def resolve_device(accelerator: str) -> torch.device:

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import OrderedDict
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.errors import check
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import needs_copy
 
@@ -58,31 +59,26 @@ def parse_budget(value: Any, param: str = "trainer.device_state_budget") -> int 
         >>> parse_budget("1.5GiB"), parse_budget(0), parse_budget("auto")
         (1610612736, 0, None)
     """
-    allowed = "auto, a number of bytes >= 0 or a size such as 512MiB or 2GB"
-    if isinstance(value, bool):
-        raise ConfigError(f"{param}={value!r} is invalid: expected {allowed}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{param}={value!r} is invalid: expected {allowed}")
-        return value
-    if isinstance(value, str):
+    amount, unit = -1.0, ""
+    if isinstance(value, int) and not isinstance(value, bool):
+        amount = float(value)
+    elif isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
         if text == "auto":
             return None
         number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
         unit = text[len(number):]
-        try:
+        with contextlib.suppress(ValueError):
             amount = float(number)
-        except ValueError:
-            amount = -1.0
-        if unit in _UNITS and math.isfinite(amount) and amount >= 0:
-            return int(amount * _UNITS[unit])
-    raise ConfigError(f"{param}={value!r} is invalid: expected {allowed}")
+    check(unit in _UNITS and math.isfinite(amount) and amount >= 0, param, value,
+          "auto, a number of bytes >= 0 or a size such as 512MiB or 2GB")
+    return int(amount * _UNITS[unit])
 
 
 def device_budget(value: Any, device: torch.device | str) -> int:
-    """``trainer.device_state_budget`` in bytes for fits on ``device``: ``"auto"`` is half the accelerator's free
-    memory now, and 0 on the CPU (no link to save; :data:`AUTO_BUDGET_ON_CPU` in a simulated device run)."""
+    """``trainer.device_state_budget`` in bytes for fits on ``device``: ``"auto"`` is half a CUDA device's free
+    memory now, and 0 elsewhere (the CPU has no link to save; :data:`AUTO_BUDGET_ON_CPU` in a simulated device
+    run)."""
     budget = parse_budget(value)
     if budget is not None:
         return budget
@@ -90,9 +86,7 @@ def device_budget(value: Any, device: torch.device | str) -> int:
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         return int(free) // 2
-    if dev.type != "cpu":  # (another accelerator: its free memory is not asked for; what a GPU's half would be)
-        return 1 << 30
-    return AUTO_BUDGET_ON_CPU if transfer.ALWAYS_PACK else 0
+    return AUTO_BUDGET_ON_CPU if transfer.ALWAYS_PACK and dev.type == "cpu" else 0
 
 
 class ResidentCopies:
@@ -101,7 +95,6 @@ class ResidentCopies:
 
     Attributes:
         hits: lookups answered with a kept copy.
-        misses: lookups that found none (the tensor crossed the link).
     """
 
     def __init__(self, budget: int = 0) -> None:
@@ -113,7 +106,6 @@ class ResidentCopies:
         self._storages: dict[int, list[int]] = {}
         self.used = 0
         self.hits = 0
-        self.misses = 0
 
     @property
     def active(self) -> bool:
@@ -126,17 +118,12 @@ class ResidentCopies:
     def lookup(self, host: Tensor, device: torch.device | str) -> Tensor | None:
         """The kept copy of ``host`` on ``device``, if neither has changed since it was kept (do not change it: it is
         handed out again); ``None`` otherwise."""
-        if not self._copies:
-            if self.active:
-                self.misses += 1
-            return None
         key = id(host)
         hit = self._copies.get(key)
-        if (hit is None or hit[0]() is not host or hit[1] != host._version or hit[3] != hit[2]._version
-                or needs_copy([hit[2]], device)):
-            if hit is not None:
-                self._drop(key)
-            self.misses += 1
+        if hit is None:
+            return None
+        if hit[0]() is not host or hit[1] != host._version or hit[3] != hit[2]._version or needs_copy([hit[2]], device):
+            self._drop(key)
             return None
         self._copies.move_to_end(key)
         self.hits += 1
@@ -180,9 +167,3 @@ class ResidentCopies:
         if not slot[0]:
             del self._storages[ptr]
             self.used -= slot[1]
-
-    def clear(self) -> None:
-        """Forget every copy (their device memory is freed once nothing else holds it)."""
-        self._copies.clear()
-        self._storages.clear()
-        self.used = 0
