@@ -28,7 +28,7 @@ def test_the_dry_run_resolves_every_step() -> None:
         assert f"{name}: " in out and "resolves" in out, out
     for name in ("pfedgate", "fedspa_dst", "dispfl", "dmpfl", "fedpse"):  # the papers' runs on the GPU
         assert f"{name}: " in out and "resolves (" in out and "eval every" in out, out
-    for step in ("pytest -v -p no:cacheprovider -m gpu", "overhead.py", "gpu_rounds.py run", "ray_speedup.py one",
+    for step in ("pytest -vv -p no:cacheprovider -m gpu", "overhead.py", "gpu_rounds.py run", "ray_speedup.py one",
                  "gpu_paper_runs.py run --seconds 390",
                  "vectorized.py --task lenet --clients 100 --accelerator gpu", "vectorized.py parses",
                  "profile_fit.py --config configs/cifar10_fedspa_dst.yaml --accelerator gpu --clients 10",
