@@ -312,6 +312,7 @@ def measure_gpu(name: str, rounds: int = 2) -> dict[str, Any]:
     if "--trainer.num_rounds" not in extra:
         args += ["--trainer.num_rounds", str(rounds)]
     counts: Counter[str] = Counter()
+    sources: Counter[str] = Counter()  # where a synchronising call inside a step came from (file:line)
     run_one, step = InProcessExecutor.run_one, runner_mod.FitRunner._step
 
     def run_one_(self: Any, request: Any) -> Any:
@@ -328,7 +329,10 @@ def measure_gpu(name: str, rounds: int = 2) -> dict[str, Any]:
                 return step(*a, **k)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-                counts["sync_warnings"] += sum("synchroniz" in str(w.message) for w in caught)
+                for w in caught:
+                    if "synchroniz" in str(w.message):
+                        counts["sync_warnings"] += 1
+                        sources[f"{Path(w.filename).name}:{w.lineno}"] += 1
 
     InProcessExecutor.run_one = run_one_  # type: ignore[method-assign]
     runner_mod.FitRunner._step = staticmethod(step_)  # type: ignore[method-assign]
@@ -358,6 +362,17 @@ def measure_gpu(name: str, rounds: int = 2) -> dict[str, Any]:
         out[f"{kind}_per_fit"] = round(sum(e.name in names and inside(e, "fit") for e in runtime) / fits, 2)
         out[f"{kind}_per_step"] = round(sum(e.name in names and inside(e, "step") for e in runtime) / steps, 3)
     out["sync_warnings_per_step"] = round(counts["sync_warnings"] / steps, 3)
+    # what each wait inside a step was part of: the nearest enclosing operator (aten::…) or the step itself, so a
+    # lease's record says which call to remove
+    wait_ops: Counter[str] = Counter()
+    for e in runtime:
+        if e.name in _RUNTIME_WAITS and inside(e, "step"):
+            parent = getattr(e, "cpu_parent", None)
+            while parent is not None and not str(parent.name).startswith("aten::") and parent.name != "pl_fed.step":
+                parent = getattr(parent, "cpu_parent", None)
+            wait_ops[str(parent.name) if parent is not None else "?"] += 1
+    out["step_wait_ops"] = dict(wait_ops.most_common(5))
+    out["step_sync_sources"] = dict(sources.most_common(5))
     for d in ("HtoD", "DtoH", "DtoD"):
         out[f"{d}_per_fit_run"] = round(sum(f"Memcpy {d}" in e.name for e in events) / fits, 2)
     return out
@@ -389,11 +404,14 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 (one config's failure is reported, the others still run)
                 print(f"# {n}: failed: {type(e).__name__}: {e}")
         if gpu_rows:
-            gcols = [k for k in gpu_rows[0] if k != "config"]
+            gcols = [k for k in gpu_rows[0] if k != "config" and not isinstance(gpu_rows[0][k], dict)]
             print("| config | " + " | ".join(gcols) + " |")
             print("|---|" + "---|" * len(gcols))
             for r in gpu_rows:
                 print(f"| {r['config']} | " + " | ".join(str(r[c]) for c in gcols) + " |")
+            for r in gpu_rows:  # where the waits inside steps come from (empty: none)
+                print(f"# {r['config']}: waits inside steps by operator {r['step_wait_ops']}; "
+                      f"synchronising calls by source {r['step_sync_sources']}")
         if a.json:
             Path(a.json).write_text(json.dumps(gpu_rows, indent=1) + "\n")
         return
