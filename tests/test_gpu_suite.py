@@ -97,3 +97,42 @@ def test_the_paper_runs_skip_a_paper_without_its_data(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"dmpfl: skipped: no cifar10 data at {tmp_path / 'absent'}" in res.stdout
     assert ledger.read_bytes() == before and not (tmp_path / "out" / "paper_runs").exists()
+
+
+def _ray_parts(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gpu_ray_parts.sh`` run from a copy in ``root/benchmarks`` (it works on ``root/data``)."""
+    (root / "benchmarks").mkdir(exist_ok=True)
+    script = root / "benchmarks" / "gpu_ray_parts.sh"
+    script.write_text((ROOT / "benchmarks" / "gpu_ray_parts.sh").read_text())
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(script), *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_the_ray_wheel_parts_are_joined_only_whole(tmp_path: Path) -> None:
+    """The install side (no network, no pip run): each missing or wrong piece is one line, exit 2."""
+    res = _ray_parts(tmp_path, "nonsense")
+    assert res.returncode == 2 and res.stderr.strip() == ("error: gpu_ray_parts.sh: expected 'pack' (here) or "
+                                                          "'install' (on the lent machine), got 'nonsense'")
+    res = _ray_parts(tmp_path, "install")
+    assert res.returncode == 2 and res.stderr.strip() == ('error: gpu_ray_parts.sh: no data/ray_b here: carry '
+                                                          '["data/ray_b"] in this call')
+    name = "ray-0.0-cp312-cp312-manylinux2014_x86_64.whl"
+    a, b = tmp_path / "data" / "ray_a", tmp_path / "data" / "ray_b"
+    b.mkdir(parents=True)
+    whole = bytes(range(256)) * 64
+    (b / f"{name}.part-01").write_bytes(whole[4000:])
+    import hashlib
+
+    (b / "ray.sha256").write_text(f"{hashlib.sha256(whole).hexdigest()}  {name}\n")
+    res = _ray_parts(tmp_path, "install")  # the first call's part is not there (a cold machine)
+    assert res.returncode == 2 and "no data/ray_a/*.part-00 here" in res.stderr and res.stderr.count("\n") == 1
+    a.mkdir()
+    (a / f"{name}.part-00").write_bytes(whole[:3999])  # one byte short: the join's sha256 must catch it
+    res = _ray_parts(tmp_path, "install")
+    assert res.returncode == 2 and res.stderr == (f"error: gpu_ray_parts.sh: the joined {name} does not match its "
+                                                  "sha256 (a part is missing or from another wheel)\n"), res.stderr
+    (a / f"{name}.part-00").write_bytes(whole[:4000])  # whole again: joined and checked, then pip refuses the bytes
+    res = _ray_parts(tmp_path, "install")
+    assert res.returncode == 2 and res.stderr == (f"error: gpu_ray_parts.sh: pip could not install {name} from the "
+                                                  "carried wheels (its output: data/ray_b/pip.log)\n"), res.stderr
