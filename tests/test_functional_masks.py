@@ -317,3 +317,33 @@ def test_prune_regrow_runs_on_the_weights_device_without_a_host_copy_of_the_scor
     on_gpu = prune_regrow(masks, {"w": drop.cuda()}, {"w": grow.cuda()}, 0.3)
     assert on_gpu["w"].device.type == "cuda"
     assert torch.equal(on_gpu["w"].cpu(), on_cpu["w"])
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 3), (4, 3, 3, 3), (1,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_expand_values_is_boolean_index_assignment(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """``expand_values`` (masked_scatter_) puts the values where ``dense[mask] = values`` puts them, bit for bit:
+    row-major order, zeros elsewhere, -0.0 and NaN kept, the values' dtype."""
+    from pl_fedsparse.functional.sparse import expand_values
+
+    g = torch.Generator().manual_seed(len(shape))
+    for density in (0.0, 0.3, 1.0):
+        mask = torch.rand(shape, generator=g) < density
+        values = torch.randn(int(mask.sum()), generator=g).to(dtype)
+        if values.numel() > 1:
+            values[0], values[-1] = -0.0, float("nan")
+        want = torch.zeros(shape, dtype=dtype)
+        want[mask] = values
+        got = expand_values(values, mask.to(torch.uint8))  # (a 0/1 mask is read as bool)
+        assert got.dtype == dtype and got.shape == mask.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # the same bytes (-0.0, NaN)
+
+
+def test_expand_values_refuses_a_count_that_is_not_the_masks() -> None:
+    from pl_fedsparse.errors import ConfigError
+    from pl_fedsparse.functional.sparse import expand_values
+
+    mask = torch.tensor([True, False, True, True])
+    for values in (torch.ones(2), torch.ones(4), torch.ones(3, 1)):
+        with pytest.raises(ConfigError, match=r"^values=.* is invalid: expected a 1-D tensor of 3 values"):
+            expand_values(values, mask)

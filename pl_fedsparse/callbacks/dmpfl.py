@@ -54,7 +54,7 @@ from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
 from pl_fedsparse.functional.masks import check_density, layer_densities
-from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional.sparse import expand_values, pack_masks, unpack_masks
 from pl_fedsparse.functional.transfer import to_device, to_where
 
 if TYPE_CHECKING:
@@ -205,9 +205,7 @@ class DualMask(UsesMaskedTraining):
             values = to_where({n: values[n] for n in masks}, like)
         out = {}
         for name, m in masks.items():
-            dense = values[name].new_zeros(m.shape)
-            dense[m] = values[name]
-            out[name] = dense
+            out[name] = expand_values(values[name], m)
         return out
 
     def _store_weights(self, loop: FederationView, client_idx: int, state: dict[str, Tensor],

@@ -45,7 +45,7 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.functional.aggregation import weighted_average
-from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional.sparse import expand_values, pack_masks, unpack_masks
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -161,9 +161,7 @@ class Gossip(FederatedCallback):
         for name, v in weights.items():
             m = masks.get(name)
             if m is not None and tuple(v.shape) != self._shapes[name]:
-                dense = torch.zeros(self._shapes[name], dtype=v.dtype)
-                dense[m] = v
-                v = dense
+                v = expand_values(v, m.view(self._shapes[name]))
             out[name] = v
         return out
 

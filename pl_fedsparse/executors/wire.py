@@ -15,6 +15,7 @@ from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.executors.base import FitRequest
+from pl_fedsparse.functional.sparse import expand_values
 
 __all__ = ["pack_tree", "unpack_tree"]
 
@@ -87,9 +88,7 @@ def _dense_message_tensors(tensors: dict[str, Any], masks: Mapping[str, Tensor])
     out = {}
     for name, t in tensors.items():
         if isinstance(t, _SparseValues):
-            dense = torch.zeros(t.shape, dtype=t.values.dtype)
-            dense[masks[name]] = t.values
-            t = dense
+            t = expand_values(t.values, masks[name].view(t.shape))
         out[name] = t
     return out
 
