@@ -89,9 +89,9 @@ def main() -> None:
             avg, wa, ca = _timed(lambda dense=dense, masks=masks: weighted_average(dense, [1.0] * len(dense), masks))
             results[name] = avg
             if r:
-                t = times[name]
-                t["expand"].append(we), t["expand_cpu"].append(ce), t["average"].append(wa)
-                t["message"].append(we + wa), t["message_cpu"].append(ce + ca)
+                for part, value in (("expand", we), ("expand_cpu", ce), ("average", wa), ("message", we + wa),
+                                    ("message_cpu", ce + ca)):
+                    times[name][part].append(value)
     params = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"ResNet18GN ({params:,} params), density {a.density}, {a.neighbours} neighbours + own, "
           f"threads={torch.get_num_threads()}, medians of {a.repeats} messages")

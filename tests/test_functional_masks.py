@@ -347,3 +347,12 @@ def test_expand_values_refuses_a_count_that_is_not_the_masks() -> None:
     for values in (torch.ones(2), torch.ones(4), torch.ones(3, 1)):
         with pytest.raises(ConfigError, match=r"^values=.* is invalid: expected a 1-D tensor of 3 values"):
             expand_values(values, mask)
+
+
+def test_unpack_blocks_names_the_parameter_of_a_wrong_count() -> None:
+    from pl_fedsparse.functional.gate import make_block_table
+    from pl_fedsparse.functional.gate_upload import unpack_blocks
+
+    t = make_block_table([("w", (2, 3), True)], num_splits=3)
+    with pytest.raises(ConfigError, match=r"^values\['w'\]=\(3,\) is invalid: expected a 1-D tensor of 4 values"):
+        unpack_blocks({"w": torch.ones(3)}, torch.tensor([True, False, True]), t)

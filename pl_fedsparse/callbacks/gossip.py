@@ -161,7 +161,7 @@ class Gossip(FederatedCallback):
         for name, v in weights.items():
             m = masks.get(name)
             if m is not None and tuple(v.shape) != self._shapes[name]:
-                v = expand_values(v, m.view(self._shapes[name]))
+                v = expand_values(v, m)
             out[name] = v
         return out
 

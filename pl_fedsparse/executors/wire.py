@@ -88,7 +88,7 @@ def _dense_message_tensors(tensors: dict[str, Any], masks: Mapping[str, Tensor])
     out = {}
     for name, t in tensors.items():
         if isinstance(t, _SparseValues):
-            t = expand_values(t.values, masks[name].view(t.shape))
+            t = expand_values(t.values, masks[name])
         out[name] = t
     return out
 

@@ -15,15 +15,15 @@ Pure tensor maths; the federation wiring is :class:`pl_fedsparse.callbacks.PFedG
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
-import torch
+import torch  # noqa: F401 (the examples use it)
 from torch import Tensor
 
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.gate import BlockTable, expand_block_weights
+from pl_fedsparse.functional.sparse import expand_values
 
 __all__ = ["block_masks", "index_wise_average", "kept_numel", "pack_blocks", "unpack_blocks"]
 
@@ -87,13 +87,8 @@ def unpack_blocks(values: Mapping[str, Tensor], keep: Tensor, table: BlockTable)
     """
     masks = block_masks(keep, table)
     out = {}
-    for i, n in enumerate(table.names):
-        v = values[n]
-        m = masks[n].flatten()
-        check(v.numel() == int(m.sum()), f"values[{n!r}]", v.numel(), f"{int(m.sum())} values (the kept blocks)")
-        dense = torch.zeros(math.prod(table.shapes[i]), dtype=v.dtype, device=v.device)
-        dense[m.to(v.device)] = v.flatten()
-        out[n] = dense.view(table.shapes[i])
+    for n in table.names:  # (each mask is shaped like its parameter)
+        out[n] = expand_values(values[n].flatten(), masks[n], param=f"values[{n!r}]")
     return out
 
 

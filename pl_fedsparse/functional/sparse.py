@@ -246,7 +246,7 @@ def unpack_masks(packed: Mapping[str, Tensor], shapes: Mapping[str, torch.Size |
     return {k: unpack_mask(p, shapes[k]) for k, p in packed.items()}
 
 
-def expand_values(values: Tensor, mask: Tensor) -> Tensor:
+def expand_values(values: Tensor, mask: Tensor, param: str = "values") -> Tensor:
     """A sparse tensor stored as its values at a mask's positions, put back in place: a dense tensor of ``mask``'s
     shape, ``values`` at the mask's positions in row-major order and zeros elsewhere (on ``values``' device and in
     its dtype).
@@ -258,6 +258,7 @@ def expand_values(values: Tensor, mask: Tensor) -> Tensor:
     Args:
         values: 1-D, as many entries as ``mask`` holds (``t[mask]`` of the dense tensor ``t``).
         mask: bool (or 0/1) tensor of the dense shape.
+        param: the name a wrong count is reported under.
 
     Example:
         >>> expand_values(torch.tensor([1., 2.]), torch.tensor([[True, False], [False, True]]))
@@ -271,6 +272,6 @@ def expand_values(values: Tensor, mask: Tensor) -> Tensor:
     # (counted on the host only: on a device the count would make the host wait; masked_scatter_ itself refuses
     # too few values there)
     count = int(mask.sum()) if values.device.type == "cpu" else values.numel()
-    check(values.dim() == 1 and values.numel() == count, "values", tuple(values.shape),
+    check(values.dim() == 1 and values.numel() == count, param, tuple(values.shape),
           f"a 1-D tensor of {count} values (one per position the mask holds)")
     return values.new_zeros(mask.shape).masked_scatter_(mask, values)
