@@ -29,8 +29,13 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
-**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`) and **eval** (one evaluation
-loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader). Where the engine takes
+**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`), **eval** (one evaluation
+loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader) and **message** (one client's
+message of a round: the ``client_message`` policy and every ``on_client_message``,
+``FederatedLoop.client_message``; DisPFL's gossip average is made there, on the fits' device). In the message phase
+a synchronising call on a tensor the simulation knows to be on the host (neither moved to "the device" nor computed
+from what was: e.g. a count read from a mask's packed bytes kept on the host) is not counted: on a GPU it waits for
+nothing. In the other phases every such call is counted, as before (an upper bound). Where the engine takes
 another path on the CPU than on a device (pFedGate's greedy knapsack, a Python scan on the CPU; prune-and-regrow's
 selections, by counting on the CPU and by sorting on a device), the counter makes it take the device's. A GPU's own profile
 (``torch.profiler``, ``torch.cuda.set_sync_debug_mode``) is the check on a lent device; this one runs anywhere, and
@@ -94,6 +99,15 @@ def _is_device(x: Any) -> bool:
     return isinstance(x, (torch.device, str)) and str(x).split(":")[0] in ("cpu", "cuda", "mps", "meta")
 
 
+def _on_the_host(args: tuple[Any, ...]) -> bool:
+    """Whether the tensor a call reads is a host tensor in the simulated device run (neither moved to "the device"
+    nor computed from what was)."""
+    from pl_fedsparse.functional import transfer
+
+    t = args[0] if args else None
+    return isinstance(t, torch.Tensor) and not transfer.on_a_device([t])
+
+
 class TrafficCounter(TorchFunctionMode):
     """Counts Trainers, module moves, transfers and synchronising calls by phase (see the module docstring)."""
 
@@ -127,7 +141,9 @@ class TrafficCounter(TorchFunctionMode):
             return func(*args, **kwargs)
         moves = "data_transfers" if _DATA_DIR in caller else "transfers"  # (the data's own moves, counted apart)
         counted = True
-        if name in _SYNC_NAMES:
+        if name in _SYNC_NAMES and self.phase[-1] == "message" and _on_the_host(args):
+            pass  # (a host tensor's value read on the host: no wait, see "message" in the docstring)
+        elif name in _SYNC_NAMES:
             self._count("syncs", name)
         elif name in _TRANSFER_NAMES:
             self._count(moves, name)
@@ -189,7 +205,16 @@ def counting() -> Iterator[TrafficCounter]:
 
     from pl_fedsparse.evaluation import Evaluator
 
+    from pl_fedsparse.loop import FederatedLoop
+
     run_one, step, dag = InProcessExecutor.run_one, runner_mod.FitRunner._step, pr.drop_and_grow
+    client_message = FederatedLoop.client_message
+
+    def client_message_(self: Any, *a: Any, **k: Any) -> Any:
+        counter.counts[("message", "messages")] += 1
+        with counter.in_phase("message"):
+            return client_message(self, *a, **k)
+
     logits = Evaluator.logits
     trainer_init, to, cuda, cpu = pl.Trainer.__init__, torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.cpu
 
@@ -228,6 +253,7 @@ def counting() -> Iterator[TrafficCounter]:
     from pl_fedsparse.testing import device_paths
 
     patch(InProcessExecutor, "run_one", run_one_)
+    patch(FederatedLoop, "client_message", client_message_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
     patch(pr, "drop_and_grow", dag_)
     patch(Evaluator, "logits", logits_)
@@ -283,6 +309,9 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
     per["eval_syncs_per_loader"] = round(c.counts[("eval", "syncs")] / loaders, 2)
     per["readjust_syncs_per_call"] = round(c.counts[("readjust", "syncs")] / max(1, c.counts[("readjust", "calls")]),
                                            2)
+    messages = max(1, c.counts[("message", "messages")])
+    per["message_transfers_per_message"] = round(c.counts[("message", "transfers")] / messages, 2)
+    per["message_syncs_per_message"] = round(c.counts[("message", "syncs")] / messages, 2)
     return {"config": name, "fit_runner": fit_runner, "device_state_budget": budget, "fits": c.counts[("fit", "fits")],
             "steps": c.counts[("step", "steps")], **per,
             "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
@@ -419,7 +448,8 @@ def main() -> None:
     cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",
             "data_transfers_per_fit", "syncs_per_fit",
             "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",
-            "eval_transfers_per_loader", "eval_syncs_per_loader"]
+            "eval_transfers_per_loader", "eval_syncs_per_loader", "message_transfers_per_message",
+            "message_syncs_per_message"]
     print("| config | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for r in rows:

@@ -18,6 +18,8 @@
 #                                                        -> overhead_runner_<precision>.txt, profile_fedspa_runner.txt
 #   traffic   benchmarks/device_traffic.py --gpu: torch.profiler's host<->device copies and waits per client fit and
 #             per training step for each method's config (the CPU counter's numbers, checked) -> traffic_gpu.txt
+#   server    benchmarks/server_work.py --device cuda: a round's aggregation (FedAvg, FedSpa's Eq. 4) and one DisPFL
+#             gossip message, on the host and on the GPU (what the device path saves)      -> server_work.txt
 #   overhead  benchmarks/overhead.py, engine vs a plain loop, at 32-true, bf16-mixed and 16-mixed
 #                                                                                       -> overhead_<precision>.txt
 #   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
@@ -51,7 +53,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests runner traffic overhead rounds paper ray vectorized profile)
+STEPS=(env tests runner traffic server overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
 STEP_SECONDS=${STEP_SECONDS:-0}  # each step's time limit in seconds (0: none); a short lease sets it
 for s in "${ONLY[@]}"; do
@@ -111,6 +113,11 @@ fi
 if wanted traffic; then  # host<->device copies and waits per fit and per step, each method's config (synthetic)
   step traffic_gpu.txt "$PY" benchmarks/device_traffic.py --gpu --json "$OUT/traffic_gpu.json"
   [ "$DRY" = 1 ] && "$PY" benchmarks/device_traffic.py --help > /dev/null && echo "device_traffic.py parses"
+fi
+
+if wanted server; then  # the server's work of a round (aggregation, a DisPFL gossip message) on the host and the GPU
+  step server_work.txt "$PY" benchmarks/server_work.py --device cuda
+  [ "$DRY" = 1 ] && "$PY" benchmarks/server_work.py --help > /dev/null && echo "server_work.py parses"
 fi
 
 if wanted overhead; then

@@ -77,10 +77,19 @@ class Message:
     tensors: dict[str, Tensor]
     masks: dict[str, Tensor] = field(default_factory=dict)
     ternary: frozenset[str] = frozenset()
+    #: per mask name, ``(mask, the positions it holds)`` where whoever set the mask knew the count without reading
+    #: the mask (e.g. from its packed bytes on the host: :meth:`know_count`); used while ``masks[name]`` is still
+    #: that mask, so that a mask on a device is not counted there (a wait)
+    known_counts: dict[str, tuple[Tensor, int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def know_count(self, name: str, mask: Tensor, count: int) -> None:
+        """Remember that ``mask`` (to be ``masks[name]``) holds ``count`` positions."""
+        self.known_counts[name] = (mask, int(count))
 
     def nbytes(self) -> int:
         """Bytes on the wire (see :mod:`pl_fedsparse.functional.accounting`)."""
-        return message_nbytes(self.tensors, self.masks, self.ternary)
+        counts = {n: c for n, (m, c) in self.known_counts.items() if self.masks.get(n) is m}
+        return message_nbytes(self.tensors, self.masks, self.ternary, counts)
 
 
 @dataclass
@@ -153,6 +162,14 @@ def _storages(value: TensorTree, out: dict[int, int] | None = None) -> dict[int,
         storage = value.untyped_storage()
         out[storage.data_ptr()] = storage.nbytes()
     return out
+
+
+def _there(t: Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device`` (in a device run simulated on the CPU: placed there,
+    :func:`~pl_fedsparse.functional.transfer.placed_on`)."""
+    if transfer.ALWAYS_PACK:
+        return transfer.placed_on(t) == str(device)
+    return not transfer.needs_copy([t], device)
 
 
 def _has_encoded(value: TensorTree) -> bool:
@@ -306,22 +323,65 @@ class ClientStateStore:
         stored = {key: self.stored(client_idx, key) for key in keys}
         leaves = {key: _leaves(self.decode(stored[key]), []) for key in keys}
         flat = [t for key in keys for t in leaves[key]] + list(extra)
-        if self.resident.active:  # what is on the device already stays there; the rest crosses and is kept there
-            found: list[Tensor | None] = [self.resident.lookup(t, device) for t in flat]
-            todo = [i for i, c in enumerate(found) if c is None]
-            for i, c in zip(todo, transfer.copy_tensors([flat[i] for i in todo], device, share=True, force=True)):
-                found[i] = c
-            transfer.mark_placed(found, device)  # (a simulated device run: the copies are on "the device")
-            # (an encoded entry's decoded tensors are new at every read: never found again, so not kept)
-            plain = {key: not _has_encoded(stored[key]) for key in keys}
-            keepable = [plain[key] for key in keys for _ in leaves[key]] + [True] * len(extra)
-            self._keep_resident([flat[i] if keepable[i] else None for i in todo], [found[i] for i in todo])
-        else:
-            found = list(transfer.copy_tensors(flat, device, share=True, force=True))
+        # (an encoded entry's decoded tensors are new at every read: never found again, so not kept)
+        plain = {key: not _has_encoded(stored[key]) for key in keys}
+        found = self.on_device(flat, device, [plain[key] for key in keys for _ in leaves[key]] + [True] * len(extra))
         moved = iter(found)
         self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}  # type: ignore[misc]
         out: list[Tensor] = list(moved)  # type: ignore[arg-type]
         transfer.mark_placed(out, device)
+        return out
+
+    def on_device(self, tensors: Sequence[Tensor], device: torch.device | str,
+                  keep: bool | Sequence[bool] = True) -> list[Tensor]:
+        """``tensors`` on ``device``, crossing the link only for what is not there yet: a tensor on ``device`` already
+        is handed back as it is, a host tensor whose copy is kept there (:attr:`resident`) gets that copy, and the
+        rest cross in one copy — kept there afterwards (within the budget) where ``keep`` says so. Do not keep a
+        tensor made anew at every read (a decoded one): it is never found again. The copies are handed out again:
+        read them, never change them in place.
+
+        What the work done where the fits run reads the stored state with: a fit's start
+        (:meth:`prefetch`) and server work on the fits' device (DisPFL's gossip reads each neighbour's stored model
+        once a round across the link, then from the copy kept there).
+
+        Example:
+            >>> store = ClientStateStore()
+            >>> t = torch.ones(2)
+            >>> store.on_device([t], "cpu")[0] is t  # (on the CPU, with nothing to move: as it is)
+            True
+        """
+        flags = [keep] * len(tensors) if isinstance(keep, bool) else list(keep)
+        dev = torch.device(device)
+        found: list[Tensor | None] = [t if _there(t, dev) else self.resident.lookup(t, dev) for t in tensors]
+        todo = [i for i, c in enumerate(found) if c is None]
+        copies = transfer.copy_tensors([tensors[i] for i in todo], dev, share=True, force=True)
+        for i, c in zip(todo, copies):
+            found[i] = c
+        transfer.mark_placed(copies, dev)  # (a simulated device run: the copies are on "the device")
+        self._keep_resident([tensors[i] if flags[i] else None for i in todo], copies)
+        return found  # type: ignore[return-value]
+
+    def to_host(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """``tensors`` on the host: host tensors as they are, the others copied there in one copy — each keeping its
+        device copy as the host copy's (:attr:`resident`, within the budget), so that moving the host copy back to
+        the device costs nothing. What work done on the fits' device hands back to the host with (the server's new
+        weights, aggregated there: the next round's fits find them on the device).
+
+        Example:
+            >>> t = torch.ones(2)
+            >>> ClientStateStore().to_host([t])[0] is t
+            True
+        """
+        away = [i for i, t in enumerate(tensors) if transfer.on_a_device([t])]
+        out = list(tensors)
+        if not away:
+            return out
+        packed: list[Tensor | None] | None = [] if self.resident.active else None
+        copies = transfer.copy_tensors([tensors[i] for i in away], "cpu", packed=packed)
+        for i, c in zip(away, copies):
+            out[i] = c
+        if packed is not None:
+            self._keep_resident(copies, packed)
         return out
 
     def end_prefetch(self, client_idx: int) -> None:

@@ -20,6 +20,7 @@ and gates are client state declared by callbacks; messages, aggregation and pers
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from pl_fedsparse import policies
 from pl_fedsparse.allocator import apply_flush_denormal
-from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.base import FederatedCallback, declares, message_device
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext, FitKind, FitStage
 from pl_fedsparse.contract import CallbackContract
@@ -286,14 +287,74 @@ class FederatedLoop:
         return message
 
     def aggregate(self, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
-        """The new global state from the round's updates."""
-        state = self.policy("aggregate", updates)
+        """The new global state from the round's updates — computed on the fits' device where the policy works
+        there (:meth:`aggregation_device`), handed back on the host."""
+        device = self.aggregation_device()
+        state = self.policy("aggregate", updates) if device is None else self._aggregate_on(device, updates)
         if state is not None and not (isinstance(state, Mapping) and all(isinstance(v, Tensor)
                                                                          for v in state.values())):
             raise UserCodeError(f"{type(self.policy_owner('aggregate')).__name__}.aggregate returned "
                                 f"{type(state).__name__}: expected a dict of tensors (the new global state) or None "
                                 f"(round {self.round_idx})")
         return state
+
+    def aggregation_device(self) -> torch.device | None:
+        """Where the ``aggregate`` policy runs: the device the fits run on in this process
+        (:func:`~pl_fedsparse.callbacks.base.message_device`), when there is a global model and the policy works
+        there — the default (FedAvg) does, a callback's own when its class says ``device_aggregate = True``
+        (:attr:`~pl_fedsparse.callbacks.FederatedCallback.device_aggregate`); ``None`` (the host) otherwise."""
+        if self.global_state is None:
+            return None
+        device = message_device(self)
+        owner = self.policy_owner("aggregate")
+        if device is None or (owner is not None and not declares(owner, "aggregate", "device_aggregate")):
+            return None
+        return device
+
+    def _aggregate_on(self, device: torch.device, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
+        """The ``aggregate`` policy given the round's updates and the global state on ``device``: every tensor of
+        them read from the copy kept there (what the fits moved out of it stays there:
+        ``trainer.device_state_budget``) or moved there in one copy. The new state comes back to the host in one copy,
+        its device copy kept for the next round's fits; what the policy hands back unchanged is the host tensor it
+        stands for. The updates the callbacks see stay the host's."""
+        assert self.global_state is not None
+        hosts: dict[int, Tensor] = {}
+
+        def note(tree: Mapping[str, Tensor] | None) -> None:
+            for t in (tree or {}).values():
+                if isinstance(t, Tensor):
+                    hosts.setdefault(id(t), t)
+
+        note(self.global_state)
+        for u in updates:
+            note(u.state)
+            note(u.masks)
+            if u.message is not None:
+                note(u.message.tensors)
+                note(u.message.masks)
+        found = dict(zip(hosts, self.client_store.on_device(list(hosts.values()), device)))
+
+        def there(tree: Mapping[str, Tensor] | None) -> Any:
+            return None if tree is None else {n: found.get(id(t), t) for n, t in tree.items()}
+
+        moved = [dataclasses.replace(u, state=there(u.state), masks=there(u.masks), message=None if u.message is None
+                                     else dataclasses.replace(u.message, tensors=there(u.message.tensors),
+                                                              masks=there(u.message.masks) or {}))
+                 for u in updates]
+        saved, self.global_state = self.global_state, there(self.global_state)
+        try:
+            state = self.policy("aggregate", moved)
+        finally:
+            self.global_state = saved
+        if not isinstance(state, Mapping):
+            return state
+        back = {id(c): hosts[k] for k, c in found.items()}
+        names = list(state)
+        values = [back.get(id(t), t) if isinstance(t, Tensor) else t for t in state.values()]
+        tensors = [i for i, t in enumerate(values) if isinstance(t, Tensor)]
+        for i, t in zip(tensors, self.client_store.to_host([values[i] for i in tensors])):
+            values[i] = t
+        return dict(zip(names, values))
 
     def personal_state(self, client_idx: int) -> dict[str, Tensor]:
         """State of the client's personal model (what is evaluated as ``"personal"``)."""

@@ -6,7 +6,8 @@ policy                 default
 ``select_clients``     uniform without replacement (``join_ratio`` / ``clients_per_round``) among the clients the
                        topology has not dropped this round, from the ``sample`` stream of the round (a
                        ``clients_per_round`` above the number of clients takes every client, with one warning)
-``client_message``     the dense global model (nothing without one)
+``client_message``     the dense global model (nothing without one); on the device the fits run on, where they
+                       run in this process on an accelerator (:func:`~pl_fedsparse.callbacks.base.message_device`)
 ``aggregate``          FedAvg: the uploads averaged with the clients' training-sample counts as weights
                        (McMahan et al. 2017)
 ``personal_state``     the global model (a method without one must own this policy)
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from pl_fedsparse.callbacks.base import message_device
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional.aggregation import weighted_average
@@ -52,7 +54,15 @@ def select_clients(loop: FederationView, round_idx: int, client_ids: Sequence[in
 
 
 def client_message(loop: FederationView, client_idx: int) -> Message | None:
-    return None if loop.global_state is None else Message(loop.global_state)
+    if loop.global_state is None:
+        return None
+    device = message_device(loop)
+    if device is None:
+        return Message(loop.global_state)
+    # where the fits run: the global model crosses once a round (kept there, trainer.device_state_budget) and every
+    # participant's message starts from that copy (a mask callback then masks it there)
+    names = list(loop.global_state)
+    return Message(dict(zip(names, loop.client_store.on_device([loop.global_state[n] for n in names], device))))
 
 
 def aggregate(loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:

@@ -89,6 +89,11 @@ class ExecutorView(Protocol):
         """Evaluation's forward passes run elsewhere, or ``None`` (here)."""
         ...
 
+    @property
+    def message_device(self) -> torch.device | None:
+        """The device the fits run on in this process (messages may be computed there), or ``None``."""
+        ...
+
 
 class EvaluatorView(Protocol):
     """What client execution uses of the evaluator (:class:`~pl_fedsparse.evaluation.Evaluator`): its choice of

@@ -46,16 +46,18 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.view import EvalView
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FederatedCallback", "POLICIES", "takes_device_update"]
+__all__ = ["POLICIES", "FederatedCallback", "declares", "message_device", "takes_device_update"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
 DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared", "evaluation_batch_matters")
 
@@ -73,11 +75,53 @@ def takes_device_update(callbacks: Sequence[Any]) -> bool:
         >>> takes_device_update([FederatedCallback()]), takes_device_update([Mine()])
         (True, False)
     """
-    for cb in callbacks:
-        owner = next((c for c in type(cb).__mro__ if "on_client_fit_end" in vars(c)), None)
-        if owner is not None and owner is not FederatedCallback and not vars(owner).get("device_update", False):
-            return False
-    return True
+    return _all_declare(callbacks, "on_client_fit_end", "device_update")
+
+
+def declares(callback: Any, hook: str, flag: str) -> bool:
+    """Whether the class in ``callback``'s MRO that defines ``hook`` sets ``flag = True`` in its own body (the base
+    class's hook, which does nothing, needs no declaration): a subclass that overrides the hook says it again.
+
+    Example:
+        >>> class Mine(FederatedCallback):
+        ...     device_aggregate = True
+        ...     def aggregate(self, loop, updates): ...
+        >>> class Yours(Mine):
+        ...     def aggregate(self, loop, updates): ...
+        >>> declares(Mine(), "aggregate", "device_aggregate"), declares(Yours(), "aggregate", "device_aggregate")
+        (True, False)
+    """
+    owner = next((c for c in type(callback).__mro__ if hook in vars(c)), None)
+    return owner is None or owner is FederatedCallback or bool(vars(owner).get(flag, False))
+
+
+def _all_declare(callbacks: Sequence[Any], hook: str, flag: str) -> bool:
+    """Whether every one of ``callbacks`` :func:`declares` ``flag`` for ``hook``."""
+    return all(declares(cb, hook, flag) for cb in callbacks)
+
+
+def message_device(loop: FederationView) -> torch.device | None:
+    """Where this round's messages may be computed: the accelerator the fits run on in this process
+    (:attr:`~pl_fedsparse.executors.ClientExecutor.message_device`), when every callback with an
+    ``on_client_message`` takes a message there (:attr:`FederatedCallback.device_message`); ``None`` — the host —
+    otherwise: on the CPU, with fits in other processes (Ray), or with a callback that edits messages with host
+    tensors. A ``client_message`` policy that works on the device (:class:`~pl_fedsparse.callbacks.Gossip`) asks
+    here; its message then reaches the fit without crossing the link. In a device run simulated on the CPU
+    (``pl_fedsparse.testing.simulated_device``) the CPU stands for the device.
+
+    Example:
+        >>> class Loop:  # (a federation whose fits run on the CPU)
+        ...     executor, callbacks = type("E", (), {"message_device": torch.device("cpu")})(), []
+        >>> message_device(Loop()) is None
+        True
+    """
+    device = getattr(loop.executor, "message_device", None)
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cpu" and not transfer.ALWAYS_PACK:
+        return None
+    return device if _all_declare(loop.callbacks, "on_client_message", "device_message") else None
 
 
 class FederatedCallback(pl.Callback):
@@ -143,7 +187,15 @@ class FederatedCallback(pl.Callback):
 
     def on_client_message(self, loop: FederationView, client_idx: int, message: Message) -> None:
         """Called with the message ``client_idx`` receives this round (from the ``client_message`` policy); may edit it
-        in place (e.g. sparsify it under the client's mask)."""
+        in place (e.g. sparsify it under the client's mask). Its tensors are on the host — unless the class that
+        defines this hook sets ``device_message = True`` (see :attr:`device_message`)."""
+
+    #: whether this class's ``on_client_message`` takes a message whose tensors are on the device the fits run on
+    #: (a ``client_message`` policy may compute it there: :func:`message_device`): it moves what it combines with
+    #: them there (:func:`~pl_fedsparse.functional.transfer.to_where`) and reads no value of them on the host. Read
+    #: from the class that defines ``on_client_message``, as :attr:`device_update`; while one callback in the run
+    #: does not say so, every message is made on the host.
+    device_message: bool = False
 
     def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:
         """Called after the client's starting weights are loaded into ``module`` and before its local fit;
@@ -224,8 +276,17 @@ class FederatedCallback(pl.Callback):
         raise NotImplementedError
 
     def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
-        """Return the new global state from the round's updates (``None``: no global model)."""
+        """Return the new global state from the round's updates (``None``: no global model). Its tensors, and the
+        updates', are on the host — unless the class that defines this policy sets ``device_aggregate = True`` (see
+        :attr:`device_aggregate`)."""
         raise NotImplementedError
+
+    #: whether this class's ``aggregate`` works on the device the fits run on: it may be given the updates
+    #: (``state``, ``masks``, ``message``) and ``loop.global_state`` there (where the fits run in this process on
+    #: an accelerator: :meth:`~pl_fedsparse.loop.FederatedLoop.aggregation_device`), combines them only with each
+    #: other or with tensors it moves there (``to_where``), reads no value of them on the host, and keeps none of
+    #: them (the loop brings the new state to the host in one copy). The loop's default, FedAvg, does.
+    device_aggregate: bool = False
 
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         """Return the state of ``client_idx``'s personal model (what is evaluated as "personal")."""

@@ -52,6 +52,9 @@ class FedSpaAggregation(FederatedCallback):
               "one of participants, samples")
         self.weighting = weighting
 
+    #: ``aggregate`` runs on the fits' device where they run on one (float64 there too; the same arithmetic)
+    device_aggregate = True
+
     @override
     def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state

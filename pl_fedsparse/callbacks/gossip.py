@@ -20,6 +20,15 @@ density 0.5 that is 24 MB per client instead of 45 MB (``benchmarks/client_memor
 weights (nothing per client). The round's snapshot holds the entries as stored (encoded under the lossless codec) and
 decodes one sender at a time; it stays in the driver (``driver_only_attributes``).
 
+Where the average is made: on the device the fits run on, when they run in this process on an accelerator
+(:func:`~pl_fedsparse.callbacks.base.message_device`; the host otherwise, and always on the CPU). Each neighbour's
+stored values and packed mask then cross to the device once a round and are kept there for its other neighbours
+(the client store's device copies, ``trainer.device_state_budget``), unpacked, expanded and averaged there; the
+message reaches its fit without crossing the link again. The ledger's bytes are counted from the packed masks on
+the host (:func:`~pl_fedsparse.functional.sparse.packed_count`, once per sender and round), so nothing waits for the
+device. The arithmetic is the host's, element by element (a GPU may round a fused multiply-add differently in the
+last bit); a simulated device run on the CPU gives the same numbers bit for bit (``tests/test_device_messages.py``).
+
 Two readings of a serverless run (``consensus_eval``): every evaluation reports each client's own model — the personal
 view, ``acc_mean`` — and, with ``consensus_eval: true``, also the *consensus*: the uniform average of all clients'
 models (:func:`consensus_state`), evaluated on every client's test data as the model kind ``"consensus"``
@@ -41,11 +50,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback
-from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.callbacks.base import FederatedCallback, message_device
+from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.functional.accounting import message_nbytes
 from pl_fedsparse.functional.aggregation import weighted_average
-from pl_fedsparse.functional.sparse import expand_values, pack_masks, unpack_masks
+from pl_fedsparse.functional.sparse import expand_values, pack_masks, packed_count, unpack_masks
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -117,7 +127,7 @@ class Gossip(FederatedCallback):
                   init_args: {consensus_eval: true}                    # also report the consensus (D-PSGD)
     """
 
-    driver_only_attributes = ("_snapshot", "_decode")  # (client_message runs in the driver)
+    driver_only_attributes = ("_snapshot", "_decode", "_store", "_counts")  # (client_message runs in the driver)
     #: the consensus of the evaluation in progress (None between evaluations); not driver-only: an out-of-process
     #: executor's workers receive it with the callbacks to evaluate their clients on it
     scratch_attributes = ("_consensus",)
@@ -130,6 +140,9 @@ class Gossip(FederatedCallback):
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._snapshot: dict[int, tuple[dict[str, Tensor], dict[str, Tensor]]] = {}
         self._decode: Callable[[Any], Any] = lambda value: value
+        self._store: ClientStateStore | None = None
+        # per sender, the positions each of its masks holds (this round's snapshot), counted once on the host
+        self._counts: dict[int, dict[str, int]] = {}
         self._consensus: dict[str, Tensor] | None = None
 
     @override
@@ -152,7 +165,7 @@ class Gossip(FederatedCallback):
         store, key = loop.client_store, self.client_state_prefix
         self._snapshot = {j: (store.stored(j, f"{key}/weights"), store.stored(j, f"{key}/mask"))
                           for j in range(loop.num_clients)}
-        self._decode = store.decode
+        self._decode, self._store, self._counts = store.decode, store, {}
 
     def _expand(self, weights: dict[str, Tensor], masks: dict[str, Tensor]) -> dict[str, Tensor]:
         """Dense tensors from a stored model: a masked tensor stored as its values at the mask's positions is put
@@ -165,22 +178,43 @@ class Gossip(FederatedCallback):
             out[name] = v
         return out
 
-    def sender_message(self, client_idx: int) -> Message:
-        """What ``client_idx`` sends to a neighbour: its snapshot model, sparse under the mask it trained with."""
+    def sender_message(self, client_idx: int, device: torch.device | None = None) -> Message:
+        """What ``client_idx`` sends to a neighbour: its snapshot model, sparse under the mask it trained with —
+        made on ``device`` when given (:func:`~pl_fedsparse.callbacks.base.message_device`): the stored values and
+        packed masks cross to it once (the store keeps their copies there within ``trainer.device_state_budget``,
+        so the sender's other neighbours read them there) and are unpacked and expanded there."""
         weights, packed = self._snapshot[client_idx]
+        plain = self._decode(weights)
+        if device is not None:
+            assert self._store is not None
+            names, masked = list(plain), list(packed)
+            # (a decoded tensor is new at every read: not kept)
+            keep = [plain[name] is weights[name] for name in names] + [True] * len(masked)
+            moved = self._store.on_device([*plain.values(), *packed.values()], device, keep)
+            plain = dict(zip(names, moved[:len(names)]))
+            packed = dict(zip(masked, moved[len(names):]))
         masks = unpack_masks(packed, self._shapes) if packed else {}
-        return Message(self._expand(self._decode(weights), masks), masks)
+        return Message(self._expand(plain, masks), masks)
+
+    def _wire_bytes(self, sender: int, message: Message) -> int:
+        """Bytes of ``sender``'s message on the wire (:meth:`Message.nbytes`), each mask's count read from its packed
+        bytes on the host, once per sender and round: no count on the device."""
+        counts = self._counts.get(sender)
+        if counts is None:
+            counts = self._counts[sender] = {name: packed_count(p) for name, p in self._snapshot[sender][1].items()}
+        return message_nbytes(message.tensors, message.masks, message.ternary, counts)
 
     @override
     def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         topo, r, n = loop.topology, loop.round_idx, loop.num_clients
-        own = self.sender_message(client_idx)
+        device = message_device(loop)  # (None: on the host)
+        own = self.sender_message(client_idx, device)
         if topo.skips_aggregation(r, client_idx, n, loop.seed):
             return Message(dict(own.tensors))
         neighbours = topo.neighbors(r, client_idx, range(n), loop.seed)
-        sent = [self.sender_message(j) for j in neighbours]
+        sent = [self.sender_message(j, device) for j in neighbours]
         for j, msg in zip(neighbours, sent):
-            loop.accounting.send(j, client_idx, msg)
+            loop.accounting.send(j, client_idx, self._wire_bytes(j, msg))
         group = [own, *sent]
         avg = weighted_average([m.tensors for m in group], [1.0] * len(group), [m.masks or None for m in group])
         return Message(avg)

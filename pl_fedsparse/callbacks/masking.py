@@ -33,7 +33,7 @@ from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
-from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional.sparse import pack_masks, packed_count, unpack_masks
 from pl_fedsparse.functional.transfer import to_device, to_host, to_where
 
 if TYPE_CHECKING:
@@ -343,9 +343,23 @@ class SparseMask(UsesMaskedTraining):
     @override
     def on_client_message(self, loop: FederationView, client_idx: int, message: Message) -> None:
         # the client receives (and starts from) its sparse share: m_k ⊙ W (FedSpa), m_k ⊙ gossip average (DisPFL)
-        masks = self.masks(loop, client_idx)
+        like = next((t for n, t in message.tensors.items() if n in self.shapes), None)
+        if like is None or not transfer.on_a_device([like]):
+            masks = self.masks(loop, client_idx)
+        elif type(self).masks is SparseMask.masks:  # a message made on the device: the packed mask goes there
+            packed = self.get_client_state(loop, client_idx, "mask")
+            masks = unpack_masks(dict(zip(packed, loop.client_store.on_device(list(packed.values()), like.device))),
+                                 self.shapes)
+            for k, m in masks.items():  # (the ledger's counts, read on the host from the packed bytes)
+                message.know_count(k, m, packed_count(packed[k]))
+        else:  # (a subclass's own masks, where they are)
+            masks = to_where(self.masks(loop, client_idx), like)
         message.tensors = apply_masks(message.tensors, masks)
         message.masks.update({k: m for k, m in masks.items() if k in message.tensors})
+
+    #: ``on_client_message`` takes a message on the device: the packed mask crosses to it (kept there while unchanged)
+    #: and is unpacked there
+    device_message = True
 
     @override
     def on_client_fit_start(self, loop: FederationView, module: pl.LightningModule, context: FitContext) -> None:

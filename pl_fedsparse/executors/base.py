@@ -94,6 +94,15 @@ class ClientExecutor(ABC):
     def teardown(self) -> None:
         """Called when the federation ends (also when it stops with an error)."""
 
+    @property
+    def message_device(self) -> torch.device | None:
+        """The device this executor's fits run on, in this process — where the round's messages may be computed
+        and handed to the fits as they are (DisPFL's gossip: :func:`~pl_fedsparse.callbacks.base.message_device`);
+        ``None`` (the default) when the fits run elsewhere (other processes): their messages are made on the host,
+        from where they travel. An executor of one's own keeps the default unless its fits read tensors on that
+        device from the requests."""
+        return None
+
     def forward_clients(self, clients: Sequence[int], split: str, views: Mapping[str, Any], has_global: bool
                         ) -> list[tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]] | None:
         """Evaluation's forward passes (:meth:`pl_fedsparse.evaluation.Evaluator.forward` of every client in
@@ -224,9 +233,10 @@ def begin_fit(loop: FederationView, request: FitRequest, load: bool = True) -> t
         own = loop.model.state_dict(keep_vars=True)
         devices = {t.device for t in own.values()}
         start = request.start
-        if len(devices) == 1 and (transfer.ALWAYS_PACK or transfer.needs_copy(list(start.values()), *devices)):
+        if len(devices) == 1 and (transfer.ALWAYS_PACK or next(iter(devices)).type != "cpu"):
             # the start weights and the client's stored entries cross in one copy (the entries for the callbacks
-            # that move them to the device during the fit: ClientStateStore.prefetch)
+            # that move them to the device during the fit: ClientStateStore.prefetch); start weights there already
+            # (a message computed on the device: Gossip) stay as they are
             start = dict(zip(start, loop.client_store.prefetch(k, *devices, extra=list(start.values()))))
         _load_into(own, start)
     seed_fit(ctx.seed)

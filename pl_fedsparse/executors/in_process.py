@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch
 
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import fit_scope
+from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors.base import (
     NO_LOSS_STEPS,
     ClientExecutor,
@@ -28,8 +30,7 @@ from pl_fedsparse.executors.base import (
     fit_update,
     quiet_lightning,
 )
-from pl_fedsparse.errors import ConfigError
-from pl_fedsparse.executors.runner import FitRunner, _RequireOptimizer, RunnerUnsupported, runner_support
+from pl_fedsparse.executors.runner import FitRunner, RunnerUnsupported, _RequireOptimizer, runner_support
 from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
@@ -62,6 +63,11 @@ class InProcessExecutor(ClientExecutor):
         why = runner_support(loop.model, loop.callbacks) if loop.model is not None else None
         if why is not None:
             self._runner_unsupported(why)
+
+    @property
+    def message_device(self) -> torch.device | None:
+        """The loop's device: the fits run here, on it."""
+        return None if self.loop is None else self.loop.device
 
     def _runner_unsupported(self, why: str) -> None:
         loop = self.loop

@@ -68,7 +68,7 @@ def ternary_nbytes(numel: int, nnz: int) -> int:
 
 
 def message_nbytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | None = None,
-                   ternary: Collection[str] = ()) -> int:
+                   ternary: Collection[str] = (), counts: Mapping[str, int] | None = None) -> int:
     """Bytes of a message: dense tensors, sparse tensors (those with a mask) and bare masks.
 
     Args:
@@ -78,6 +78,9 @@ def message_nbytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | 
         ternary: names of sparse tensors whose sent values are ``±μ`` (one ``μ`` per tensor, FedSTC): they cost
             :func:`ternary_nbytes`. The sender decides (a downstream message may carry the receiver's new weights
             while what travels is a ternary update).
+        counts: the number of positions each mask holds, by name, where the caller knows it already (e.g. from the
+            packed mask on the host, :func:`~pl_fedsparse.functional.sparse.packed_count`): a mask on a device is
+            then not counted there (a count read on the host waits for the device). Must be the masks' own counts.
 
     Example:
         >>> import torch
@@ -86,16 +89,15 @@ def message_nbytes(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor] | 
         >>> message_nbytes({}, {"m": torch.ones(64, dtype=torch.bool)})
         8
     """
-    masks = masks or {}
+    masks, counts = masks or {}, counts or {}
     total = 0
     for name, t in tensors.items():
         m = masks.get(name)
         if m is None:
             total += tensor_nbytes(t)
-        elif name in ternary:
-            total += ternary_nbytes(t.numel(), int(m.count_nonzero()))
-        else:
-            total += sparse_nbytes(t.numel(), int(m.count_nonzero()))
+            continue
+        nnz = counts[name] if name in counts else int(m.count_nonzero())
+        total += (ternary_nbytes if name in ternary else sparse_nbytes)(t.numel(), nnz)
     for name, m in masks.items():
         if name not in tensors:
             total += bitmap_nbytes(m.numel())

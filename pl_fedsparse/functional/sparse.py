@@ -25,6 +25,7 @@ __all__ = [
     "expand_values",
     "pack_mask",
     "pack_masks",
+    "packed_count",
     "prune_regrow_count",
     "prune_regrow_counts",
     "unpack_mask",
@@ -234,6 +235,25 @@ def pack_masks(masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: pack_mask(m)[0] for k, m in masks.items()}
 
 
+#: the number of set bits of each byte value
+_POPCOUNT = torch.tensor([i.bit_count() for i in range(256)], dtype=torch.int32)
+
+
+def packed_count(packed: Tensor) -> int:
+    """The number of positions a :func:`pack_mask` mask holds, read from its bytes (its unused high bits are 0):
+    on the host, without unpacking it. A packed mask on a device is counted there and read back (a wait).
+
+    Example:
+        >>> packed_count(pack_mask(torch.tensor([True, False, True, True]))[0])
+        3
+    """
+    check(isinstance(packed, Tensor) and packed.dtype == torch.uint8 and packed.dim() == 1, "packed",
+          f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, Tensor) else type(packed).__name__,
+          "a 1-D uint8 tensor (pack_mask's bytes)")
+    table = _POPCOUNT if packed.device.type == "cpu" else _POPCOUNT.to(packed.device)
+    return int(table[packed.long()].sum())
+
+
 def unpack_masks(packed: Mapping[str, Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> dict[str, Tensor]:
     """:func:`unpack_mask` for every entry of :func:`pack_masks`' dict, with the shapes by name.
 
@@ -267,11 +287,11 @@ def expand_values(values: Tensor, mask: Tensor, param: str = "values") -> Tensor
     """
     if mask.dtype != torch.bool:
         mask = mask.to(torch.bool)
-    if mask.device != values.device:
-        mask = transfer.to_device(mask, values.device)
+    if transfer.on_a_device([values]) != transfer.on_a_device([mask]):  # (the mask goes where the values are)
+        mask = transfer.to_where({"mask": mask}, values)["mask"]
     # (counted on the host only: on a device the count would make the host wait; masked_scatter_ itself refuses
     # too few values there)
-    count = int(mask.sum()) if values.device.type == "cpu" else values.numel()
+    count = values.numel() if transfer.on_a_device([values]) else int(mask.sum())
     check(values.dim() == 1 and values.numel() == count, param, tuple(values.shape),
           f"a 1-D tensor of {count} values (one per position the mask holds)")
     return values.new_zeros(mask.shape).masked_scatter_(mask, values)
