@@ -29,10 +29,11 @@ import device_traffic
 
 
 def _dispfl(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str], *, sim: bool, budget: str = "auto",
-            extra: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], list[bool]]:
-    """DisPFL shrunk onto the synthetic task (the device-traffic counter's config), 2 rounds; its metric rows and,
-    per message, whether every tensor of it was on "the device"."""
+            extra: tuple[str, ...] = (), config: str | None = None) -> tuple[list[dict[str, Any]], list[bool]]:
+    """DisPFL (or ``config``) shrunk onto the synthetic task (the device-traffic counter's config), 2 rounds; its
+    metric rows and, per message, whether every tensor of it was on "the device"."""
     cfg, synth = device_traffic.CONFIGS["dispfl"]
+    cfg = config or cfg
     where: list[bool] = []
     made = Gossip.client_message
 
@@ -55,14 +56,39 @@ def _dispfl(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str], *, si
 
 def test_gossip_on_the_device_gives_the_numbers_of_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """Every message made on the device (a simulated device run), the same metrics and bytes as the CPU run, whose
-    messages are made on the host."""
+    """Every message made on the device (a simulated device run), and every personal model evaluated expanded there,
+    with the same metrics and bytes as the CPU run, whose messages and models are made on the host."""
     monkeypatch.chdir(REPO)
+    personal: list[bool] = []
+    expanded = Gossip.personal_state
+
+    def spy(self: Gossip, loop: Any, k: int) -> Any:
+        state = expanded(self, loop, k)
+        personal.append(all(transfer.on_a_device([t]) for t in state.values()))
+        return state
+
+    monkeypatch.setattr(Gossip, "personal_state", spy)
     host, on_host = _dispfl(tmp_path, "cpu", capsys, sim=False)
+    assert personal and not any(personal)
+    personal.clear()
     device, on_device = _dispfl(tmp_path, "sim", capsys, sim=True)
+    assert personal and all(personal)
     assert on_host and not any(on_host)
     assert on_device and all(on_device)
     assert device == host and host[-1]["comm_cum_bytes_total"] > 0  # (the ledger's bytes too)
+
+
+@pytest.mark.slow
+def test_d_psgd_ft_on_the_device_gives_the_numbers_of_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """D-PSGD-FT: the gossip, the personal models evaluated (made on the device), the consensus of all of them and
+    the fine-tuning that starts from it — the CPU run's numbers."""
+    monkeypatch.chdir(REPO)
+    cfg = "configs/cifar10_dpsgd_ft_cpu.yaml"
+    host, _ = _dispfl(tmp_path, "cpu", capsys, sim=False, config=cfg)
+    device, on_device = _dispfl(tmp_path, "sim", capsys, sim=True, config=cfg)
+    assert on_device and all(on_device)
+    assert device == host and any("consensus_acc" in r for r in host)
 
 
 @pytest.mark.slow

@@ -115,7 +115,8 @@ def message_device(loop: FederationView) -> torch.device | None:
         >>> message_device(Loop()) is None
         True
     """
-    device = getattr(loop.executor, "message_device", None)
+    # (a worker's loop, evaluating for the driver, runs no executor: the host)
+    device = getattr(getattr(loop, "executor", None), "message_device", None)
     if device is None:
         return None
     device = torch.device(device)

@@ -184,17 +184,23 @@ class Gossip(FederatedCallback):
         packed masks cross to it once (the store keeps their copies there within ``trainer.device_state_budget``,
         so the sender's other neighbours read them there) and are unpacked and expanded there."""
         weights, packed = self._snapshot[client_idx]
-        plain = self._decode(weights)
-        if device is not None:
-            assert self._store is not None
-            names, masked = list(plain), list(packed)
-            # (a decoded tensor is new at every read: not kept)
-            keep = [plain[name] is weights[name] for name in names] + [True] * len(masked)
-            moved = self._store.on_device([*plain.values(), *packed.values()], device, keep)
-            plain = dict(zip(names, moved[:len(names)]))
-            packed = dict(zip(masked, moved[len(names):]))
+        assert self._store is not None or device is None
+        plain, packed = self._moved(self._store, weights, self._decode(weights), packed, device)  # type: ignore[arg-type]
         masks = unpack_masks(packed, self._shapes) if packed else {}
         return Message(self._expand(plain, masks), masks)
+
+    @staticmethod
+    def _moved(store: ClientStateStore, stored: dict[str, Any], plain: dict[str, Tensor], packed: dict[str, Tensor],
+               device: torch.device | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """A stored model's values (``plain``: ``stored`` decoded) and packed masks on ``device`` (as they are for
+        ``None``), read from the store's copies there where kept, the rest moved in one copy and kept there."""
+        if device is None:
+            return plain, packed
+        names, masked = list(plain), list(packed)
+        # (a decoded tensor is new at every read: not kept)
+        keep = [plain[name] is stored[name] for name in names] + [True] * len(masked)
+        moved = store.on_device([*plain.values(), *packed.values()], device, keep)
+        return dict(zip(names, moved[:len(names)])), dict(zip(masked, moved[len(names):]))
 
     def _wire_bytes(self, sender: int, message: Message) -> int:
         """Bytes of ``sender``'s message on the wire (:meth:`Message.nbytes`), each mask's count read from its packed
@@ -237,9 +243,14 @@ class Gossip(FederatedCallback):
 
     @override
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
-        packed = self.get_client_state(loop, client_idx, "mask")
-        weights = self.get_client_state(loop, client_idx, "weights")
-        return self._expand(weights, unpack_masks(packed, self._shapes) if packed else {})
+        """The client's last trained model, expanded — on the fits' device where the messages are made there (an
+        evaluation then loads it with no copy across the link, and the stored model it crossed from is found there
+        by the next round's messages)."""
+        store, key = loop.client_store, self.client_state_prefix
+        stored = store.stored(client_idx, f"{key}/weights")
+        plain, packed = self._moved(store, stored, self.get_client_state(loop, client_idx, "weights"),
+                                    self.get_client_state(loop, client_idx, "mask"), message_device(loop))
+        return self._expand(plain, unpack_masks(packed, self._shapes) if packed else {})
 
     def eval_models(self, loop: FederationView) -> dict[str, dict[str, Tensor]]:
         """The evaluation-only models of this evaluation (:func:`pl_fedsparse.evaluation.shared_models`):
