@@ -20,6 +20,8 @@
 #             per training step for each method's config (the CPU counter's numbers, checked) -> traffic_gpu.txt
 #   server    benchmarks/server_work.py --device cuda: a round's aggregation (FedAvg, FedSpa's Eq. 4) and one DisPFL
 #             gossip message, on the host and on the GPU (what the device path saves)      -> server_work.txt
+#   dispfl    benchmarks/dispfl_round.py: DisPFL's round at the paper's setting against a plain loop doing the same
+#             100 fits and gossip with state and data on the GPU (target: <= 1.1)          -> dispfl_round.txt
 #   overhead  benchmarks/overhead.py, engine vs a plain loop, at 32-true, bf16-mixed and 16-mixed
 #                                                                                       -> overhead_<precision>.txt
 #   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
@@ -53,7 +55,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests runner traffic server overhead rounds paper ray vectorized profile)
+STEPS=(env tests runner traffic server dispfl overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
 STEP_SECONDS=${STEP_SECONDS:-0}  # each step's time limit in seconds (0: none); a short lease sets it
 for s in "${ONLY[@]}"; do
@@ -118,6 +120,13 @@ fi
 if wanted server; then  # the server's work of a round (aggregation, a DisPFL gossip message) on the host and the GPU
   step server_work.txt "$PY" benchmarks/server_work.py --device cuda
   [ "$DRY" = 1 ] && "$PY" benchmarks/server_work.py --help > /dev/null && echo "server_work.py parses"
+fi
+
+if wanted dispfl; then  # DisPFL's round (100 ResNet18-GN clients, 10 neighbours) against a plain loop, on the GPU
+  if [ -d "$CIFAR10_ROOT" ] || [ "$DRY" = 1 ]; then
+    step dispfl_round.txt "$PY" benchmarks/dispfl_round.py --accelerator gpu --data-device cuda --model resnet18 --clients 100 --neighbours 10 --epochs 5 --samples 500 --batch-size 128 --repeats 2 --data-root "$CIFAR10_ROOT"
+  else say "dispfl round skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
+  [ "$DRY" = 1 ] && "$PY" benchmarks/dispfl_round.py --help > /dev/null && echo "dispfl_round.py parses"
 fi
 
 if wanted overhead; then
