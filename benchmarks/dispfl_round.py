@@ -25,8 +25,9 @@ import argparse
 import logging
 import math
 import statistics
-import time
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ from pl_fedsparse.callbacks import Gossip, GradientRegrow
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.models import LeNetCIFAR, ResNet18GN
 from pl_fedsparse.topology import RandomPeers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import _timed  # (the same (wall, CPU) timer as the FedAvg overhead benchmark)
 
 
 class PlainDisPFL:
@@ -125,16 +129,6 @@ class PlainDisPFL:
                 new_mask[name] = flat_m.view(m.shape)
                 w.mul_(new_mask[name])
         return {n: t.detach().clone() for n, t in module.state_dict().items()}, new_mask
-
-
-def _timed(fn: Any, device: torch.device) -> tuple[float, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t, c = time.perf_counter(), time.process_time()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t, time.process_time() - c
 
 
 def main() -> None:

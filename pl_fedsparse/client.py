@@ -164,14 +164,6 @@ def _storages(value: TensorTree, out: dict[int, int] | None = None) -> dict[int,
     return out
 
 
-def _there(t: Tensor, device: torch.device) -> bool:
-    """Whether ``t`` is on ``device`` (in a device run simulated on the CPU: placed there,
-    :func:`~pl_fedsparse.functional.transfer.placed_on`)."""
-    if transfer.ALWAYS_PACK:
-        return transfer.placed_on(t) == str(device)
-    return not transfer.needs_copy([t], device)
-
-
 def _has_encoded(value: TensorTree) -> bool:
     if floatcodec.is_encoded(value):
         return True
@@ -328,9 +320,7 @@ class ClientStateStore:
         found = self.on_device(flat, device, [plain[key] for key in keys for _ in leaves[key]] + [True] * len(extra))
         moved = iter(found)
         self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}  # type: ignore[misc]
-        out: list[Tensor] = list(moved)  # type: ignore[arg-type]
-        transfer.mark_placed(out, device)
-        return out
+        return list(moved)  # type: ignore[arg-type]
 
     def on_device(self, tensors: Sequence[Tensor], device: torch.device | str,
                   keep: bool | Sequence[bool] = True) -> list[Tensor]:
@@ -352,7 +342,7 @@ class ClientStateStore:
         """
         flags = [keep] * len(tensors) if isinstance(keep, bool) else list(keep)
         dev = torch.device(device)
-        found: list[Tensor | None] = [t if _there(t, dev) else self.resident.lookup(t, dev) for t in tensors]
+        found: list[Tensor | None] = [t if transfer.is_on(t, dev) else self.resident.lookup(t, dev) for t in tensors]
         todo = [i for i, c in enumerate(found) if c is None]
         copies = transfer.copy_tensors([tensors[i] for i in todo], dev, share=True, force=True)
         for i, c in zip(todo, copies):

@@ -28,25 +28,33 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import device_traffic
 
 
-def _dispfl(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str], *, sim: bool, budget: str = "auto",
-            extra: tuple[str, ...] = (), config: str | None = None) -> tuple[list[dict[str, Any]], list[bool]]:
-    """DisPFL (or ``config``) shrunk onto the synthetic task (the device-traffic counter's config), 2 rounds; its
-    metric rows and, per message, whether every tensor of it was on "the device"."""
-    cfg, synth = device_traffic.CONFIGS["dispfl"]
-    cfg = config or cfg
-    where: list[bool] = []
-    made = Gossip.client_message
+def _on_device_message(self: Any, loop: Any, out: Any) -> bool:
+    """Whether every tensor of a message ``client_message`` returned is on "the device"."""
+    return all(transfer.on_a_device([t]) for t in out.tensors.values())
 
-    def spy(self: Gossip, loop: Any, k: int) -> Any:
-        message = made(self, loop, k)
-        where.append(all(transfer.on_a_device([t]) for t in message.tensors.values()))
-        return message
+
+def _run(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str], *, sim: bool, config: str = "dispfl",
+         budget: str = "auto", extra: tuple[str, ...] = (), path: str | None = None,
+         spy: tuple[Any, str, Any] | None = None) -> tuple[list[dict[str, Any]], list[bool]]:
+    """The device-traffic counter's ``config`` (or the config file ``path`` with its synthetic-task arguments) for
+    2 rounds, evaluated every round: its metric rows and, for each call of the spied method ``(owner, name,
+    probe(self, first argument, result) -> bool)``, the probe's answer (default: ``Gossip.client_message``, whether
+    the message is on "the device")."""
+    cfg, synth = device_traffic.CONFIGS[config]
+    owner, attr, probe = spy or (Gossip, "client_message", _on_device_message)
+    where: list[bool] = []
+    real = getattr(owner, attr)
+
+    def spied(self: Any, arg: Any, *rest: Any) -> Any:
+        out = real(self, arg, *rest)
+        where.append(probe(self, arg, out))
+        return out
 
     run = tmp_path / name
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Gossip, "client_message", spy)
+        mp.setattr(owner, attr, spied)
         with simulated_device() if sim else contextlib.nullcontext():
-            code, _, err = run_main(["fit", "--config", cfg, *synth, "--trainer.num_rounds", "2",
+            code, _, err = run_main(["fit", "--config", path or cfg, *synth, "--trainer.num_rounds", "2",
                                      "--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false",
                                      "--trainer.on_client_fault", "raise", "--trainer.device_state_budget", budget,
                                      *extra, "--trainer.default_root_dir", str(run)], capsys)
@@ -68,10 +76,10 @@ def test_gossip_on_the_device_gives_the_numbers_of_the_host(tmp_path: Path, monk
         return state
 
     monkeypatch.setattr(Gossip, "personal_state", spy)
-    host, on_host = _dispfl(tmp_path, "cpu", capsys, sim=False)
+    host, on_host = _run(tmp_path, "cpu", capsys, sim=False)
     assert personal and not any(personal)
     personal.clear()
-    device, on_device = _dispfl(tmp_path, "sim", capsys, sim=True)
+    device, on_device = _run(tmp_path, "sim", capsys, sim=True)
     assert personal and all(personal)
     assert on_host and not any(on_host)
     assert on_device and all(on_device)
@@ -85,8 +93,8 @@ def test_d_psgd_ft_on_the_device_gives_the_numbers_of_the_host(tmp_path: Path, m
     the fine-tuning that starts from it — the CPU run's numbers."""
     monkeypatch.chdir(REPO)
     cfg = "configs/cifar10_dpsgd_ft_cpu.yaml"
-    host, _ = _dispfl(tmp_path, "cpu", capsys, sim=False, config=cfg)
-    device, on_device = _dispfl(tmp_path, "sim", capsys, sim=True, config=cfg)
+    host, _ = _run(tmp_path, "cpu", capsys, sim=False, path=cfg)
+    device, on_device = _run(tmp_path, "sim", capsys, sim=True, path=cfg)
     assert on_device and all(on_device)
     assert device == host and any("consensus_acc" in r for r in host)
 
@@ -96,8 +104,8 @@ def test_without_device_copies_kept_the_numbers_stay(tmp_path: Path, monkeypatch
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """``trainer.device_state_budget: 0``: every neighbour's model crosses for every message, the same numbers."""
     monkeypatch.chdir(REPO)
-    host, _ = _dispfl(tmp_path, "cpu", capsys, sim=False)
-    device, on_device = _dispfl(tmp_path, "sim0", capsys, sim=True, budget="0")
+    host, _ = _run(tmp_path, "cpu", capsys, sim=False)
+    device, on_device = _run(tmp_path, "sim0", capsys, sim=True, budget="0")
     assert all(on_device) and device == host
 
 
@@ -130,7 +138,7 @@ def test_a_callback_that_edits_messages_on_the_host_keeps_them_there(callback: s
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys.modules[__name__], callback, globals()[callback], raising=False)
     extra = ("--trainer.callbacks+", f"{__name__}.{callback}")
-    _, where = _dispfl(tmp_path, callback, capsys, sim=True, extra=extra)
+    _, where = _run(tmp_path, callback, capsys, sim=True, extra=extra)
     assert where and all(w == on_device for w in where)
 
 
@@ -195,28 +203,11 @@ def test_expand_values_moves_a_host_mask_to_the_values() -> None:
 
 def _server_run(tmp_path: Path, name: str, config: str, capsys: pytest.CaptureFixture[str], *, sim: bool,
                 extra: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], list[bool]]:
-    """``config`` (the device-traffic counter's) for 2 rounds: its metric rows and, per aggregation, whether it ran on
-    "the device"."""
+    """:func:`_run` of ``config`` with, per aggregation, whether it ran on "the device"."""
     from pl_fedsparse.loop import FederatedLoop
 
-    cfg, synth = device_traffic.CONFIGS[config]
-    where: list[bool] = []
-    aggregate = FederatedLoop.aggregate
-
-    def spy(self: FederatedLoop, updates: Any) -> Any:
-        where.append(self.aggregation_device() is not None)
-        return aggregate(self, updates)
-
-    run = tmp_path / name
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(FederatedLoop, "aggregate", spy)
-        with simulated_device() if sim else contextlib.nullcontext():
-            code, _, err = run_main(["fit", "--config", cfg, *synth, "--trainer.num_rounds", "2",
-                                     "--trainer.eval_every", "1", "--trainer.enable_progress_bar", "false",
-                                     "--trainer.on_client_fault", "raise", *extra,
-                                     "--trainer.default_root_dir", str(run)], capsys)
-    assert code == 0, err
-    return metric_rows(run), where
+    return _run(tmp_path, name, capsys, sim=sim, config=config, extra=extra,
+                spy=(FederatedLoop, "aggregate", lambda self, updates, out: self.aggregation_device() is not None))
 
 
 @pytest.mark.parametrize("config", ["fedavg", pytest.param("fedspa", marks=pytest.mark.slow)])

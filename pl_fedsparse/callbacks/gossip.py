@@ -53,7 +53,6 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.base import FederatedCallback, message_device
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.functional.accounting import message_nbytes
 from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.sparse import expand_values, pack_masks, packed_count, unpack_masks
 
@@ -183,11 +182,18 @@ class Gossip(FederatedCallback):
         made on ``device`` when given (:func:`~pl_fedsparse.callbacks.base.message_device`): the stored values and
         packed masks cross to it once (the store keeps their copies there within ``trainer.device_state_budget``,
         so the sender's other neighbours read them there) and are unpacked and expanded there."""
-        weights, packed = self._snapshot[client_idx]
+        weights, host_packed = self._snapshot[client_idx]
         assert self._store is not None or device is None
-        plain, packed = self._moved(self._store, weights, self._decode(weights), packed, device)  # type: ignore[arg-type]
+        plain, packed = self._moved(self._store, weights, self._decode(weights), host_packed, device)  # type: ignore[arg-type]
         masks = unpack_masks(packed, self._shapes) if packed else {}
-        return Message(self._expand(plain, masks), masks)
+        message = Message(self._expand(plain, masks), masks)
+        # the ledger's counts, read from the packed bytes on the host once per sender and round (no wait on a device)
+        counts = self._counts.get(client_idx)
+        if counts is None:
+            counts = self._counts[client_idx] = {name: packed_count(p) for name, p in host_packed.items()}
+        for name, m in masks.items():
+            message.know_count(name, m, counts[name])
+        return message
 
     @staticmethod
     def _moved(store: ClientStateStore, stored: dict[str, Any], plain: dict[str, Tensor], packed: dict[str, Tensor],
@@ -202,14 +208,6 @@ class Gossip(FederatedCallback):
         moved = store.on_device([*plain.values(), *packed.values()], device, keep)
         return dict(zip(names, moved[:len(names)])), dict(zip(masked, moved[len(names):]))
 
-    def _wire_bytes(self, sender: int, message: Message) -> int:
-        """Bytes of ``sender``'s message on the wire (:meth:`Message.nbytes`), each mask's count read from its packed
-        bytes on the host, once per sender and round: no count on the device."""
-        counts = self._counts.get(sender)
-        if counts is None:
-            counts = self._counts[sender] = {name: packed_count(p) for name, p in self._snapshot[sender][1].items()}
-        return message_nbytes(message.tensors, message.masks, message.ternary, counts)
-
     @override
     def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         topo, r, n = loop.topology, loop.round_idx, loop.num_clients
@@ -220,7 +218,7 @@ class Gossip(FederatedCallback):
         neighbours = topo.neighbors(r, client_idx, range(n), loop.seed)
         sent = [self.sender_message(j, device) for j in neighbours]
         for j, msg in zip(neighbours, sent):
-            loop.accounting.send(j, client_idx, self._wire_bytes(j, msg))
+            loop.accounting.send(j, client_idx, msg)
         group = [own, *sent]
         avg = weighted_average([m.tensors for m in group], [1.0] * len(group), [m.masks or None for m in group])
         return Message(avg)

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed",
-           "needs_copy", "on_a_device", "placed_on", "remember_twin", "to_device", "to_host", "to_where",
+           "is_on", "needs_copy", "on_a_device", "placed_on", "remember_twin", "to_device", "to_host", "to_where",
            "twins_on"]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
@@ -141,7 +141,7 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
     # a device run on the CPU: what an earlier call moved "to the device" (or computed there) is there already; the
     # rest crosses
     out = dict(zip(names, values))
-    todo = [n for n, t in zip(names, values) if placed_on(t) != str(device)]
+    todo = [n for n, t in zip(names, values) if not is_on(t, device)]
     moved = copy_tensors([tensors[n] for n in todo], device, share=share, force=True)
     for n, t in zip(todo, moved):
         out[n] = t
@@ -201,6 +201,19 @@ def placed_on(t: Tensor) -> str | None:
     """Under :data:`ALWAYS_PACK`: the (simulated) device ``t`` was placed on, ``None`` for a host tensor."""
     hit = _placed.get(id(t))
     return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def is_on(t: Tensor, device: torch.device | str) -> bool:
+    """Whether ``t`` is on ``device`` already — in a device run simulated on the CPU (:data:`ALWAYS_PACK`), placed
+    there (:func:`placed_on`).
+
+    Example:
+        >>> is_on(torch.zeros(1), "cpu")
+        True
+    """
+    if ALWAYS_PACK:
+        return placed_on(t) == str(device)
+    return not needs_copy([t], device)
 
 
 def on_a_device(tensors: Iterable[Tensor]) -> bool:
