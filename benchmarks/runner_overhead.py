@@ -5,12 +5,14 @@ in turn, ``--pairs`` times:
 
 * **plain**: ``for x, y in loader: loss = module.loss(module(x), y); opt.zero_grad(); loss.backward(); opt.step()``
   with the optimizer from ``configure_optimizers`` — the floor;
-* **runner**: :class:`~pl_fedsparse.executors.runner.FitRunner` (``trainer.fit_runner: auto``), with the meter
-  callback the engine adds;
+* **runner**: :class:`~pl_fedsparse.executors.runner.FitRunner` (``trainer.fit_runner: auto``), with the callbacks
+  the engine adds to such a fit (none for this module: it keeps its own ``fit_metrics``; a ``FitMeter`` otherwise);
 * **trainer**: a fresh ``lightning.Trainer`` per fit, as the reference path builds it.
 
 Each is timed at ``--short`` and ``--long`` steps per fit; the per-step cost is the slope between them, the per-fit
-fixed cost the intercept. Printed per pair and as medians, with the runner's excess over the plain loop.
+fixed cost the intercept. The three paths alternate fit by fit (each first in turn); the excess over the plain loop
+is the median of the fit-by-fit differences (what a noisy shared machine leaves comparable). Printed per pair and as
+medians.
 
     OMP_NUM_THREADS=1 python benchmarks/runner_overhead.py --pairs 7
 """
@@ -50,26 +52,28 @@ def _plain(module: Any, loader: Any, steps: int) -> None:
                 break
 
 
+def _meters(module: Any) -> list[Any]:
+    """The callbacks the engine adds to a fit of ``module``: a :class:`FitMeter` only where the module has no
+    ``fit_metrics`` of its own (as the in-process executor decides)."""
+    return [] if callable(getattr(module, "fit_metrics", None)) else [FitMeter()]
+
+
 def _runner(runner: FitRunner, module: Any, loader: Any, steps: int) -> None:
-    runner.fit(module, loader, [FitMeter()], max_epochs=-1, max_steps=steps)
+    runner.fit(module, loader, _meters(module), max_epochs=-1, max_steps=steps)
 
 
 def _trainer(module: Any, loader: Any, steps: int) -> None:
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=-1, max_steps=steps, callbacks=[FitMeter()],
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=-1, max_steps=steps, callbacks=_meters(module),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(module, train_dataloaders=loader)
 
 
-def _time(fn: Any, reps: int) -> tuple[float, float]:
-    """Median wall and CPU seconds of one call over ``reps`` calls."""
-    walls, cpus = [], []
-    for _ in range(reps):
-        w, c = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - w)
-        cpus.append(time.process_time() - c)
-    return statistics.median(walls), statistics.median(cpus)
+def _once(fn: Any) -> tuple[float, float]:
+    """Wall and CPU seconds of one call."""
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
 
 
 def main() -> None:
@@ -91,35 +95,37 @@ def main() -> None:
             "trainer": lambda s: _trainer(module, loader, s)}
     for fn in ways.values():  # warm up
         fn(a.short)
-    res: dict[str, dict[str, list[float]]] = {k: {"fit_wall": [], "fit_cpu": [], "step_wall": [], "step_cpu": []}
-                                              for k in ways}
+    d = a.long - a.short
+    keys = ("fit_wall", "fit_cpu", "step_wall", "step_cpu")
+    res: dict[str, dict[str, list[float]]] = {k: {m: [] for m in keys} for k in ways}
+    excess: dict[str, dict[str, list[float]]] = {k: {m: [] for m in keys} for k in ("runner", "trainer")}
     print(f"# per fit: {a.short} step(s); per step: slope between {a.short} and {a.long} steps; "
-          f"median of {a.reps} fits per timing; ms")
+          f"median of {a.reps} fits per timing, the three paths alternated fit by fit; ms")
     for p in range(a.pairs):
+        rep: dict[str, dict[str, list[float]]] = {k: {m: [] for m in keys} for k in ways}
+        for r in range(a.reps):
+            names = list(ways)[r % 3:] + list(ways)[:r % 3]  # each path first in turn
+            for name in names:
+                (sw, sc), (lw, lc) = _once(lambda: ways[name](a.short)), _once(lambda: ways[name](a.long))
+                for m, v in zip(keys, (sw, sc, (lw - sw) / d, (lc - sc) / d)):
+                    rep[name][m].append(v * 1e3)
         row = []
-        for name, fn in ways.items():
-            reps_long = max(3, a.reps // 4) if name == "trainer" else a.reps
-            s_wall, s_cpu = _time(lambda: fn(a.short), a.reps)
-            l_wall, l_cpu = _time(lambda: fn(a.long), reps_long)
-            d = a.long - a.short
-            r = res[name]
-            r["fit_wall"].append(s_wall * 1e3)
-            r["fit_cpu"].append(s_cpu * 1e3)
-            r["step_wall"].append((l_wall - s_wall) / d * 1e3)
-            r["step_cpu"].append((l_cpu - s_cpu) / d * 1e3)
-            row.append(f"{name}: fit {s_wall * 1e3:.3f} / step {(l_wall - s_wall) / d * 1e3:.4f}")
+        for name in ways:
+            for m in keys:
+                res[name][m].append(statistics.median(rep[name][m]))
+            row.append(f"{name}: fit {res[name]['fit_wall'][-1]:.3f} / step {res[name]['step_wall'][-1]:.4f}")
+        for name in excess:  # the difference fit by fit (the same moment of a noisy machine), then its median
+            for m in keys:
+                excess[name][m].append(statistics.median(x - y for x, y in zip(rep[name][m], rep["plain"][m])))
         print(f"pair {p}: " + "; ".join(row), flush=True)
     med = {k: {m: statistics.median(v) for m, v in r.items()} for k, r in res.items()}
     for name, m in med.items():
         print(f"{name:8s} per fit {m['fit_wall']:.3f} ms wall {m['fit_cpu']:.3f} ms CPU; "
               f"per step {m['step_wall']:.4f} ms wall {m['step_cpu']:.4f} ms CPU")
-    pr, pp, pt = med["runner"], med["plain"], med["trainer"]
-    print(f"runner - plain: per fit {pr['fit_wall'] - pp['fit_wall']:.3f} ms wall "
-          f"({pr['fit_cpu'] - pp['fit_cpu']:.3f} CPU); per step {pr['step_wall'] - pp['step_wall']:.4f} ms wall "
-          f"({pr['step_cpu'] - pp['step_cpu']:.4f} CPU)")
-    print(f"trainer - plain: per fit {pt['fit_wall'] - pp['fit_wall']:.3f} ms wall "
-          f"({pt['fit_cpu'] - pp['fit_cpu']:.3f} CPU); per step {pt['step_wall'] - pp['step_wall']:.4f} ms wall "
-          f"({pt['step_cpu'] - pp['step_cpu']:.4f} CPU)")
+    for name, r in excess.items():  # medians over pairs of the fit-by-fit differences
+        e = {m: statistics.median(v) for m, v in r.items()}
+        print(f"{name} - plain: per fit {e['fit_wall']:.3f} ms wall ({e['fit_cpu']:.3f} CPU); per step "
+              f"{e['step_wall']:.4f} ms wall ({e['step_cpu']:.4f} CPU)")
 
 
 if __name__ == "__main__":

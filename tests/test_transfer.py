@@ -137,6 +137,15 @@ def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: p
     u = ClientUpdate(0, 0, 1, {"a": good}, message=Message({"a": good, "up": nan}), metrics={"train_loss": 0.5})
     assert find_fault(u) == ("nonfinite_upload", "up")
     assert find_fault(ClientUpdate(0, 0, 1, {"a": good}, message=Message({"a": good}), metrics={})) == (None, None)
+    # every kind of non-finite value, in every float dtype; empty tensors and the largest finite halves pass
+    big = torch.tensor([65504.0, -65504.0], dtype=torch.float16)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            t = torch.zeros(5, dtype=dtype)
+            t[3] = bad
+            state = {"empty": torch.empty(0), "big": big, "ok": good, "bad": t, "later": t.clone()}
+            assert find_fault(ClientUpdate(0, 0, 1, state, metrics={})) == ("nonfinite_weights", "bad"), (bad, dtype)
+    assert find_fault(ClientUpdate(0, 0, 1, {"e": torch.empty(0), "big": big}, metrics={})) == (None, None)
     waits = []
     real_bool = torch.Tensor.__bool__
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: waits.append(1) or real_bool(t))
