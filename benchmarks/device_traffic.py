@@ -32,8 +32,10 @@ step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`
 **readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`), **eval** (one evaluation
 loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader) and **message** (one client's
 message of a round: the ``client_message`` policy and every ``on_client_message``,
-``FederatedLoop.client_message``; DisPFL's gossip average is made there, on the fits' device). In the message phase
-a synchronising call on a tensor the simulation knows to be on the host (neither moved to "the device" nor computed
+``FederatedLoop.client_message``; DisPFL's gossip average is made there, on the fits' device) and **aggregate** (the
+server's aggregation of a round, ``FederatedLoop.aggregate``: on the fits' device for the policies that say so,
+with what it brings back to the host). In the message and aggregate phases a synchronising call on a tensor the
+simulation knows to be on the host (neither moved to "the device" nor computed
 from what was: e.g. a count read from a mask's packed bytes kept on the host) is not counted: on a GPU it waits for
 nothing. In the other phases every such call is counted, as before (an upper bound). Where the engine takes
 another path on the CPU than on a device (pFedGate's greedy knapsack, a Python scan on the CPU; prune-and-regrow's
@@ -99,6 +101,10 @@ def _is_device(x: Any) -> bool:
     return isinstance(x, (torch.device, str)) and str(x).split(":")[0] in ("cpu", "cuda", "mps", "meta")
 
 
+#: phases whose synchronising calls on host tensors are not counted (they wait for nothing on a GPU)
+_HOST_AWARE = ("message", "aggregate")
+
+
 def _on_the_host(args: tuple[Any, ...]) -> bool:
     """Whether the tensor a call reads is a host tensor in the simulated device run (neither moved to "the device"
     nor computed from what was)."""
@@ -141,7 +147,7 @@ class TrafficCounter(TorchFunctionMode):
             return func(*args, **kwargs)
         moves = "data_transfers" if _DATA_DIR in caller else "transfers"  # (the data's own moves, counted apart)
         counted = True
-        if name in _SYNC_NAMES and self.phase[-1] == "message" and _on_the_host(args):
+        if name in _SYNC_NAMES and self.phase[-1] in _HOST_AWARE and _on_the_host(args):
             pass  # (a host tensor's value read on the host: no wait, see "message" in the docstring)
         elif name in _SYNC_NAMES:
             self._count("syncs", name)
@@ -182,7 +188,8 @@ class SyncOpCounter(TorchDispatchMode):
             syncs = isinstance(repeats, torch.Tensor) and (kwargs or {}).get("output_size") is None
         else:
             syncs = name in _SYNC_OPS
-        if syncs and not self.counter.counted_above:
+        if syncs and not self.counter.counted_above and not (self.counter.phase[-1] in _HOST_AWARE
+                                                             and _on_the_host(args)):
             self.counter._count("syncs", f"aten.{name}")
         return func(*args, **(kwargs or {}))
 
@@ -208,12 +215,17 @@ def counting() -> Iterator[TrafficCounter]:
     from pl_fedsparse.loop import FederatedLoop
 
     run_one, step, dag = InProcessExecutor.run_one, runner_mod.FitRunner._step, pr.drop_and_grow
-    client_message = FederatedLoop.client_message
+    client_message, aggregate = FederatedLoop.client_message, FederatedLoop.aggregate
 
     def client_message_(self: Any, *a: Any, **k: Any) -> Any:
         counter.counts[("message", "messages")] += 1
         with counter.in_phase("message"):
             return client_message(self, *a, **k)
+
+    def aggregate_(self: Any, *a: Any, **k: Any) -> Any:
+        counter.counts[("aggregate", "rounds")] += 1
+        with counter.in_phase("aggregate"):
+            return aggregate(self, *a, **k)
 
     logits = Evaluator.logits
     trainer_init, to, cuda, cpu = pl.Trainer.__init__, torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.cpu
@@ -254,6 +266,7 @@ def counting() -> Iterator[TrafficCounter]:
 
     patch(InProcessExecutor, "run_one", run_one_)
     patch(FederatedLoop, "client_message", client_message_)
+    patch(FederatedLoop, "aggregate", aggregate_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
     patch(pr, "drop_and_grow", dag_)
     patch(Evaluator, "logits", logits_)
@@ -312,6 +325,9 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
     messages = max(1, c.counts[("message", "messages")])
     per["message_transfers_per_message"] = round(c.counts[("message", "transfers")] / messages, 2)
     per["message_syncs_per_message"] = round(c.counts[("message", "syncs")] / messages, 2)
+    aggregations = max(1, c.counts[("aggregate", "rounds")])
+    per["aggregate_transfers_per_round"] = round(c.counts[("aggregate", "transfers")] / aggregations, 2)
+    per["aggregate_syncs_per_round"] = round(c.counts[("aggregate", "syncs")] / aggregations, 2)
     return {"config": name, "fit_runner": fit_runner, "device_state_budget": budget, "fits": c.counts[("fit", "fits")],
             "steps": c.counts[("step", "steps")], **per,
             "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
@@ -449,7 +465,7 @@ def main() -> None:
             "data_transfers_per_fit", "syncs_per_fit",
             "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",
             "eval_transfers_per_loader", "eval_syncs_per_loader", "message_transfers_per_message",
-            "message_syncs_per_message"]
+            "message_syncs_per_message", "aggregate_transfers_per_round", "aggregate_syncs_per_round"]
     print("| config | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for r in rows:

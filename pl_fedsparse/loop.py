@@ -314,9 +314,10 @@ class FederatedLoop:
     def _aggregate_on(self, device: torch.device, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         """The ``aggregate`` policy given the round's updates and the global state on ``device``: every tensor of
         them read from the copy kept there (what the fits moved out of it stays there:
-        ``trainer.device_state_budget``) or moved there in one copy. The new state comes back to the host in one copy,
-        its device copy kept for the next round's fits; what the policy hands back unchanged is the host tensor it
-        stands for. The updates the callbacks see stay the host's."""
+        ``trainer.device_state_budget``) or moved there in one copy. The new state — and the round's server update,
+        where the policy sets one (:meth:`set_server_update`) — comes back to the host in one copy, device copies kept
+        for the next round's fits; what the policy hands back unchanged is the host tensor it stands for. The updates
+        the callbacks see stay the host's."""
         assert self.global_state is not None
         hosts: dict[int, Tensor] = {}
 
@@ -346,15 +347,19 @@ class FederatedLoop:
             state = self.policy("aggregate", moved)
         finally:
             self.global_state = saved
-        if not isinstance(state, Mapping):
+        # the new state and the round's server update (set_server_update, made there too) to the host in one copy
+        server = self.server_update if isinstance(self.server_update, Mapping) else None
+        if not isinstance(state, Mapping) and server is None:
             return state
         back = {id(c): hosts[k] for k, c in found.items()}
-        names = list(state)
-        values = [back.get(id(t), t) if isinstance(t, Tensor) else t for t in state.values()]
-        tensors = [i for i, t in enumerate(values) if isinstance(t, Tensor)]
-        for i, t in zip(tensors, self.client_store.to_host([values[i] for i in tensors])):
-            values[i] = t
-        return dict(zip(names, values))
+        trees = [dict(state) if isinstance(state, Mapping) else {}, dict(server or {})]
+        slots = [(tree, n) for tree in trees for n, t in tree.items() if isinstance(t, Tensor)]
+        hosted = self.client_store.to_host([back.get(id(tree[n]), tree[n]) for tree, n in slots])
+        for (tree, n), t in zip(slots, hosted):
+            tree[n] = t
+        if server is not None:
+            self.server_update = trees[1]
+        return trees[0] if isinstance(state, Mapping) else state
 
     def personal_state(self, client_idx: int) -> dict[str, Tensor]:
         """State of the client's personal model (what is evaluated as ``"personal"``)."""

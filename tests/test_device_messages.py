@@ -210,15 +210,44 @@ def _server_run(tmp_path: Path, name: str, config: str, capsys: pytest.CaptureFi
                 spy=(FederatedLoop, "aggregate", lambda self, updates, out: self.aggregation_device() is not None))
 
 
-@pytest.mark.parametrize("config", ["fedavg", pytest.param("fedspa", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("config", ["fedavg", pytest.param("fedspa", marks=pytest.mark.slow), "pfedgate", "fedpse",
+                                    pytest.param("dmpfl", marks=pytest.mark.slow)])
 def test_the_server_aggregates_on_the_device_with_the_numbers_of_the_host(config: str, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """FedAvg (the loop's default) and FedSpa's Eq. 4 aggregate on the fits' device in a device run (the messages
-    start there too), with the CPU run's numbers; on the CPU they aggregate on the host."""
+    """FedAvg (the loop's default), FedSpa's Eq. 4, pFedGate's FedAvg, FedPSE's EWA (whose server update, made
+    there, reaches DPS on the host) and DM-PFL's Eq. 5 with its new global mask aggregate on the fits' device in a
+    device run (the messages start there too), with the CPU run's numbers; on the CPU they aggregate on the host."""
     monkeypatch.chdir(REPO)
-    host, on_host = _server_run(tmp_path, "cpu", config, capsys, sim=False)
-    device, on_device = _server_run(tmp_path, "sim", config, capsys, sim=True)
+    extra = ("--trainer.num_rounds", "4") if config == "dmpfl" else ()  # (both of DM-PFL's phases, twice)
+    host, on_host = _server_run(tmp_path, "cpu", config, capsys, sim=False, extra=extra)
+    device, on_device = _server_run(tmp_path, "sim", config, capsys, sim=True, extra=extra)
+    assert on_host and not any(on_host)
+    assert on_device and all(on_device)
+    assert device == host
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("aggregation, fedavg_weights", [("index", "participants"), ("ewa", "participants"),
+                                                         ("fedavg", "all")])
+def test_pfedgates_other_aggregations_on_the_device_give_the_numbers_of_the_host(
+        aggregation: str, fedavg_weights: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """pFedGate's App. A index-wise average (block uploads unpacked there), its EWA and its FedAvg over all clients
+    (the old global model weighted by the others' samples) on the fits' device: the CPU run's numbers."""
+    import yaml
+
+    monkeypatch.chdir(REPO)
+    cfg = yaml.safe_load((REPO / device_traffic.CONFIGS["pfedgate"][0]).read_text())
+    gate = next(c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("PFedGate"))
+    gate["init_args"].update(aggregation=aggregation, fedavg_weights=fedavg_weights)
+    path = tmp_path / "pfedgate.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    from pl_fedsparse.loop import FederatedLoop
+
+    spy = (FederatedLoop, "aggregate", lambda self, updates, out: self.aggregation_device() is not None)
+    host, on_host = _run(tmp_path, "cpu", capsys, sim=False, config="pfedgate", path=str(path), spy=spy)
+    device, on_device = _run(tmp_path, "sim", capsys, sim=True, config="pfedgate", path=str(path), spy=spy)
     assert on_host and not any(on_host)
     assert on_device and all(on_device)
     assert device == host

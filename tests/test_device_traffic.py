@@ -203,3 +203,26 @@ def test_dispfl_messages_are_made_on_the_device_without_a_wait(monkeypatch: pyte
     monkeypatch.setattr(gossip_mod, "message_device", lambda loop: None)
     host = device_traffic.measure("dispfl")
     assert host["message_transfers_per_message"] == 0 and host["transfers_per_fit"] >= 2, host
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, most", [("fedavg", 1), ("pfedgate", 1), ("fedpse", 1), ("fedspa", 2), ("dmpfl", 2.25)])
+def test_the_server_aggregates_on_the_device_without_a_wait(config: str, most: float) -> None:
+    """Every method's aggregation on the fits' device reads no value there (DM-PFL's new global mask included: its
+    count of eligible positions is not read on the host) and brings its results back in one copy (what the updates
+    left on the host crosses in one more; DM-PFL's global mask in its own). Planted for DM-PFL: the count read on
+    the host again (a wait per masked tensor)."""
+    r = device_traffic.measure(config)
+    assert r["aggregate_syncs_per_round"] == 0, r
+    assert 0 < r["aggregate_transfers_per_round"] <= most, r
+    if config == "dmpfl":
+        from pl_fedsparse.functional import dual
+
+        real = dual._top_eligible
+
+        def counting(score: torch.Tensor, count: int) -> torch.Tensor:
+            return real(score, min(count, int((score >= 0).sum())))  # the count-first rule's host read
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dual, "_top_eligible", counting)
+            assert device_traffic.measure(config)["aggregate_syncs_per_round"] > 0

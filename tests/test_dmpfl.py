@@ -105,6 +105,75 @@ def test_coverage_rule_threshold_and_scope() -> None:
     assert out["a"].tolist() == [False, True] and out["b"].tolist() == [False, True]
 
 
+def _global_mask_counting_first(weights: dict, coverage: dict, num_clients: int, counts: dict, threshold: float,
+                                scope: str) -> dict:
+    """The rule as first written: count the eligible positions on the host, then the top ``min(count, that)``."""
+    eligible = {k: coverage[k] > threshold * num_clients for k in weights}
+    score = {k: torch.where(eligible[k], w.abs().float(), torch.full_like(w, -1.0)).flatten() for k, w in weights.items()}
+    out = {}
+    if scope == "layer":
+        for k, w in weights.items():
+            n = min(counts[k], int(eligible[k].sum()))
+            m = torch.zeros(w.numel(), dtype=torch.bool)
+            if n > 0:
+                m[torch.topk(score[k], n, sorted=False).indices] = True
+            out[k] = m.view(w.shape)
+        return out
+    flat = torch.cat([score[k] for k in weights])
+    n = min(sum(counts.values()), sum(int(e.sum()) for e in eligible.values()))
+    keep = torch.zeros(flat.numel(), dtype=torch.bool)
+    if n > 0:
+        keep[torch.topk(flat, n, sorted=False).indices] = True
+    return dict(zip(weights, (t.view(w.shape) for t, w in zip(keep.split([w.numel() for w in weights.values()]),
+                                                                weights.values()))))
+
+
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_the_global_mask_without_counting_on_the_host_is_the_same_set(scope: str) -> None:
+    """The global mask taken as the top ``count`` with the ineligible dropped (no host read of how many are
+    eligible) is the set the count-first rule picks: ties (magnitudes on a coarse grid), ±0, NaN, too few and
+    enough eligible positions, counts of 0 and of the whole tensor."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        shapes = {"a": (7, 5), "b": (13,), "c": (2, 3, 4)}
+        weights = {k: torch.randint(-3, 4, s, generator=g).float() / 2 for k, s in shapes.items()}
+        if trial % 7 == 0:
+            weights["a"].view(-1)[3] = float("nan")
+        if trial % 5 == 0:
+            weights["b"][0] = -0.0
+        coverage = {k: torch.randint(0, 6, s, generator=g) for k, s in shapes.items()}
+        counts = {k: int(torch.randint(0, int(torch.tensor(s).prod()) + 1, (1,), generator=g)) for k, s in
+                  shapes.items()}
+        got = select_global_mask(weights, coverage, 5, counts, threshold=0.3 + 0.1 * (trial % 4), scope=scope)
+        want = _global_mask_counting_first(weights, coverage, 5, counts, 0.3 + 0.1 * (trial % 4), scope)
+        for k in shapes:
+            assert torch.equal(got[k], want[k]), (trial, k)
+
+
+def test_the_global_mask_reads_nothing_on_the_host() -> None:
+    """No value of the aggregated weights or the coverage is read on the host (a wait per tensor on a device):
+    planted: the count-first rule reads them."""
+    from pl_fedsparse.functional import dual
+
+    reads = []
+    real = torch.Tensor.__int__
+
+    def spy(t: torch.Tensor) -> int:
+        reads.append(1)
+        return real(t)
+
+    w = {"a": torch.tensor([0.1, 5.0, 9.0, 2.0])}
+    cov = {"a": torch.tensor([3, 3, 1, 2])}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "__int__", spy)
+        mp.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or True)
+        mp.setattr(torch.Tensor, "item", lambda t: reads.append(1))
+        dual.select_global_mask(w, cov, 4, {"a": 2})
+        assert not reads
+        _global_mask_counting_first(w, cov, 4, {"a": 2}, 0.3, "layer")
+        assert reads
+
+
 # ---- schedule -----------------------------------------------------------------------------------------------------
 def test_phase_schedule(tmp_path: Path) -> None:
     loop = tiny_loop(tmp_path, num_rounds=8)

@@ -286,7 +286,8 @@ class FederatedCallback(pl.Callback):
     #: (``state``, ``masks``, ``message``) and ``loop.global_state`` there (where the fits run in this process on
     #: an accelerator: :meth:`~pl_fedsparse.loop.FederatedLoop.aggregation_device`), combines them only with each
     #: other or with tensors it moves there (``to_where``), reads no value of them on the host, and keeps none of
-    #: them (the loop brings the new state to the host in one copy). The loop's default, FedAvg, does.
+    #: them but through ``loop.set_server_update`` (the loop brings the new state and that update to the host in one
+    #: copy). The loop's default, FedAvg, does; so do FedSpa's, pFedGate's and FedPSE's EWA.
     device_aggregate: bool = False
 
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:

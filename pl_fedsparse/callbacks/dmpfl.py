@@ -272,6 +272,10 @@ class DualMask(UsesMaskedTraining):
             state[name] = compose_personal(loop.global_state[name], self.global_mask[name], w_c[name], m_c)
         return state
 
+    #: ``aggregate`` runs on the fits' device where they run on one (Eq. 5's masked average and the new ``m_g``,
+    #: chosen there without a wait; ``m_g`` comes to the host in one copy, its device copy kept for the fits)
+    device_aggregate = True
+
     @override
     def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state
@@ -291,8 +295,12 @@ class DualMask(UsesMaskedTraining):
             new[name] = masked_weighted_average(vals, weights, ms, fallback=w)
         if self.phase(loop, sent[0].round_idx) == "mask":
             coverage = {k: mask_coverage([m[k] for m in masks]) for k in self.global_mask}
-            self.global_mask = select_global_mask({k: new[k] for k in self.global_mask}, coverage, len(sent),
-                                                  self._counts, self.coverage_threshold, self.global_mask_scope)
+            chosen = select_global_mask({k: new[k] for k in self.global_mask}, coverage, len(sent),
+                                        self._counts, self.coverage_threshold, self.global_mask_scope)
+            self.global_mask = transfer.to_host(chosen, share=False)  # (the server's copy: checkpoints, messages)
+            if transfer.on_a_device(chosen.values()):  # chosen on the device:
+                device = next(iter(chosen.values())).device  # the fits find it there (_global_where)
+                self._global_on = (self.global_mask, str(device), chosen)
             self._place_global(loop)
         return new
 

@@ -191,6 +191,9 @@ class ElementwiseAggregation(FederatedCallback):
         if loop.global_state is None:
             raise ConfigError("trainer.topology is invalid for ElementwiseAggregation: expected a server (Star)")
 
+    #: ``aggregate`` runs on the fits' device where they run on one (Alg. 2's sums in float64 there too)
+    device_aggregate = True
+
     @override
     def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state

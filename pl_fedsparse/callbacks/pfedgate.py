@@ -348,6 +348,10 @@ class PFedGate(FederatedCallback):
             raise ConfigError("trainer.topology is invalid for PFedGate: expected a server (Star)")
         return dict(loop.global_state)
 
+    #: ``aggregate`` runs on the fits' device where they run on one (FedAvg, App. A's index-wise average and EWA are
+    #: element-wise arithmetic on the uploads; the block table's indices are moved where the uploads are)
+    device_aggregate = True
+
     @override
     def aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         glob = loop.global_state

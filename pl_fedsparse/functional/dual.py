@@ -36,9 +36,9 @@ def mask_coverage(masks: Sequence[Tensor]) -> Tensor:
         >>> mask_coverage([torch.tensor([1, 0, 1]), torch.tensor([1, 0, 0])]).tolist()
         [2, 0, 1]
     """
-    cov = torch.zeros(masks[0].shape, dtype=torch.int32)
+    cov = torch.zeros(masks[0].shape, dtype=torch.int32, device=masks[0].device)  # (where the masks are)
     for m in masks:
-        cov += m.to(torch.int32).cpu()
+        cov += (m if m.device == cov.device else m.to(cov.device)).to(torch.int32)
     return cov
 
 
@@ -66,27 +66,34 @@ def select_global_mask(weights: Mapping[str, Tensor], coverage: Mapping[str, Ten
         >>> select_global_mask(w, cov, num_clients=4, counts={"a": 2})["a"].tolist()
         [False, True, True, False]
     """
-    eligible = {k: coverage[k].to(weights[k].device) > threshold * num_clients for k in weights}
+    eligible = {k: (c if (c := coverage[k]).device == weights[k].device else c.to(weights[k].device))
+                   > threshold * num_clients for k in weights}
     out: dict[str, Tensor] = {}
+    # the top ``count`` scores, ineligible positions scored −1, then only the eligible ones kept: the top
+    # ``min(count, #eligible)`` of the eligible positions as one set, without reading ``#eligible`` on the host (a
+    # wait on a device). Equal to ``topk(min(count, #eligible))``: the eligible scores (≥ 0, or NaN) all rank above −1
     if scope == "layer":
         for k, w in weights.items():
-            score = torch.where(eligible[k], w.abs().float(), torch.full_like(w, -1.0, dtype=torch.float32))
-            n = min(int(counts[k]), int(eligible[k].sum()))
-            mask = torch.zeros(w.numel(), dtype=torch.bool, device=w.device)
-            if n > 0:
-                mask[torch.topk(score.flatten(), n, sorted=False).indices] = True
-            out[k] = mask.view(w.shape)
+            score = torch.where(eligible[k], w.abs().float(), torch.full_like(w, -1.0, dtype=torch.float32)).flatten()
+            out[k] = _top_eligible(score, int(counts[k])).view(w.shape)
         return out
     names = list(weights)
     flat = torch.cat([torch.where(eligible[k], weights[k].abs().float(),
                                   torch.full_like(weights[k], -1.0, dtype=torch.float32)).flatten() for k in names])
-    n = min(sum(int(counts[k]) for k in names), int(sum(int(e.sum()) for e in eligible.values())))
-    keep = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    if n > 0:
-        keep[torch.topk(flat, n, sorted=False).indices] = True
+    keep = _top_eligible(flat, sum(int(counts[k]) for k in names))
     offset = 0
     for k in names:
         numel = weights[k].numel()
         out[k] = keep[offset:offset + numel].view(weights[k].shape)
         offset += numel
     return out
+
+
+def _top_eligible(score: Tensor, count: int) -> Tensor:
+    """Bool mask of the ``count`` largest of ``score`` (flat; −1 marks the ineligible), the ineligible dropped."""
+    keep = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
+    count = min(count, score.numel())
+    if count > 0:
+        idx = torch.topk(score, count, sorted=False).indices
+        keep[idx] = ~(score[idx] < 0)  # (NaN, like any eligible score, stays)
+    return keep

@@ -34,7 +34,7 @@ def _check_keep(keep: Tensor, table: BlockTable) -> None:
 
 
 def block_masks(keep: Tensor, table: BlockTable) -> dict[str, Tensor]:
-    """Element masks of the kept blocks, one bool tensor per parameter (shaped like it).
+    """Element masks of the kept blocks, one bool tensor per parameter (shaped like it, on ``keep``'s device).
 
     Example (a 10-element tensor in blocks of 2; blocks 0 and 3 kept):
         >>> from pl_fedsparse.functional.gate import make_block_table
@@ -43,7 +43,7 @@ def block_masks(keep: Tensor, table: BlockTable) -> dict[str, Tensor]:
         [1, 1, 0, 0, 0, 0, 1, 1, 0, 0]
     """
     _check_keep(keep, table)
-    k = keep.detach().cpu().float()
+    k = keep.detach().float()  # (made where ``keep`` is: a server aggregating on the device reads no value here)
     return {name: expand_block_weights(k, table, i) > 0 for i, name in enumerate(table.names)}
 
 
