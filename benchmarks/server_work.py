@@ -11,6 +11,9 @@ around each timing):
 
 * ``fedavg``: ``weighted_average`` of 10 VGG11-GN uploads (FedSpa's 10 of 100 clients a round);
 * ``fedspa_eq4``: ``FedSpaAggregation.aggregate`` of 10 VGG11-GN updates with their masks (density 0.5);
+* ``dmpfl_eq5``: DM-PFL's Eq. 5 (the masked average of 10 VGG11-GN uploads, positions nobody holds keep the
+  global value) with its new global mask (the coverage of the uploads' masks and ``select_global_mask``, §3.3.2);
+* ``ewa``: FedPSE's EWA (``elementwise_average``, Alg. 2) of 10 VGG11-GN sparse updates (non-zero at the masks);
 * ``gossip``: one DisPFL message — 11 ResNet18-GN stored models (density 0.5) unpacked, expanded and averaged,
   ``Gossip.sender_message``'s and ``client_message``'s code (100 of them a round).
 
@@ -38,7 +41,9 @@ from gossip_message import _stored_group
 
 from pl_fedsparse.callbacks.fedspa import FedSpaAggregation
 from pl_fedsparse.callbacks.gossip import Gossip
-from pl_fedsparse.functional.aggregation import weighted_average
+from pl_fedsparse.functional.aggregation import masked_weighted_average, weighted_average
+from pl_fedsparse.functional.dual import mask_coverage, select_global_mask
+from pl_fedsparse.functional.pse import elementwise_average
 from pl_fedsparse.functional.sparse import unpack_masks
 from pl_fedsparse.models import VGG11GN
 
@@ -74,9 +79,30 @@ def _time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
 def _aggregations(clients: int, density: float, device: torch.device, repeats: int) -> dict[str, float]:
     glob, ups = _updates(clients, density, device)
     loop = SimpleNamespace(global_state=glob)
+    deltas = [{n: (u.state[n] - w) * u.masks[n] if n in u.masks else u.state[n] - w
+               for n, w in glob.items() if w.is_floating_point()} for u in ups]  # (what TopKUpload sends)
     return {"fedavg": _time(lambda: weighted_average([u.state for u in ups], [u.n_samples for u in ups]), device,
                             repeats),
-            "fedspa_eq4": _time(lambda: FedSpaAggregation().aggregate(loop, ups), device, repeats)}  # type: ignore[arg-type]
+            "fedspa_eq4": _time(lambda: FedSpaAggregation().aggregate(loop, ups), device, repeats),  # type: ignore[arg-type]
+            "dmpfl_eq5": _time(lambda: _dmpfl_eq5(glob, ups, density), device, repeats),
+            "ewa": _time(lambda: _ewa(deltas, ups), device, repeats)}
+
+
+def _dmpfl_eq5(glob: dict[str, torch.Tensor], ups: list[Any], density: float) -> dict[str, torch.Tensor]:
+    """``DualMask.aggregate``'s arithmetic in its mask phase: Eq. 5 per masked tensor, then the new ``m_g``."""
+    weights = [float(u.n_samples) for u in ups]
+    new = {n: masked_weighted_average([u.state[n] for u in ups], weights, [u.masks.get(n) for u in ups], fallback=w)
+           for n, w in glob.items() if w.is_floating_point()}
+    names = list(ups[0].masks)
+    coverage = {n: mask_coverage([u.masks[n] for u in ups]) for n in names}
+    counts = {n: round(density * glob[n].numel()) for n in names}
+    return select_global_mask({n: new[n] for n in names}, coverage, len(ups), counts)
+
+
+def _ewa(deltas: list[dict[str, torch.Tensor]], ups: list[Any]) -> dict[str, torch.Tensor]:
+    """``ElementwiseAggregation.aggregate``'s arithmetic: EWA of the sparse updates, per tensor."""
+    weights = [float(u.n_samples) for u in ups]
+    return {n: elementwise_average([d[n] for d in deltas], weights) for n in deltas[0]}
 
 
 def measure(device: torch.device, clients: int, neighbours: int, density: float, repeats: int) -> dict[str, float]:

@@ -632,6 +632,11 @@ class FederatedLoop:
         self.evaluator.choose_batch_size(device.type)  # what data.eval_batch_size: null is (the evaluator's choice)
         # after every callback declared its state: an out-of-process executor replicates the loop from here
         self.executor.setup(self)
+        place = getattr(datamodule, "place_data", None)  # optional: the data where the fits run (data.device: auto);
+        fits_here = self.executor.message_device  # only where they run in this process (not Ray's workers)
+        if callable(place) and fits_here is not None:
+            with user_code(datamodule, "place_data", "placing the data where the fits run"):
+                place(fits_here)
         if stage == "fit":
             self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history, checkpoint=ckpt,
                                               ckpt_path=ckpt_path)

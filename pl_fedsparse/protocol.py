@@ -22,6 +22,10 @@ Optional (the loop uses them when present, and says what it does without them):
 * ``fit_metrics() -> dict[str, float]``: per-fit metrics, at least ``train_loss`` (mean over the samples seen) and
   ``samples_seen`` (what FLOPs are charged for); without it, the loop measures both itself from the loss each
   ``training_step`` returns and the size of each batch's labels.
+* a datamodule's ``place_data(device)``: called once after ``setup`` with the device the fits run on, where they
+  run in the loop's process (not Ray's workers), to put in-memory data there
+  (:meth:`~pl_fedsparse.data.FederatedDataModule.place_data`: ``data.device: auto``); without it the data stays
+  where the datamodule put it.
 * learning rate by round: read :func:`pl_fedsparse.current_fit` in ``configure_optimizers`` (its ``lr_round``: the
   round whose rate the fit uses — ``FineTune(lr: reference)`` asks for round −1) as ``FederatedModule.current_lr``
   does; a module that ignores it trains every round at one rate.

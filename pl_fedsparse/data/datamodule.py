@@ -46,6 +46,7 @@ samples following its label distribution; ``"pooled"`` — its train and test sa
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any, Literal
 
@@ -74,7 +75,9 @@ from pl_fedsparse.data.sources.torchvision_class import resolve_torchvision_clas
 from pl_fedsparse.data.validate import validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check, user_code
 
-__all__ = ["AUTO_EVAL_BATCH_SIZE", "FederatedDataModule"]
+__all__ = ["AUTO_DATA_SHARE", "AUTO_EVAL_BATCH_SIZE", "FederatedDataModule"]
+
+log = logging.getLogger(__name__)
 
 _FINGERPRINT_VERSION = 1
 _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_samples"),
@@ -82,6 +85,17 @@ _SCHEME_PARAMS = {"iid": (), "dirichlet": ("alpha", "quantity_skew", "min_sample
                   "noniid_ratio": ("noniid_ratio",), "fedem_dirichlet": ("alpha", "sample_fraction"), "natural": ()}
 #: ``partition="natural"``: the dataset's own client ids instead of a scheme of :data:`SCHEMES`
 NATURAL = "natural"
+#: ``data.device: auto``: the largest share of an accelerator's free memory the dataset may take there
+AUTO_DATA_SHARE = 0.25
+
+
+def _free_memory(device: torch.device) -> int:
+    """Free bytes on an accelerator (CUDA: ``mem_get_info``; 0 where it cannot be asked)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return 0
+
+
 #: ``data.eval_batch_size: null``: the evaluation batch size by the type of device the model runs on. On the CPU
 #: (one thread) a whole LeNet-CIFAR evaluation runs 1.16x faster at 128 than at 512 and the McMahan CNN's forward
 #: pass costs 1.39x less per image (``benchmarks/eval_batch.py``; the activations of a larger batch leave the
@@ -144,7 +158,10 @@ class FederatedDataModule(lightning.LightningDataModule):
         download: when no local copy is found, download the dataset with torchvision (needs network) into ``root``,
             or ``$PL_FEDSPARSE_CACHE/<name>`` (default ``~/.cache/pl_fedsparse/<name>``) when ``root`` is unset; a
             local copy always wins. ``false`` never downloads (a missing copy is a one-line error).
-        device: ``None`` keeps the data on the CPU; ``"cuda"`` moves the base tensors to the GPU once.
+        device: where in-memory base tensors live: ``"auto"`` (default) where the fits run once the loop knows it
+            (:meth:`place_data`: an accelerator, when they take at most :data:`AUTO_DATA_SHARE` of its free memory;
+            the host otherwise); ``None`` or ``"cpu"`` the host; ``"cuda"`` the GPU, moved once. On the GPU, batches
+            are then gathered (and augmented) there: no copy per batch. The numbers do not depend on it.
         synthetic: overrides of the synthetic task's parameters.
         emnist_split: EMNIST split.
         seed: seed of the subsample, the partition and the per-client splits (``< 2**32`` in ``"pooled"`` mode and
@@ -191,7 +208,7 @@ class FederatedDataModule(lightning.LightningDataModule):
                  split_ratios: tuple[float, float, float] = (0.75, 0.0, 0.25),
                  test_per_client: int | None = None, max_train_samples: int | None = None,
                  batch_size: int = 64, eval_batch_size: int | None = None, augment: bool = False,
-                 download: bool = True, device: str | None = None,
+                 download: bool = True, device: str | None = "auto",
                  synthetic: dict | None = None, emnist_split: str = "balanced", seed: int = 0,
                  test_fraction: float = 0.2, image_size: int | tuple[int, int] | None = None,
                  torchvision_class: str | None = None, torchvision_args: dict | None = None,
@@ -251,11 +268,12 @@ class FederatedDataModule(lightning.LightningDataModule):
         self.cifar10c_root = cifar10c_root
         self._cifar10c: CIFAR10C | None = None
         self._synthetic = synthetic_params(synthetic) if name == "synthetic" else None
-        if device is not None:
+        if device is not None and device != "auto":
             try:
                 dev = torch.device(device)
             except (RuntimeError, TypeError):
-                raise ConfigError(f"data.device={device!r} is invalid: expected None, 'cpu' or 'cuda[:N]'") from None
+                raise ConfigError(f"data.device={device!r} is invalid: expected auto, None, 'cpu' or 'cuda[:N]'"
+                                  ) from None
             check(dev.type != "cuda" or torch.cuda.is_available(), "data.device", device,
                   "None or 'cpu' on this machine (CUDA is not available)")
         self.name, self.root, self._num_clients, self.partition = name, root, num_clients, partition
@@ -433,12 +451,48 @@ class FederatedDataModule(lightning.LightningDataModule):
                        else torch.utils.data.ConcatDataset([base.train_x, base.test_x]))
             train_t = torch.cat([base.train_y, base.test_y])
         self._train_x, self._train_y, self._test_x, self._test_y = train_x, train_t, base.test_x, base.test_y
-        if self.device is not None and in_memory:  # GPU-resident base tensors, moved once
+        if self.device not in (None, "auto") and in_memory:  # GPU-resident base tensors, moved once
             self._train_x, self._train_y, self._test_x, self._test_y = (
                 t.to(self.device) for t in (train_x, train_t, base.test_x, base.test_y))
         self._train_y_np, self._test_y_np = train_y, base.test_y.numpy()
         self._cifar10c = self._open_cifar10c(base)
         self._base = base
+
+    def place_data(self, device: torch.device | str) -> bool:
+        """With ``data.device: auto``: move the in-memory base tensors to ``device`` — where the loop's fits run;
+        it calls this once after :meth:`setup` — when it is an accelerator and they take at most
+        :data:`AUTO_DATA_SHARE` of its free memory. Returns whether they moved (never for another ``data.device``,
+        a dataset read from files, or a second call).
+
+        Example:
+            >>> dm = FederatedDataModule(name="synthetic", num_clients=2)
+            >>> dm.setup()
+            >>> dm.place_data("cpu"), dm.data_device.type
+            (False, 'cpu')
+        """
+        dev = torch.device(device)
+        tensors = tuple(getattr(self, n, None) for n in ("_train_x", "_train_y", "_test_x", "_test_y"))
+        if self.device != "auto" or dev.type in ("cpu", "meta") or not all(isinstance(t, torch.Tensor)
+                                                                            for t in tensors):
+            return False
+        if any(t.device.type != "cpu" for t in tensors):  # (placed already)
+            return False
+        need = sum(t.numel() * t.element_size() for t in tensors)
+        if need > AUTO_DATA_SHARE * _free_memory(dev):
+            log.info("data.device auto: the dataset (%.0f MiB) stays on the host (more than %.0f %% of %s's free "
+                     "memory)", need / 2**20, 100 * AUTO_DATA_SHARE, dev)
+            return False
+        self._train_x, self._train_y, self._test_x, self._test_y = (t.to(dev) for t in tensors)
+        return True
+
+    @property
+    def data_device(self) -> torch.device:
+        """Where the in-memory base tensors are (the host for a dataset read from files; before :meth:`setup`,
+        where ``data.device`` puts them)."""
+        x = getattr(self, "_train_x", None)
+        if isinstance(x, torch.Tensor):
+            return x.device
+        return torch.device(self.device) if self.device not in (None, "auto") else torch.device("cpu")
 
     # ------------------------------------------------------------------------------------------- properties
 
@@ -639,7 +693,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         """
         if self.eval_batch_size is not None:
             return int(self.eval_batch_size)
-        where = device if device is not None else (self.device or "cpu")
+        where = device if device is not None else self.data_device
         kind = torch.device(where).type
         return AUTO_EVAL_BATCH_SIZE.get(kind, AUTO_EVAL_BATCH_SIZE["cpu"])
 
