@@ -287,7 +287,7 @@ class FederatedCallback(pl.Callback):
     #: an accelerator: :meth:`~pl_fedsparse.loop.FederatedLoop.aggregation_device`), combines them only with each
     #: other or with tensors it moves there (``to_where``), reads no value of them on the host, and keeps none of
     #: them but through ``loop.set_server_update`` (the loop brings the new state and that update to the host in one
-    #: copy). The loop's default, FedAvg, does; so do FedSpa's, pFedGate's and FedPSE's EWA.
+    #: copy). The loop's default, FedAvg, does; so do FedSpa's, pFedGate's, FedPSE's (EWA) and DM-PFL's.
     device_aggregate: bool = False
 
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:

@@ -349,7 +349,7 @@ class PFedGate(FederatedCallback):
         return dict(loop.global_state)
 
     #: ``aggregate`` runs on the fits' device where they run on one (FedAvg, App. A's index-wise average and EWA are
-    #: element-wise arithmetic on the uploads; the block table's indices are moved where the uploads are)
+    #: element-wise arithmetic on the uploads; the block masks are made where the uploads' block indices are)
     device_aggregate = True
 
     @override
