@@ -33,8 +33,9 @@ step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`
 loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader) and **message** (one client's
 message of a round: the ``client_message`` policy and every ``on_client_message``,
 ``FederatedLoop.client_message``; DisPFL's gossip average is made there, on the fits' device) and **aggregate** (the
-server's aggregation of a round, ``FederatedLoop.aggregate``: on the fits' device for the policies that say so,
-with what it brings back to the host). In the message and aggregate phases a synchronising call on a tensor the
+server's aggregation of a round, ``FederatedLoop.aggregate``, and the callbacks' ``on_after_aggregate``, where
+FedPSE's DPS personalises every client's next update: on the fits' device for the policies that say so and for DPS,
+with what they bring back to the host; a copy to the host is counted as a transfer, not as a wait). In the message and aggregate phases a synchronising call on a tensor the
 simulation knows to be on the host (neither moved to "the device" nor computed
 from what was: e.g. a count read from a mask's packed bytes kept on the host) is not counted: on a GPU it waits for
 nothing. In the other phases every such call is counted, as before (an upper bound). Where the engine takes
@@ -227,6 +228,14 @@ def counting() -> Iterator[TrafficCounter]:
         with counter.in_phase("aggregate"):
             return aggregate(self, *a, **k)
 
+    call = FederatedLoop.call
+
+    def call_(self: Any, hook: str, *a: Any) -> Any:
+        if hook != "on_after_aggregate":
+            return call(self, hook, *a)
+        with counter.in_phase("aggregate"):  # (the server's work after it: FedPSE's DPS)
+            return call(self, hook, *a)
+
     logits = Evaluator.logits
     trainer_init, to, cuda, cpu = pl.Trainer.__init__, torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.cpu
 
@@ -267,6 +276,7 @@ def counting() -> Iterator[TrafficCounter]:
     patch(InProcessExecutor, "run_one", run_one_)
     patch(FederatedLoop, "client_message", client_message_)
     patch(FederatedLoop, "aggregate", aggregate_)
+    patch(FederatedLoop, "call", call_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
     patch(pr, "drop_and_grow", dag_)
     patch(Evaluator, "logits", logits_)

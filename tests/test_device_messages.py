@@ -304,3 +304,25 @@ def test_the_new_global_model_stays_on_the_device_for_the_next_round(tmp_path: P
 
     assert run()
     assert not run(lambda self, tensors: transfer.copy_tensors(list(tensors), "cpu"))
+
+
+def test_fedpses_dps_on_the_device_gives_the_numbers_of_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """FedPSE's DPS (Alg. 3) made where the fits run: every participant's counts read at once, the same random draws
+    from the same generators applied there — the CPU run's numbers. Planted: the draws applied to the other pool (the
+    numbers change)."""
+    import pl_fedsparse.callbacks.fedpse as fedpse_mod
+    from pl_fedsparse.callbacks.fedpse import PersonalizedDownstream
+    from pl_fedsparse.functional import pse
+
+    monkeypatch.chdir(REPO)
+    probe = (PersonalizedDownstream, "_personalize_on", lambda self, loop, out: True)
+    host, on_host = _run(tmp_path, "cpu", capsys, sim=False, config="fedpse", spy=probe)
+    device, on_device = _run(tmp_path, "sim", capsys, sim=True, config="fedpse", spy=probe)
+    assert not on_host and len(on_device) == 2  # (once a round, on the device only)
+    assert device == host
+    real = pse.dps_draws
+    monkeypatch.setattr(fedpse_mod, "dps_draws",  # the pools drawn in the other order
+                        lambda extra, sizes, d, gen: real(extra, sizes[::-1], 1 - d, gen)[::-1])
+    planted, _ = _run(tmp_path, "planted", capsys, sim=True, config="fedpse", spy=probe)
+    assert planted != host

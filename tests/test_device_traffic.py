@@ -206,12 +206,13 @@ def test_dispfl_messages_are_made_on_the_device_without_a_wait(monkeypatch: pyte
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, most", [("fedavg", 1), ("pfedgate", 1), ("fedpse", 1), ("fedspa", 2), ("dmpfl", 2.25)])
+@pytest.mark.parametrize("config, most", [("fedavg", 1), ("pfedgate", 1), ("fedpse", 4), ("fedspa", 2), ("dmpfl", 2.25)])
 def test_the_server_aggregates_on_the_device_without_a_wait(config: str, most: float) -> None:
     """Every method's aggregation on the fits' device reads no value there (DM-PFL's new global mask included: its
     count of eligible positions is not read on the host) and brings its results back in one copy (what the updates
-    left on the host crosses in one more; DM-PFL's global mask in its own). Planted for DM-PFL: the count read on
-    the host again (a wait per masked tensor)."""
+    left on the host crosses in one more; DM-PFL's global mask in its own; FedPSE's DPS: its counts out, its draws
+    in, the new updates out). Planted for DM-PFL: the count read on the host again (a wait per masked tensor); for
+    FedPSE: DPS's counts read where they are made, one by one."""
     r = device_traffic.measure(config)
     assert r["aggregate_syncs_per_round"] == 0, r
     assert 0 < r["aggregate_transfers_per_round"] <= most, r
@@ -225,4 +226,10 @@ def test_the_server_aggregates_on_the_device_without_a_wait(config: str, most: f
 
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(dual, "_top_eligible", counting)
+            assert device_traffic.measure(config)["aggregate_syncs_per_round"] > 0
+    if config == "fedpse":
+        from pl_fedsparse.functional import transfer
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(transfer, "to_host", lambda tensors, **kw: dict(tensors))  # (left on the device)
             assert device_traffic.measure(config)["aggregate_syncs_per_round"] > 0

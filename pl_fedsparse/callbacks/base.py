@@ -57,7 +57,7 @@ from pl_fedsparse.view import EvalView
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["POLICIES", "FederatedCallback", "declares", "message_device", "takes_device_update"]
+__all__ = ["POLICIES", "FederatedCallback", "declares", "fits_device", "message_device", "takes_device_update"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
 DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared", "evaluation_batch_matters")
 
@@ -115,6 +115,16 @@ def message_device(loop: FederationView) -> torch.device | None:
         >>> message_device(Loop()) is None
         True
     """
+    device = fits_device(loop)
+    return device if device is not None and _all_declare(loop.callbacks, "on_client_message", "device_message") \
+        else None
+
+
+def fits_device(loop: FederationView) -> torch.device | None:
+    """The accelerator the fits run on in this process
+    (:attr:`~pl_fedsparse.executors.ClientExecutor.message_device`; in a device run simulated on the CPU, the CPU),
+    or ``None``: on the CPU, or with fits in other processes (Ray). Where a callback's own server-side work may run
+    (then handing its results to the host itself)."""
     # (a worker's loop, evaluating for the driver, runs no executor: the host)
     device = getattr(getattr(loop, "executor", None), "message_device", None)
     if device is None:
@@ -122,7 +132,7 @@ def message_device(loop: FederationView) -> torch.device | None:
     device = torch.device(device)
     if device.type == "cpu" and not transfer.ALWAYS_PACK:
         return None
-    return device if _all_declare(loop.callbacks, "on_client_message", "device_message") else None
+    return device
 
 
 class FederatedCallback(pl.Callback):

@@ -40,14 +40,17 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.base import FederatedCallback, fits_device
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.compression import ternarize
 from pl_fedsparse.functional.pse import (
     correlation_distance,
+    distance_from,
+    dps_draws,
     elementwise_average,
     error_feedback_topk,
     personalized_mask,
@@ -259,6 +262,65 @@ class PersonalizedDownstream(FederatedCallback):
         self.add_client_state(loop, "start", lambda k: dict(init))  # W_i^{r−1,0}: the start of its last round
         self.add_client_state(loop, "pending", lambda k: {n: torch.zeros_like(init[n]) for n in names})
 
+    def _personalize_on(self, loop: FederationView, device: torch.device, dense: dict[str, Tensor],
+                        uploads: dict[int, dict[str, Tensor]]) -> None:
+        """:meth:`on_after_aggregate`'s DPS (Alg. 3 with Alg. 4 line 9) on the fits' device, with the host path's
+        numbers: the server update and the uploads are read from the copies kept there, every participant's
+        correlation and mask counts are read on the host at once (one wait), the random draws are made there from
+        the same generators in the same order (:func:`dps_draws`) and applied on the device, and every client's new
+        pending update comes back in one copy."""
+        names = list(dense)
+        part = [k for k in range(loop.num_clients) if k in uploads]
+        missed = [k for k in range(loop.num_clients) if k not in uploads]
+        pending = {k: self.get_client_state(loop, k, "pending") for k in missed}
+        host = [dense[n] for n in names] + [uploads[k][n] for k in part for n in names] + \
+            [pending[k][n] for k in missed for n in names]
+        keep = [True] * (len(names) * (1 + len(part))) + [False] * (len(names) * len(missed))  # (decoded anew)
+        there = iter(loop.client_store.on_device(host, device, keep))
+        d_dense = {n: next(there) for n in names}
+        d_up = {k: {n: next(there) for n in names} for k in part}
+        d_pending = {k: {n: next(there) for n in names} for k in missed}
+        sparse = {n: topk_sparsify(t, self.sparsity) for n, t in d_dense.items()}  # ΔŴ_s (Alg. 4 line 9)
+        pools, stats, counts = [], [], []
+        for k in part:
+            for n in names:
+                a64, b64 = sparse[n].detach().double().flatten(), d_up[k][n].detach().double().flatten()
+                stats.append(torch.stack([a64.norm(), b64.norm(), a64 @ b64]))  # correlation_distance's terms
+                s, c = (sparse[n] != 0).flatten(), (d_up[k][n] != 0).flatten()
+                inter = s & c
+                pools.append((inter, c & ~inter, s & ~inter))  # M_in, M_i − M_in, M_s − M_in
+                counts.append(torch.stack([s.sum(), inter.sum(), pools[-1][1].sum(), pools[-1][2].sum()]))
+        read = transfer.to_host({"stats": torch.stack(stats), "counts": torch.stack(counts)}) if part else {}
+        stat_rows, count_rows = (read["stats"].tolist(), read["counts"].tolist()) if part else ([], [])
+        draws, i = [], 0
+        for k in part:  # Alg. 3 lines 6-14's draws, on the host: the host path's generator calls
+            gen = loop.streams.generator("dps", loop.round_idx, k)
+            for _ in names:
+                (na, nb, dot), (ks, kin, pc, ps) = stat_rows[i], count_rows[i]
+                draws.append(dps_draws(ks - kin, [pc, ps], distance_from(na, nb, dot), gen))
+                i += 1
+        drawn = [t for pair in draws for t in pair if t is not None]
+        moved = iter(transfer.to_device({str(j): t for j, t in enumerate(drawn)}, device).values())
+        new: dict[int, dict[str, Tensor]] = {}
+        i = 0
+        for k in part:
+            new[k] = {}
+            for n in names:
+                inter, pool_c, pool_s = pools[i]
+                out = inter.clone()
+                for pool, pick, size in zip((pool_c, pool_s), draws[i], count_rows[i][2:]):
+                    if pick is not None:  # (the pool's size is known: no wait for its positions)
+                        out[torch.nonzero_static(pool, size=size).flatten()[next(moved)]] = True
+                t = d_dense[n]
+                new[k][n] = t * out.view(t.shape).to(t.dtype)
+                i += 1
+        for k in missed:  # missed the round: catch up when next sampled
+            new[k] = {n: d_pending[k][n] + sparse[n] for n in names}
+        order = [(k, n) for k in range(loop.num_clients) for n in names]
+        hosted = iter(loop.client_store.to_host([new[k][n] for k, n in order]))
+        for k in range(loop.num_clients):
+            self.set_client_state(loop, k, "pending", {n: next(hosted) for n in names})
+
     def _next_start(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
         start = self.get_client_state(loop, client_idx, "start")
         pending = self.get_client_state(loop, client_idx, "pending")
@@ -302,6 +364,10 @@ class PersonalizedDownstream(FederatedCallback):
             if uploads:
                 raise ConfigError("trainer.callbacks is invalid: PersonalizedDownstream needs an aggregation that "
                                   "publishes its update (e.g. pl_fedsparse.callbacks.ElementwiseAggregation)")
+            return
+        device = fits_device(loop)
+        if device is not None and self.personalized and self.quantize == "none" and not self.error_feedback:
+            self._personalize_on(loop, device, dense, uploads)  # (the paper's DPS where the fits run)
             return
         if self.error_feedback:  # FedSTC: compress R + ΔW_s, keep what was not sent
             dense = {n: t + self.server_residual[n] for n, t in dense.items()}

@@ -25,8 +25,8 @@ from torch import Tensor
 
 from pl_fedsparse.errors import check
 
-__all__ = ["topk_sparsify", "error_feedback_topk", "elementwise_average", "correlation_distance",
-           "personalized_mask"]
+__all__ = ["topk_sparsify", "error_feedback_topk", "elementwise_average", "correlation_distance", "distance_from",
+           "personalized_mask", "dps_draws"]
 
 
 def _keep(n: int, sparsity: float) -> int:
@@ -94,10 +94,20 @@ def correlation_distance(a: Tensor, b: Tensor) -> float:
         (0.0, 1.0)
     """
     a64, b64 = a.detach().double().flatten(), b.detach().double().flatten()
-    na, nb = float(a64.norm()), float(b64.norm())
+    return distance_from(float(a64.norm()), float(b64.norm()), float(a64 @ b64))
+
+
+def distance_from(na: float, nb: float, dot: float) -> float:
+    """:func:`correlation_distance` from the norms of the two tensors and their dot product (float64 values read
+    off a device all at once: the same number).
+
+    Example:
+        >>> distance_from(1.0, 2.0, -2.0), distance_from(0.0, 1.0, 0.0)
+        (1.0, 0.5)
+    """
     if na == 0.0 or nb == 0.0:
         return 0.5
-    cos = float(a64 @ b64) / (na * nb)
+    cos = dot / (na * nb)
     return min(1.0, max(0.0, 0.5 - 0.5 * cos))
 
 
@@ -118,14 +128,33 @@ def personalized_mask(server_mask: Tensor, client_mask: Tensor, distance: float,
     """
     check(server_mask.shape == client_mask.shape, "client_mask", tuple(client_mask.shape),
           f"the server mask's shape {tuple(server_mask.shape)}")
-    check(0.0 <= distance <= 1.0 and math.isfinite(distance), "distance", distance, "a number in [0, 1]")
     s, c = server_mask.bool().flatten(), client_mask.bool().flatten()
     inter = s & c
-    extra = int(s.sum()) - int(inter.sum())
+    pools = (c & ~inter, s & ~inter)
+    draws = dps_draws(int(s.sum()) - int(inter.sum()), [int(p.sum()) for p in pools], distance, generator)
     out = inter.clone()
-    for pool, count in ((c & ~inter, round(distance * extra)), (s & ~inter, round((1.0 - distance) * extra))):
-        idx = torch.nonzero(pool).flatten()
-        take = min(int(count), int(idx.numel()))
-        if take:
-            out[idx[torch.randperm(idx.numel(), generator=generator)[:take]]] = True
+    for pool, drawn in zip(pools, draws):
+        if drawn is not None:
+            out[torch.nonzero(pool).flatten()[drawn]] = True
     return out.view(server_mask.shape)
+
+
+def dps_draws(extra: int, pool_sizes: Sequence[int], distance: float, generator: torch.Generator
+              ) -> list[Tensor | None]:
+    """The random part of :func:`personalized_mask`, on the host: for the client's pool (``M_i − M_in``) and the
+    server's (``M_s − M_in``), in that order, the positions drawn among the pool's entries (in their index order)
+    — ``round(d·extra)`` and ``round((1 − d)·extra)``, each capped at the pool's size — or ``None`` when none is
+    drawn. From the counts alone, so a device can count its masks, hand the counts over at once and apply the draws
+    (the same numbers: the same generator calls).
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> [None if d is None else len(d) for d in dps_draws(4, [1, 10], 0.5, g)]
+        [1, 2]
+    """
+    check(0.0 <= distance <= 1.0 and math.isfinite(distance), "distance", distance, "a number in [0, 1]")
+    out: list[Tensor | None] = []
+    for size, count in zip(pool_sizes, (round(distance * extra), round((1.0 - distance) * extra))):
+        take = min(int(count), int(size))
+        out.append(torch.randperm(int(size), generator=generator)[:take] if take else None)
+    return out
