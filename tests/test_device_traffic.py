@@ -131,7 +131,7 @@ def test_counting_leaves_the_engine_as_it_found_it() -> None:
 #: own aggregation runs on the host: 1 in per round of 10 fits); the messages made on the device (FedSpa's masked
 #: global model, DisPFL's gossip average); DM-PFL's entries its last fit wrote. FedPSE starts every fit from weights
 #: the host computed for that client (its personalised downstream message)
-STATE_TRANSFERS = {"fedavg": 1.0, "fedpse": 2, "pfedgate": 1.05, "dmpfl": 1.42, "fedspa": 1.0, "dispfl": 1.0}
+STATE_TRANSFERS = {"fedavg": 1.0, "fedpse": 1.5, "pfedgate": 1.05, "dmpfl": 1.42, "fedspa": 1.0, "dispfl": 1.0}
 
 
 @pytest.mark.slow
@@ -233,3 +233,16 @@ def test_the_server_aggregates_on_the_device_without_a_wait(config: str, most: f
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(transfer, "to_host", lambda tensors, **kw: dict(tensors))  # (left on the device)
             assert device_traffic.measure(config)["aggregate_syncs_per_round"] > 0
+
+
+@pytest.mark.slow
+def test_fedpses_messages_start_where_the_fits_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FedPSE's message (the stored start plus the pending personalised update) is made on the fits' device from the
+    copies kept there, and the next start is made where the update is, so from the second round on nothing crosses
+    in; the ledger reads no mask there. Planted: the message made on the host (its start crosses with every fit)."""
+    import pl_fedsparse.callbacks.fedpse as fedpse_mod
+
+    r = device_traffic.measure("fedpse")
+    assert r["message_syncs_per_message"] == 0 and r["transfers_per_fit"] <= STATE_TRANSFERS["fedpse"], r
+    monkeypatch.setattr(fedpse_mod, "message_device", lambda loop: None)
+    assert device_traffic.measure("fedpse")["transfers_per_fit"] > STATE_TRANSFERS["fedpse"]

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback, fits_device
+from pl_fedsparse.callbacks.base import FederatedCallback, fits_device, message_device
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
@@ -321,15 +321,28 @@ class PersonalizedDownstream(FederatedCallback):
         for k in range(loop.num_clients):
             self.set_client_state(loop, k, "pending", {n: next(hosted) for n in names})
 
-    def _next_start(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
+    def _next_start(self, loop: FederationView, client_idx: int, like: Tensor | None = None) -> dict[str, Tensor]:
+        """``W^{r,0} = W^{r−1,0} + ΔŴ_{s,i}`` (Alg. 1 line 1), where ``like`` is (default: the host)."""
         start = self.get_client_state(loop, client_idx, "start")
         pending = self.get_client_state(loop, client_idx, "pending")
+        if like is not None:
+            start, pending = to_where(start, like), to_where(pending, like)
         return {n: (t + pending[n] if n in pending else t) for n, t in start.items()}
 
     @override
     def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         # Alg. 1 line 1: W^{r,0} = W^{r−1,0} + ΔŴ_{s,i}; only the pending update's non-zeros travel
         pending = self.get_client_state(loop, client_idx, "pending")
+        device = message_device(loop)
+        if device is not None and self.quantize == "none":  # made where the fits run, from the copies kept there
+            start = self.get_client_state(loop, client_idx, "start")
+            there = iter(loop.client_store.on_device([*start.values(), *pending.values()], device))
+            start_d, pending_d = {n: next(there) for n in start}, {n: next(there) for n in pending}
+            message = Message({n: (t + pending_d[n] if n in pending_d else t) for n, t in start_d.items()},
+                              {n: t != 0 for n, t in pending_d.items()})
+            for n, t in pending.items():  # the ledger's counts, from the host copy: no wait on the device
+                message.know_count(n, message.masks[n], int(torch.count_nonzero(t)))
+            return message
         # a pending update made of one ternary broadcast travels as one; sums of several (a client that missed
         # rounds) are sent as plain sparse values
         ternary = frozenset(n for n, t in pending.items() if self.quantize == "ternary" and _one_magnitude(t))
@@ -347,9 +360,11 @@ class PersonalizedDownstream(FederatedCallback):
         if update.kind != "train":
             return
         k = update.client_idx  # the pending update was applied at this fit's start
-        self.set_client_state(loop, k, "start", self._next_start(loop, k))
+        like = next(iter(update.state.values()), None)  # (made where the update is: kept there for the next round)
+        self.set_client_state(loop, k, "start", self._next_start(loop, k, like))
+        pending = self.get_client_state(loop, k, "pending")
         self.set_client_state(loop, k, "pending", {n: torch.zeros_like(t) for n, t in
-                                                   self.get_client_state(loop, k, "pending").items()})
+                                                   (to_where(pending, like) if like is not None else pending).items()})
 
     @override
     def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
