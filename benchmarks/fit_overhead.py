@@ -32,6 +32,9 @@ from conftest import tiny_datamodule, tiny_module  # noqa: E402
 
 from pl_fedsparse import FederatedLoop  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runner_overhead import plain_fit  # noqa: E402
+
 
 def _plain_round(module: torch.nn.Module, dm: object, start: dict[str, torch.Tensor], clients: int, steps: int,
                  round_idx: int) -> dict[str, torch.Tensor]:
@@ -40,17 +43,7 @@ def _plain_round(module: torch.nn.Module, dm: object, start: dict[str, torch.Ten
     for k in range(clients):
         module.load_state_dict(start)
         loader = dm.train_loader(k, seed=1000 * round_idx + k)  # type: ignore[attr-defined]
-        opt = module.configure_optimizers()  # type: ignore[operator]
-        done = 0
-        while done < steps:
-            for x, y in loader:
-                loss = module.loss(module(x), y)  # type: ignore[operator]
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                done += 1
-                if done >= steps:
-                    break
+        plain_fit(module, loader, steps)
         states.append({n: t.detach().clone() for n, t in module.state_dict().items()})
         weights.append(float(dm.num_samples(k)))  # type: ignore[attr-defined]
     total = sum(weights)

@@ -38,7 +38,9 @@ from pl_fedsparse.executors.base import FitMeter  # noqa: E402
 from pl_fedsparse.executors.runner import FitRunner  # noqa: E402
 
 
-def _plain(module: Any, loader: Any, steps: int) -> None:
+def plain_fit(module: Any, loader: Any, steps: int) -> None:
+    """``steps`` optimizer steps of ``module`` over ``loader`` in plain PyTorch (the floor both overhead scripts
+    compare the engine with)."""
     opt = module.configure_optimizers()
     done = 0
     while done < steps:
@@ -91,7 +93,7 @@ def main() -> None:
     dm.setup("fit")
     loader = dm.train_loader(0, seed=0)
     runner = FitRunner(torch.device("cpu"))
-    ways = {"plain": lambda s: _plain(module, loader, s), "runner": lambda s: _runner(runner, module, loader, s),
+    ways = {"plain": lambda s: plain_fit(module, loader, s), "runner": lambda s: _runner(runner, module, loader, s),
             "trainer": lambda s: _trainer(module, loader, s)}
     for fn in ways.values():  # warm up
         fn(a.short)

@@ -124,6 +124,21 @@ TINY_CLI = [
 ]
 
 
+def callback_config(config: str, callback: str, directory: Any, **init_args: Any) -> str:
+    """A copy of ``configs/<config>`` in ``directory`` with ``init_args`` set on the callback whose class path ends
+    in ``callback``; returns its path (a list entry cannot be set from the command line)."""
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / config).read_text())
+    entry = next(c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith(callback))
+    entry.setdefault("init_args", {}).update(init_args)
+    path = Path(directory) / f"{Path(config).stem}_{'_'.join(map(str, init_args.values()))}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
 def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """``pl-fed`` in-process: ``(exit code, stdout, stderr)`` (parse errors exit through SystemExit)."""
     from pl_fedsparse.cli import main

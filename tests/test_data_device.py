@@ -55,7 +55,7 @@ def test_auto_moves_the_dataset_to_an_accelerator_where_it_fits(monkeypatch: pyt
 
 def test_the_loop_places_the_data_where_its_fits_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop asks once, with its fits' device; not where the fits run in other processes (the executor has no
-    device in this process: Ray). Planted: a datamodule without ``place_data`` runs as before."""
+    device in this process: Ray); a datamodule without ``place_data`` runs as before."""
     calls: list[Any] = []
     monkeypatch.setattr(FederatedDataModule, "place_data", lambda self, device: calls.append(device) or False)
     loop = tiny_loop(tmp_path / "a", num_rounds=1)

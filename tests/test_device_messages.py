@@ -235,19 +235,17 @@ def test_pfedgates_other_aggregations_on_the_device_give_the_numbers_of_the_host
         capsys: pytest.CaptureFixture[str]) -> None:
     """pFedGate's App. A index-wise average (block uploads unpacked there), its EWA and its FedAvg over all clients
     (the old global model weighted by the others' samples) on the fits' device: the CPU run's numbers."""
-    import yaml
+    from conftest import callback_config
 
-    monkeypatch.chdir(REPO)
-    cfg = yaml.safe_load((REPO / device_traffic.CONFIGS["pfedgate"][0]).read_text())
-    gate = next(c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("PFedGate"))
-    gate["init_args"].update(aggregation=aggregation, fedavg_weights=fedavg_weights)
-    path = tmp_path / "pfedgate.yaml"
-    path.write_text(yaml.safe_dump(cfg))
     from pl_fedsparse.loop import FederatedLoop
 
+    monkeypatch.chdir(REPO)
+    path = callback_config("synthetic_pfedgate.yaml", "PFedGate", tmp_path, aggregation=aggregation,
+                           fedavg_weights=fedavg_weights)
+
     spy = (FederatedLoop, "aggregate", lambda self, updates, out: self.aggregation_device() is not None)
-    host, on_host = _run(tmp_path, "cpu", capsys, sim=False, config="pfedgate", path=str(path), spy=spy)
-    device, on_device = _run(tmp_path, "sim", capsys, sim=True, config="pfedgate", path=str(path), spy=spy)
+    host, on_host = _run(tmp_path, "cpu", capsys, sim=False, config="pfedgate", path=path, spy=spy)
+    device, on_device = _run(tmp_path, "sim", capsys, sim=True, config="pfedgate", path=path, spy=spy)
     assert on_host and not any(on_host)
     assert on_device and all(on_device)
     assert device == host

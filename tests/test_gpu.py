@@ -103,14 +103,10 @@ def test_pfedgates_other_aggregations_on_the_gpu_match_the_cpu(aggregation: str,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """pFedGate's App. A index-wise average and its EWA, aggregated on the GPU (``device_aggregate``), against the
     CPU run: the same bytes, the accuracy within the GPU's summation order."""
-    import yaml
+    from conftest import callback_config
 
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "synthetic_pfedgate.yaml").read_text())
-    gate = next(c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith("PFedGate"))
-    gate["init_args"]["aggregation"] = aggregation
-    path = tmp_path / f"pfedgate_{aggregation}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = ["--config", str(path), "--trainer.num_rounds", "4", "--trainer.eval_every", "2"]
+    path = callback_config("synthetic_pfedgate.yaml", "PFedGate", tmp_path, aggregation=aggregation)
+    run = ["--config", path, "--trainer.num_rounds", "4", "--trainer.eval_every", "2"]
     cpu = fit_rows([*run, "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path / "cpu")], capsys)
     gpu = fit_rows([*run, "--trainer.accelerator", "gpu", "--trainer.default_root_dir", str(tmp_path / "gpu")], capsys)
     assert [r["round"] for r in gpu] == [r["round"] for r in cpu]

@@ -217,6 +217,11 @@ class ElementwiseAggregation(FederatedCallback):
         return {n: (t + server_update[n] if n in server_update else t) for n, t in glob.items()}
 
 
+def _compose(start: dict[str, Tensor], pending: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``W^{r,0} = W^{r−1,0} + ΔŴ_{s,i}`` (Alg. 1 line 1) from the stored start and pending update."""
+    return {n: (t + pending[n] if n in pending else t) for n, t in start.items()}
+
+
 class PersonalizedDownstream(FederatedCallback):
     """DPS: every client's downstream update, personalised by the correlation of its upload with the server's
     (Alg. 3); owns ``client_message`` and ``personal_state``.
@@ -327,7 +332,7 @@ class PersonalizedDownstream(FederatedCallback):
         pending = self.get_client_state(loop, client_idx, "pending")
         if like is not None:
             start, pending = to_where(start, like), to_where(pending, like)
-        return {n: (t + pending[n] if n in pending else t) for n, t in start.items()}
+        return _compose(start, pending)
 
     @override
     def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
@@ -338,8 +343,7 @@ class PersonalizedDownstream(FederatedCallback):
             start = self.get_client_state(loop, client_idx, "start")
             there = iter(loop.client_store.on_device([*start.values(), *pending.values()], device))
             start_d, pending_d = {n: next(there) for n in start}, {n: next(there) for n in pending}
-            message = Message({n: (t + pending_d[n] if n in pending_d else t) for n, t in start_d.items()},
-                              {n: t != 0 for n, t in pending_d.items()})
+            message = Message(_compose(start_d, pending_d), {n: t != 0 for n, t in pending_d.items()})
             for n, t in pending.items():  # the ledger's counts, from the host copy: no wait on the device
                 message.know_count(n, message.masks[n], int(torch.count_nonzero(t)))
             return message
@@ -362,9 +366,9 @@ class PersonalizedDownstream(FederatedCallback):
         k = update.client_idx  # the pending update was applied at this fit's start
         like = next(iter(update.state.values()), None)  # (made where the update is: kept there for the next round)
         self.set_client_state(loop, k, "start", self._next_start(loop, k, like))
-        pending = self.get_client_state(loop, k, "pending")
-        self.set_client_state(loop, k, "pending", {n: torch.zeros_like(t) for n, t in
-                                                   (to_where(pending, like) if like is not None else pending).items()})
+        where = None if like is None else like.device
+        self.set_client_state(loop, k, "pending", {n: torch.zeros_like(t, device=where) for n, t in
+                                                   self.get_client_state(loop, k, "pending").items()})
 
     @override
     def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:

@@ -66,8 +66,10 @@ def select_global_mask(weights: Mapping[str, Tensor], coverage: Mapping[str, Ten
         >>> select_global_mask(w, cov, num_clients=4, counts={"a": 2})["a"].tolist()
         [False, True, True, False]
     """
-    eligible = {k: (c if (c := coverage[k]).device == weights[k].device else c.to(weights[k].device))
-                   > threshold * num_clients for k in weights}
+    eligible = {}
+    for k, w in weights.items():  # (moved only where the coverage is elsewhere: none on the aggregation's device)
+        c = coverage[k] if coverage[k].device == w.device else coverage[k].to(w.device)
+        eligible[k] = c > threshold * num_clients
     out: dict[str, Tensor] = {}
     # the top ``count`` scores, ineligible positions scored −1, then only the eligible ones kept: the top
     # ``min(count, #eligible)`` of the eligible positions as one set, without reading ``#eligible`` on the host (a
