@@ -53,6 +53,13 @@ CONFIGS: dict[str, tuple[str, str]] = {
 #: seconds before SIGTERM where the default is too short for a few rounds (one H100, 2026-11: a DisPFL round of 100
 #: ResNet-18 clients takes more than 140 s, a FedSpa round about 20 s; benchmarks/gpu/README.md)
 SECONDS: dict[str, float] = {"dispfl": 400.0, "fedspa_dst": 150.0}
+# the fewest rounds a config's schedule accepts (DM-PFL's DualMask: 2 phases x its 2 iterations, a round each)
+MIN_ROUNDS: dict[str, int] = {"dmpfl": 4}
+
+
+def rounds_for(name: str, asked: int) -> int:
+    """``asked`` rounds, raised to what ``name``'s config needs to run at all (``MIN_ROUNDS``)."""
+    return max(asked, MIN_ROUNDS.get(name, 1))
 
 
 def fit_args(name: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
@@ -61,7 +68,7 @@ def fit_args(name: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     root = args.data_root if dataset == "cifar10" else args.fmnist_root
     return ["fit", "--config", str(ROOT / "configs" / config), "--data.root", str(root),
             "--trainer.accelerator", args.accelerator, "--data.device", "cuda" if args.accelerator == "gpu" else "cpu",
-            "--trainer.precision", args.precision, "--trainer.num_rounds", str(args.rounds),
+            "--trainer.precision", args.precision, "--trainer.num_rounds", str(rounds_for(name, args.rounds)),
             "--trainer.eval_every", str(args.eval_every), "--trainer.default_root_dir", str(run_dir),
             "--trainer.overwrite", "true"]
 
@@ -133,6 +140,11 @@ def run(args: argparse.Namespace) -> None:
             print(f"{name}: recorded already (benchmarks/gpu/rounds.jsonl); --force re-runs it", flush=True)
             continue
         run_dir = OUT / "rounds" / name
+        # an earlier run's rows must not be read as this one's (a run that fails before its first round writes none)
+        for old in ("metrics.jsonl", "summary.json"):
+            (run_dir / old).unlink(missing_ok=True)
+        if rounds_for(name, args.rounds) != args.rounds:
+            print(f"{name}: {rounds_for(name, args.rounds)} rounds (its schedule needs at least that many)", flush=True)
         cmd = [sys.executable, "-m", "pl_fedsparse.cli", *fit_args(name, args, run_dir)]
         print("$", " ".join(cmd[2:]), flush=True)
         sampler_path = OUT / "rounds" / f"{name}.gpu.csv"
@@ -215,8 +227,9 @@ def dry_run(args: argparse.Namespace) -> None:
         argv[argv.index("--data.device") + 1] = "cpu"  # data.device cuda is refused where CUDA is absent
         argv[argv.index("--trainer.accelerator") + 1] = "cpu"
         resolved = resolve(argv, f"gpu_rounds: {name}")
-        assert resolved["trainer"]["num_rounds"] == args.rounds, name
-        print(f"{name}: {CONFIGS[name][0]} resolves ({args.rounds} rounds, eval every {args.eval_every})")
+        rounds = rounds_for(name, args.rounds)
+        assert resolved["trainer"]["num_rounds"] == rounds, name
+        print(f"{name}: {CONFIGS[name][0]} resolves ({rounds} rounds, eval every {args.eval_every})")
 
 
 def main() -> None:

@@ -102,7 +102,12 @@ def test_the_data_follows_the_model_to_the_gpu() -> None:
 def test_pfedgates_other_aggregations_on_the_gpu_match_the_cpu(aggregation: str, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """pFedGate's App. A index-wise average and its EWA, aggregated on the GPU (``device_aggregate``), against the
-    CPU run: the same bytes, the accuracy within the GPU's summation order."""
+    CPU run: the same bytes, the accuracy within the GPU's summation order.
+
+    EWA's upload is the update's non-zeros with their indices, so its byte count depends on the arithmetic by design:
+    on an H200 (2026-11-27, ``benchmarks/gpu/tests_h200_6d831b7.txt``) one value of an update was exactly zero on one
+    device and not on the other (4 bytes of 63.7 MB after 4 rounds). Its uplink and total are compared within a
+    relative 1e-6; the index-wise average's bytes (whole blocks) stay exact."""
     from conftest import callback_config
 
     path = callback_config("synthetic_pfedgate.yaml", "PFedGate", tmp_path, aggregation=aggregation)
@@ -112,5 +117,8 @@ def test_pfedgates_other_aggregations_on_the_gpu_match_the_cpu(aggregation: str,
     assert [r["round"] for r in gpu] == [r["round"] for r in cpu]
     for a, b in zip(cpu, gpu):
         for key in EXACT:
-            assert a.get(key) == b.get(key), (aggregation, a["round"], key)
+            if aggregation == "ewa" and key in ("comm_cum_bytes_up", "comm_cum_bytes_total"):
+                assert b[key] == pytest.approx(a[key], rel=1e-6), (aggregation, a["round"], key)
+            else:
+                assert a.get(key) == b.get(key), (aggregation, a["round"], key)
         assert b["acc_mean"] == pytest.approx(a["acc_mean"], abs=0.03), (aggregation, a["round"])

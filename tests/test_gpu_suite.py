@@ -136,3 +136,59 @@ def test_the_ray_wheel_parts_are_joined_only_whole(tmp_path: Path) -> None:
     res = _ray_parts(tmp_path, "install")
     assert res.returncode == 2 and res.stderr == (f"error: gpu_ray_parts.sh: pip could not install {name} from the "
                                                   "carried wheels (its output: data/ray_b/pip.log)\n"), res.stderr
+
+
+def _gpu_rounds():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_rounds_under_test", ROOT / "benchmarks" / "gpu_rounds.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_run_that_fails_at_once_reports_no_earlier_runs_rounds(tmp_path, monkeypatch, capsys) -> None:
+    """A run that stops before its first round (a bad argument: exit 2) must not report the rows an earlier run left
+    in the same folder as its own (a lease recorded an H100 run's seconds under an H200 run that had failed)."""
+    import argparse
+    import json
+
+    mod = _gpu_rounds()
+    monkeypatch.setattr(mod, "OUT", tmp_path)
+    old = tmp_path / "rounds" / "fedavg"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"round": 0, "time_train_s": 6.0, "time_s": 7.0}) + "\n")
+
+    class Failed:  # the CLI refusing its arguments: no rows written
+        def __init__(self, cmd, cwd=None):
+            self.cmd = cmd
+
+        def wait(self, timeout=None):
+            return 2
+
+    class NoSampler:
+        def __init__(self, path):
+            pass
+
+        def stop(self):
+            return {}
+
+    monkeypatch.setattr(mod.subprocess, "Popen", Failed)
+    monkeypatch.setattr(mod, "GpuSampler", NoSampler)
+    args = argparse.Namespace(only=["fedavg"], force=True, data_root="d", fmnist_root="f", accelerator="gpu",
+                              precision="32-true", rounds=3, eval_every=3, seconds=1.0)
+    mod.run(args)
+    line = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
+    assert line["exit_code"] == 2 and line["rounds_done"] == 0 and "train_s_per_round" not in line, line
+
+
+def test_a_schedule_that_needs_more_rounds_gets_them() -> None:
+    """DM-PFL's two phases of two iterations need four rounds: fewer asked are raised, more are kept."""
+    mod = _gpu_rounds()
+    assert mod.rounds_for("dmpfl", 3) == 4 and mod.rounds_for("dmpfl", 6) == 6 and mod.rounds_for("fedavg", 3) == 3
+    import argparse
+
+    args = argparse.Namespace(data_root="d", fmnist_root="f", accelerator="gpu", precision="32-true", rounds=3,
+                              eval_every=3)
+    argv = mod.fit_args("dmpfl", args, Path("run"))
+    assert argv[argv.index("--trainer.num_rounds") + 1] == "4"
