@@ -9,7 +9,9 @@ with SIGTERM (the engine's clean stop: the rounds done so far are in ``metrics.j
 * evaluation seconds: the median ``time_s - time_train_s`` of the evaluated rounds before the last; the last round's
   extra (a config's ``when: last`` evaluations, e.g. DM-PFL's 51 shift/corruption views) is reported apart;
 * the full run's estimate: ``num_rounds × train + (num_rounds // eval_every) × evaluation + last-round extra`` with
-  the config's own ``num_rounds`` and ``eval_every``.
+  the config's own ``num_rounds`` and ``eval_every``; where rounds end with fits for every client (DM-PFL's personal
+  refinement after each Phase 2 block: a 4-round run has two, the paper's 300 rounds two in all), ``train`` is the
+  median of the other rounds and the refinement's extra is added as often as the paper's schedule has it.
 
     python benchmarks/gpu_rounds.py run --data-root data/cifar10 --fmnist-root /usr/share/datasets/fashion-mnist
     python benchmarks/gpu_rounds.py run --only dmpfl --rounds 4 --seconds 240
@@ -32,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -108,14 +110,45 @@ class GpuSampler:
                 "gpu_mem_max_mib": max(mem) if mem else None, "gpu_samples": len(util)}
 
 
-def summarise(name: str, rows: list[dict[str, Any]], wall_s: float, rc: int) -> dict[str, Any]:
-    """Seconds per round, evaluation seconds and the full-run estimate from a run's ``metrics.jsonl`` rows."""
+def refinement_rule(name: str) -> Callable[[int, int], bool] | None:
+    """Which rounds of a ``num_rounds``-round run end with fits for every client (DM-PFL's personal refinement,
+    Alg. 3, after each Phase 2 block), from the config's own callback (``refines_personal_after``); ``None`` for a
+    config without such rounds. A timed run of a few rounds has them far more often than the paper's run."""
+    import importlib
+    from types import SimpleNamespace
+
+    cfg = yaml.safe_load((ROOT / "configs" / CONFIGS[name][0]).read_text())
+    for spec in cfg.get("trainer", {}).get("callbacks", []) or []:
+        module, _, cls_name = str(spec.get("class_path", "")).rpartition(".")
+        cls = getattr(importlib.import_module(module), cls_name, None) if module else None
+        if cls is not None and hasattr(cls, "refines_personal_after"):
+            callback = cls(**(spec.get("init_args") or {}))
+            return lambda total, r: bool(callback.refines_personal_after(SimpleNamespace(num_rounds=total), r))
+    return None
+
+
+def summarise(name: str, rows: list[dict[str, Any]], wall_s: float, rc: int,
+              timed_rounds: int | None = None) -> dict[str, Any]:
+    """Seconds per round, evaluation seconds and the full-run estimate from a run's ``metrics.jsonl`` rows.
+
+    Where the config has rounds that end with fits for every client (:func:`refinement_rule`), the training time is
+    split: ``train_s_per_round`` is the median of the other rounds, ``refine_extra_s`` the median extra of those
+    rounds, and the estimate counts that extra as often as the paper's schedule has it (``refine_rounds_paper``).
+    """
     num_rounds, eval_every = paper_schedule(name)
     out: dict[str, Any] = {"name": name, "config": CONFIGS[name][0], "rounds_done": len(rows), "wall_s": wall_s,
                            "exit_code": rc, "paper_num_rounds": num_rounds, "paper_eval_every": eval_every}
     if not rows:
         return out
-    train = statistics.median(r["time_train_s"] for r in rows)
+    rule = refinement_rule(name) if timed_rounds else None
+    refining = [rule(timed_rounds, r["round"]) for r in rows] if rule is not None else [False] * len(rows)
+    plain = [r["time_train_s"] for r, ref in zip(rows, refining) if not ref]
+    train = statistics.median(plain) if plain else statistics.median(r["time_train_s"] for r in rows)
+    refine_extra, refine_paper = 0.0, 0
+    if rule is not None and plain and any(refining):
+        refine_extra = statistics.median(r["time_train_s"] for r, ref in zip(rows, refining) if ref) - train
+        refine_paper = sum(rule(num_rounds, r) for r in range(num_rounds))
+        out.update({"refine_extra_s": refine_extra, "refine_rounds_paper": refine_paper})
     # a completed run's last round carries the config's `when: last` evaluations too: it is reported apart
     evals = [r["time_s"] - r["time_train_s"] for r in (rows[:-1] if rc == 0 else rows) if r.get("evaluated")]
     evaluation = statistics.median(evals) if evals else None
@@ -124,8 +157,8 @@ def summarise(name: str, rows: list[dict[str, Any]], wall_s: float, rc: int) -> 
     out.update({"train_s_per_round": train, "eval_s": evaluation, "last_round_extra_s": last_extra,
                 "round_s_median": statistics.median(r["time_s"] for r in rows)})
     if evaluation is not None:
-        out["full_run_estimate_h"] = (num_rounds * train + (num_rounds // eval_every) * evaluation
-                                      + (last_extra or 0.0)) / 3600
+        out["full_run_estimate_h"] = (num_rounds * train + refine_paper * refine_extra
+                                      + (num_rounds // eval_every) * evaluation + (last_extra or 0.0)) / 3600
     acc = [r["acc_mean"] for r in rows if r.get("evaluated") and r.get("acc_mean") is not None]
     out["acc_mean_last"] = acc[-1] if acc else None
     return out
@@ -163,7 +196,7 @@ def run(args: argparse.Namespace) -> None:
             shutil.move(sampler_path, run_dir / "gpu.csv")
         metrics = run_dir / "metrics.jsonl"
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-        line = {**summarise(name, rows, wall, rc), **gpu, "accelerator": args.accelerator,
+        line = {**summarise(name, rows, wall, rc, rounds_for(name, args.rounds)), **gpu, "accelerator": args.accelerator,
                 "precision": args.precision, "device": _device_name()}
         for ckpt in run_dir.glob("**/*.ckpt"):  # records only: checkpoints are large and not needed to read them
             ckpt.unlink()

@@ -192,3 +192,21 @@ def test_a_schedule_that_needs_more_rounds_gets_them() -> None:
                               eval_every=3)
     argv = mod.fit_args("dmpfl", args, Path("run"))
     assert argv[argv.index("--trainer.num_rounds") + 1] == "4"
+
+
+def test_dmpfls_refinement_rounds_are_counted_as_often_as_the_papers_run_has_them() -> None:
+    """A 4-round DM-PFL run ends two of its rounds with every client's personal refinement (Alg. 3); the paper's
+    300-round run has two such rounds in all. The estimate takes the other rounds' median as the round's cost and adds
+    the refinement's extra twice, not the median of a run where half the rounds refine (four times too much)."""
+    mod = _gpu_rounds()
+    times = [1.0, 11.0, 1.2, 12.0]
+    rows = [{"round": r, "time_train_s": t, "time_s": t + (3.0 if r == 3 else 0.0), "evaluated": r in (1, 3)}
+            for r, t in enumerate(times)]
+    rows[1]["time_s"] += 2.0  # an evaluation of 2 s in round 1
+    out = mod.summarise("dmpfl", rows, 30.0, 0, 4)
+    assert out["train_s_per_round"] == pytest.approx(1.1) and out["refine_rounds_paper"] == 2
+    assert out["refine_extra_s"] == pytest.approx(11.5 - 1.1)
+    expected = (300 * 1.1 + 2 * (11.5 - 1.1) + (300 // 10) * 2.0 + (3.0 - 2.0)) / 3600
+    assert out["full_run_estimate_h"] == pytest.approx(expected)
+    plain = mod.summarise("fedavg", rows, 30.0, 0, 4)  # no refinement rule: the median of every round
+    assert plain["train_s_per_round"] == pytest.approx(6.1) and "refine_extra_s" not in plain
