@@ -194,3 +194,4 @@ def _clear_device_caches() -> None:
     """Drop the library's tensors cached per device (pFedGate's block tables)."""
     gate.block_span_tensors.cache_clear()
     gate._device_groups.cache_clear()
+    gate._device_capacities.cache_clear()

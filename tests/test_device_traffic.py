@@ -246,3 +246,21 @@ def test_fedpses_messages_start_where_the_fits_run(monkeypatch: pytest.MonkeyPat
     assert r["message_syncs_per_message"] == 0 and r["transfers_per_fit"] <= STATE_TRANSFERS["fedpse"], r
     monkeypatch.setattr(fedpse_mod, "message_device", lambda loop: None)
     assert device_traffic.measure("fedpse")["transfers_per_fit"] > STATE_TRANSFERS["fedpse"]
+
+
+@pytest.mark.slow
+def test_the_operator_count_sees_one_more_kernel_in_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops_per_step`` counts the operators a step dispatches that launch a kernel on a GPU: one more in
+    ``training_step`` (a multiplication) is exactly two more per step, its product and the product in its backward;
+    a view (``reshape``) is none."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    from pl_fedsparse.module import FederatedModule
+
+    base = device_traffic.measure("fedavg")["ops_per_step"]
+    step = FederatedModule.training_step
+
+    def one_more(self: Any, batch: Any, batch_idx: int) -> Any:
+        return step(self, batch, batch_idx).reshape(()) * 1.0
+
+    monkeypatch.setattr(FederatedModule, "training_step", one_more)
+    assert device_traffic.measure("fedavg")["ops_per_step"] == base + 2  # the product and its backward

@@ -519,3 +519,63 @@ def test_select_blocks_on_the_device_path_equals_the_host_path(factory: object, 
             device = select_blocks(importance, table, density, budget=budget)
             monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", True)
             assert torch.equal(host, device), (density, budget)
+
+
+def test_the_row_knapsacks_take_what_each_rows_scan_takes() -> None:
+    """:func:`knapsack_greedy_rows` (every group's knapsack at once) against the code's scan row by row, with rows
+    padded by weight-0 items, many ties and repeated weights, one capacity per row."""
+    from pl_fedsparse.functional.gate import knapsack_greedy, knapsack_greedy_rows
+
+    rng = random.Random(1)
+    for _ in range(1500):
+        rows, n = rng.randint(1, 4), rng.randint(0, 20)
+        lengths = [rng.randint(0, n) for _ in range(rows)]
+        weights = [[rng.choice([1, 2, 3, 5, 8, 40]) for _ in range(k)] + [0] * (n - k) for k in lengths]
+        values = [[float(rng.randint(0, 10)) for _ in range(n)] for _ in range(rows)]
+        caps = [rng.randint(0, 100) for _ in range(rows)]
+        distinct = max([len(set(w[:k])) for w, k in zip(weights, lengths)] + [0])
+        got = knapsack_greedy_rows(torch.tensor(values, dtype=torch.float64).view(rows, n),
+                                   torch.tensor(weights, dtype=torch.int64).view(rows, n),
+                                   torch.tensor(caps), distinct)
+        for r in range(rows):
+            k = lengths[r]
+            want = knapsack_greedy(values[r][:k], weights[r][:k], caps[r])
+            assert got[r, :k].tolist() == want, (values[r], weights[r], caps[r])
+
+
+def _operators(fn) -> int:
+    """The operators ``fn()`` dispatches that launch a kernel on a GPU (views and allocations left out)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_the_groups_knapsacks_issue_the_operators_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-group budget's two knapsacks (linear and convolution blocks) run as rows of one
+    (:func:`knapsack_greedy_rows`): on a GPU a step of small kernels costs its launches, and one knapsack round is
+    about a dozen. Two groups cost what the larger one alone costs, plus the padding and the write-back (3)."""
+    from pl_fedsparse.functional import gate
+
+    monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", False)
+    table = block_table(LeNetCIFAR(), 5)
+    importance = torch.rand(table.num_blocks, generator=torch.Generator().manual_seed(0))
+    select_blocks(importance, table, 0.5, budget="group")  # (the cached tables made outside the count)
+    both = _operators(lambda: select_blocks(importance, table, 0.5, budget="group"))
+    groups = gate._knapsack_groups(table, "group")
+    assert len(groups) == 2 and all(groups)
+    items = max(groups, key=len)
+    distinct = max(len({table.sizes[j] for j in g}) for g in groups)
+    values = torch.round(importance.double()[items] * gate.IMPORTANCE_LEVELS)
+    sizes = torch.tensor([table.sizes[j] for j in items])
+    one = _operators(lambda: gate.knapsack_greedy_tensor(values, sizes, 10, distinct))
+    assert both <= one + 3 + 3, (both, one)  # (+3: the importance's double, round and scale before the knapsack)

@@ -58,6 +58,7 @@ __all__ = [
     "expand_block_weights",
     "knapsack_exact",
     "knapsack_greedy",
+    "knapsack_greedy_rows",
     "knapsack_greedy_tensor",
     "block_span_tensors",
     "make_block_table",
@@ -289,7 +290,7 @@ def knapsack_greedy_tensor(values: Tensor, weights: Tensor, capacity: int, disti
     lowers a weight threshold to a smaller distinct weight, and there are at most ``distinct_weights`` of them.
     Each round takes, after the last failure, every item under the threshold up to the next one that does not fit
     (a cumulative sum and a first-index search); ``distinct_weights + 1`` rounds of a few vector operations, a fixed
-    number known on the host, so the device never waits.
+    number known on the host, so the device never waits. (One knapsack of :func:`knapsack_greedy_rows`.)
 
     Args:
         values: ``[n]`` values (ranked largest first, ties by lower index: a stable sort).
@@ -304,32 +305,58 @@ def knapsack_greedy_tensor(values: Tensor, weights: Tensor, capacity: int, disti
         >>> knapsack_greedy_tensor(torch.tensor([9., 8., 8.]), torch.tensor([6, 5, 4]), 10, 3).tolist()
         [True, False, True]
     """
-    n = values.numel()
+    return knapsack_greedy_rows(values.unsqueeze(0), weights.unsqueeze(0), capacity, distinct_weights).squeeze(0)
+
+
+def knapsack_greedy_rows(values: Tensor, weights: Tensor, capacity: int | Tensor, distinct_weights: int) -> Tensor:
+    """Several independent greedy knapsacks at once, one per row, with no host synchronisation: row ``g`` takes what
+    :func:`knapsack_greedy` takes on ``(values[g], weights[g], capacity[g])``.
+
+    The rounds of :func:`knapsack_greedy_tensor` run on every row together, so a selection of several groups (the
+    paper's per-group budget: linear and convolution blocks) issues the device operations of one knapsack rather
+    than one per group. Items of weight 0 never change a row's selection (they always fit and use no room): rows
+    of different lengths are padded with them.
+
+    Args:
+        values: ``[G, n]`` values (each row ranked largest first, ties by lower index).
+        weights: ``[G, n]`` non-negative integer weights on the same device.
+        capacity: one capacity for every row, or a ``[G]`` integer tensor on the same device.
+        distinct_weights: an upper bound on the number of distinct non-zero weights of any row.
+
+    Returns:
+        A bool tensor ``[G, n]``: which items each row takes.
+
+    Example:
+        >>> knapsack_greedy_rows(torch.tensor([[9., 8., 8.], [1., 2., 0.]]), torch.tensor([[6, 5, 4], [3, 3, 0]]),
+        ...                      torch.tensor([10, 4]), 2).tolist()
+        [[True, False, True], [False, True, True]]
+    """
+    rows, n = values.shape
     dev = values.device
     if n == 0:
-        return torch.zeros(0, dtype=torch.bool, device=dev)
-    order = torch.sort(values, descending=True, stable=True).indices
-    w = weights.to(torch.int64)[order]
+        return torch.zeros(rows, 0, dtype=torch.bool, device=dev)
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices
+    w = torch.gather(weights.to(torch.int64), 1, order)
+    cap = capacity.to(torch.int64).view(rows, 1) if isinstance(capacity, Tensor) else capacity
     pos = torch.arange(n, device=dev)
-    taken = torch.zeros(n, dtype=torch.bool, device=dev)
-    last = torch.full((), -1, dtype=torch.int64, device=dev)  # position of the last failure (decided up to there)
-    room_used = torch.zeros((), dtype=torch.int64, device=dev)
-    threshold = torch.full((), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
-    none = torch.full((), n, dtype=torch.int64, device=dev)
+    taken = torch.zeros(rows, n, dtype=torch.bool, device=dev)
+    last = torch.full((rows, 1), -1, dtype=torch.int64, device=dev)  # per row: the last failure (decided up to there)
+    room_used = torch.zeros(rows, 1, dtype=torch.int64, device=dev)
+    threshold = torch.full((rows, 1), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
+    none = torch.full((rows, 1), n, dtype=torch.int64, device=dev)  # (made once: a Python n would be made each round)
     for _ in range(distinct_weights + 1):
         candidate = (pos > last) & (w < threshold)
-        used = room_used + torch.cumsum(w * candidate, 0)
-        fails = candidate & (used > capacity)
-        first = torch.where(fails.any(), fails.to(torch.uint8).argmax(), none)  # n when every candidate fits
+        used = room_used + torch.cumsum(w * candidate, 1)
+        fails = candidate & (used > cap)
+        # n where every candidate fits (argmax: the first maximum)
+        first = torch.where(fails.any(1, keepdim=True), fails.to(torch.uint8).argmax(1, keepdim=True), none)
         take = candidate & (pos < first)
         taken |= take
-        room_used = room_used + (w * take).sum()
-        # (index_select, not ``w[first]``: a 0-dim index tensor is read on the host, a wait for the device)
-        threshold = torch.where(first < n, w.index_select(0, first.clamp(max=n - 1).view(1)).squeeze(0), threshold)
+        room_used = room_used + (w * take).sum(1, keepdim=True)
+        # (a gather, not ``w[first]``: an index read on the host is a wait for the device)
+        threshold = torch.where(first < n, torch.gather(w, 1, first.clamp(max=n - 1)), threshold)
         last = first
-    out = torch.zeros(n, dtype=torch.bool, device=dev)
-    out[order] = taken
-    return out
+    return torch.zeros(rows, n, dtype=torch.bool, device=dev).scatter_(1, order, taken)
 
 
 def knapsack_exact(values: Sequence[float], weights: Sequence[int], capacity: int) -> list[bool]:
@@ -454,23 +481,42 @@ def _group_capacity(total: int, density: float, s_min: float) -> int:
     return int(np.round(np.float32(np.int32(total)) * np.float32(density - s_min)))
 
 
-@functools.lru_cache(maxsize=64)
-def _device_groups(table: BlockTable, budget: str, device: torch.device
-                   ) -> tuple[Tensor, tuple[tuple[Tensor, Tensor, int, int], ...]]:
-    """Per knapsack group: its block indices and weights on ``device``, the sum of its weights and its number of
-    distinct weights (the tensors made once per table and device)."""
+def _knapsack_groups(table: BlockTable, budget: str) -> list[list[int]]:
+    """The blocks of each knapsack: linear and convolution blocks apart (``"group"``) or all together
+    (``"global"``), the always-kept first blocks left out."""
     if budget == "group":
-        groups = [[j for j in range(table.num_blocks) if not table.first[j] and table.linear[j] == lin]
-                  for lin in (True, False)]
+        return [[j for j in range(table.num_blocks) if not table.first[j] and table.linear[j] == lin]
+                for lin in (True, False)]
+    return [[j for j in range(table.num_blocks) if not table.first[j]]]
+
+
+@functools.lru_cache(maxsize=64)
+def _device_groups(table: BlockTable, budget: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor, int]:
+    """The knapsack groups as rows on ``device`` (made once per table and device): the first blocks' mask
+    ``[num_blocks]``, each group's block indices ``[G, n]`` and weights ``[G, n]`` — shorter groups padded with a
+    first block's index (always kept: what a padding item is given is overwritten by ``first``) and weight 0 (never
+    changes a selection) — and the largest number of distinct weights of a group."""
+    groups = _knapsack_groups(table, budget)
+    width = max(len(items) for items in groups)
+    pad = table.first.index(True) if any(table.first) else 0  # (every tensor has a first block)
+    index = [items + [pad] * (width - len(items)) for items in groups]
+    sizes = [[table.sizes[j] for j in items] + [0] * (width - len(items)) for items in groups]
+    distinct = max(len({table.sizes[j] for j in items}) for items in groups)
+    return (torch.tensor(table.first, dtype=torch.bool, device=device),
+            torch.tensor(index, dtype=torch.int64, device=device),
+            torch.tensor(sizes, dtype=torch.int64, device=device), distinct)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_capacities(table: BlockTable, budget: str, density: float, s_min: float | None,
+                       device: torch.device) -> Tensor:
+    """Each knapsack group's capacity ``[G]`` on ``device`` (made once per table, budget, density and device)."""
+    if budget == "group":
+        caps = [_group_capacity(sum(table.sizes[j] for j in items), density, s_min)  # type: ignore[arg-type]
+                for items in _knapsack_groups(table, budget)]
     else:
-        groups = [[j for j in range(table.num_blocks) if not table.first[j]]]
-    first = torch.tensor(table.first, dtype=torch.bool, device=device)
-    out = []
-    for items in groups:
-        sizes = [table.sizes[j] for j in items]
-        out.append((torch.tensor(items, dtype=torch.int64, device=device),
-                    torch.tensor(sizes, dtype=torch.int64, device=device), sum(sizes), len(set(sizes))))
-    return first, tuple(out)
+        caps = [math.floor(density * table.numel) - table.kept_numel]
+    return torch.tensor(caps, dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -491,27 +537,24 @@ def block_span_tensors(table: BlockTable, device: torch.device) -> tuple[Tensor,
 
 def _select_blocks_on_device(importance: Tensor, table: BlockTable, density: float, budget: str,
                              s_min: float | None) -> Tensor:
-    """:func:`select_blocks`' greedy on ``importance``'s device (see :func:`knapsack_greedy_tensor`)."""
+    """:func:`select_blocks`' greedy on ``importance``'s device: every group's knapsack at once
+    (:func:`knapsack_greedy_rows`)."""
     g = importance.detach().double()
     values = torch.round(g * IMPORTANCE_LEVELS)
-    first, groups = _device_groups(table, budget, importance.device)
-    keep = first.clone()
     if budget == "group":
         if s_min is None:
             s_min = table.s_min if table.s_min is not None else code_s_min(table.num_splits, density)
         _check_s_min(s_min)
         check(s_min <= density, "s_min", s_min, f"a number <= density={density}")
-    for idx, sizes, total, distinct in groups:
-        if idx.numel() == 0:
-            continue
-        if budget == "group":
-            capacity = _group_capacity(total, density, s_min)  # type: ignore[arg-type]
-        else:
-            capacity = math.floor(density * table.numel) - table.kept_numel
-            check(capacity >= 0, "density", density,
-                  f"a density >= {table.kept_numel / table.numel:.6g}, the share of the always-kept first blocks")
-        keep[idx] = knapsack_greedy_tensor(values[idx], sizes, capacity, distinct)
-    return keep
+    first, index, sizes, distinct = _device_groups(table, budget, importance.device)
+    if index.numel() == 0:
+        return first.clone()
+    if budget != "group":
+        check(math.floor(density * table.numel) - table.kept_numel >= 0, "density", density,
+              f"a density >= {table.kept_numel / table.numel:.6g}, the share of the always-kept first blocks")
+    capacity = _device_capacities(table, budget, density, s_min if budget == "group" else None, importance.device)
+    taken = knapsack_greedy_rows(values[index], sizes, capacity, distinct)
+    return first.scatter(0, index.flatten(), taken.flatten()) | first  # (padding wrote to a first block)
 
 
 def straight_through(keep: Tensor, importance: Tensor, *, variant: Variant = "paper") -> Tensor:
