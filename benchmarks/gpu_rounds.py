@@ -16,6 +16,8 @@ with SIGTERM (the engine's clean stop: the rounds done so far are in ``metrics.j
     python benchmarks/gpu_rounds.py run --data-root data/cifar10 --fmnist-root /usr/share/datasets/fashion-mnist
     python benchmarks/gpu_rounds.py run --only dmpfl --rounds 4 --seconds 240
     python benchmarks/gpu_rounds.py dry-run          # the commands parse and the configs resolve (no GPU needed)
+    python benchmarks/gpu_rounds.py run --only pfedgate --tag ray8 -- --trainer.executor RayExecutor \
+        --trainer.executor.num_workers 8 --trainer.executor.num_gpus_per_worker 0.125   # 8 workers sharing the GPU
 
 Each config's records (``config.yaml``, ``metrics.jsonl``, ``summary.json``, the utilisation samples) go to
 ``benchmarks/gpu/rounds/<name>/`` and one line per config to ``benchmarks/gpu/rounds.jsonl``; a config whose line is
@@ -169,18 +171,19 @@ def run(args: argparse.Namespace) -> None:
     ledger = OUT / "rounds.jsonl"
     done = {json.loads(x)["name"] for x in ledger.read_text().splitlines()} if ledger.exists() else set()
     for name in args.only or list(CONFIGS):
-        if name in done and not args.force:
-            print(f"{name}: recorded already (benchmarks/gpu/rounds.jsonl); --force re-runs it", flush=True)
+        key = f"{name}+{args.tag}" if args.tag else name  # (a tagged run is recorded beside the plain one)
+        if key in done and not args.force:
+            print(f"{key}: recorded already (benchmarks/gpu/rounds.jsonl); --force re-runs it", flush=True)
             continue
-        run_dir = OUT / "rounds" / name
+        run_dir = OUT / "rounds" / key
         # an earlier run's rows must not be read as this one's (a run that fails before its first round writes none)
         for old in ("metrics.jsonl", "summary.json"):
             (run_dir / old).unlink(missing_ok=True)
         if rounds_for(name, args.rounds) != args.rounds:
             print(f"{name}: {rounds_for(name, args.rounds)} rounds (its schedule needs at least that many)", flush=True)
-        cmd = [sys.executable, "-m", "pl_fedsparse.cli", *fit_args(name, args, run_dir)]
+        cmd = [sys.executable, "-m", "pl_fedsparse.cli", *fit_args(name, args, run_dir), *args.extra]
         print("$", " ".join(cmd[2:]), flush=True)
-        sampler_path = OUT / "rounds" / f"{name}.gpu.csv"
+        sampler_path = OUT / "rounds" / f"{key}.gpu.csv"
         sampler_path.parent.mkdir(parents=True, exist_ok=True)
         sampler = GpuSampler(sampler_path)
         t0 = time.perf_counter()
@@ -198,6 +201,8 @@ def run(args: argparse.Namespace) -> None:
         rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
         line = {**summarise(name, rows, wall, rc, rounds_for(name, args.rounds)), **gpu, "accelerator": args.accelerator,
                 "precision": args.precision, "device": _device_name()}
+        if args.tag or args.extra:
+            line.update({"name": key, "extra_args": list(args.extra)})
         for ckpt in run_dir.glob("**/*.ckpt"):  # records only: checkpoints are large and not needed to read them
             ckpt.unlink()
         with ledger.open("a") as f:
@@ -256,7 +261,7 @@ def resolve(argv: list[str], who: str) -> dict[str, Any]:
 def dry_run(args: argparse.Namespace) -> None:
     """Every timed run's command resolves (``--print_config``) without a GPU or the data."""
     for name in args.only or list(CONFIGS):
-        argv = fit_args(name, args, OUT / "rounds" / name)
+        argv = [*fit_args(name, args, OUT / "rounds" / name), *args.extra]
         argv[argv.index("--data.device") + 1] = "cpu"  # data.device cuda is refused where CUDA is absent
         argv[argv.index("--trainer.accelerator") + 1] = "cpu"
         resolved = resolve(argv, f"gpu_rounds: {name}")
@@ -278,7 +283,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None,
                     help="SIGTERM a run after this many seconds (default: 90, DisPFL 400, FedSpa 150)")
     ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--tag", default="", help="record the runs as NAME+TAG (beside the plain runs), e.g. with "
+                    "other executor arguments after --")
+    argv = sys.argv[1:]
+    extra: list[str] = []
+    if "--" in argv:  # arguments after -- go to every run's pl-fed fit unchanged
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = ap.parse_args(argv)
+    args.extra = extra
+    if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
+        ap.error(f"--tag={args.tag!r} is invalid; expected letters, digits, '-', '_' or '.'")
     {"run": run, "dry-run": dry_run, "table": lambda a: table()}[args.verb](args)
 
 

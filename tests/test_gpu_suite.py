@@ -176,7 +176,7 @@ def test_a_run_that_fails_at_once_reports_no_earlier_runs_rounds(tmp_path, monke
     monkeypatch.setattr(mod.subprocess, "Popen", Failed)
     monkeypatch.setattr(mod, "GpuSampler", NoSampler)
     args = argparse.Namespace(only=["fedavg"], force=True, data_root="d", fmnist_root="f", accelerator="gpu",
-                              precision="32-true", rounds=3, eval_every=3, seconds=1.0)
+                              precision="32-true", rounds=3, eval_every=3, seconds=1.0, tag="", extra=[])
     mod.run(args)
     line = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
     assert line["exit_code"] == 2 and line["rounds_done"] == 0 and "train_s_per_round" not in line, line
@@ -210,3 +210,45 @@ def test_dmpfls_refinement_rounds_are_counted_as_often_as_the_papers_run_has_the
     assert out["full_run_estimate_h"] == pytest.approx(expected)
     plain = mod.summarise("fedavg", rows, 30.0, 0, 4)  # no refinement rule: the median of every round
     assert plain["train_s_per_round"] == pytest.approx(6.1) and "refine_extra_s" not in plain
+
+
+def test_a_tagged_run_passes_its_arguments_and_is_recorded_beside_the_plain_one(tmp_path, monkeypatch) -> None:
+    """``--tag ray8 -- --trainer.executor ...``: the arguments after ``--`` reach the run's ``pl-fed fit``, and the
+    run is recorded as ``pfedgate+ray8`` in its own folder, so the plain run's line and rows stay."""
+    import argparse
+    import json
+
+    mod = _gpu_rounds()
+    monkeypatch.setattr(mod, "OUT", tmp_path)
+    (tmp_path / "rounds.jsonl").write_text(json.dumps({"name": "pfedgate", "config": "cifar10_pfedgate.yaml",
+                                                       "rounds_done": 3, "paper_num_rounds": 400}) + "\n")
+    seen: list[list[str]] = []
+
+    class Done:
+        def __init__(self, cmd, cwd=None):
+            seen.append(cmd)
+            run_dir = Path(cmd[cmd.index("--trainer.default_root_dir") + 1])
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "metrics.jsonl").write_text(json.dumps({"round": 0, "time_train_s": 2.0, "time_s": 2.0}) + "\n")
+
+        def wait(self, timeout=None):
+            return 0
+
+    class NoSampler:
+        def __init__(self, path):
+            pass
+
+        def stop(self):
+            return {}
+
+    monkeypatch.setattr(mod.subprocess, "Popen", Done)
+    monkeypatch.setattr(mod, "GpuSampler", NoSampler)
+    extra = ["--trainer.executor", "RayExecutor", "--trainer.executor.num_workers", "8"]
+    args = argparse.Namespace(only=["pfedgate"], force=False, data_root="d", fmnist_root="f", accelerator="gpu",
+                              precision="32-true", rounds=3, eval_every=3, seconds=1.0, tag="ray8", extra=extra)
+    mod.run(args)
+    assert len(seen) == 1 and seen[0][-len(extra):] == extra  # (the plain pfedgate line did not stop the tagged run)
+    assert (tmp_path / "rounds" / "pfedgate+ray8" / "metrics.jsonl").exists()
+    lines = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [x["name"] for x in lines] == ["pfedgate", "pfedgate+ray8"] and lines[1]["extra_args"] == extra
+    assert lines[1]["train_s_per_round"] == 2.0
