@@ -337,24 +337,23 @@ def knapsack_greedy_rows(values: Tensor, weights: Tensor, capacity: int | Tensor
         return torch.zeros(rows, 0, dtype=torch.bool, device=dev)
     order = torch.sort(values, dim=1, descending=True, stable=True).indices
     w = torch.gather(weights.to(torch.int64), 1, order)
+    # a column past the end: the "weight" of "no failure" (then nothing is left to decide, so any value does)
+    w_end = torch.cat([w, w.new_zeros(rows, 1)], 1)
     cap = capacity.to(torch.int64).view(rows, 1) if isinstance(capacity, Tensor) else capacity
     pos = torch.arange(n, device=dev)
     taken = torch.zeros(rows, n, dtype=torch.bool, device=dev)
     last = torch.full((rows, 1), -1, dtype=torch.int64, device=dev)  # per row: the last failure (decided up to there)
-    room_used = torch.zeros(rows, 1, dtype=torch.int64, device=dev)
     threshold = torch.full((rows, 1), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
-    none = torch.full((rows, 1), n, dtype=torch.int64, device=dev)  # (made once: a Python n would be made each round)
+    none = torch.full((rows, 1), n, dtype=torch.int64, device=dev)
     for _ in range(distinct_weights + 1):
         candidate = (pos > last) & (w < threshold)
-        used = room_used + torch.cumsum(w * candidate, 1)
+        # room used up to each candidate: every item taken so far lies before it (before the last failure)
+        used = torch.cumsum(w * (taken | candidate), 1)
         fails = candidate & (used > cap)
-        # n where every candidate fits (argmax: the first maximum)
-        first = torch.where(fails.any(1, keepdim=True), fails.to(torch.uint8).argmax(1, keepdim=True), none)
-        take = candidate & (pos < first)
-        taken |= take
-        room_used = room_used + (w * take).sum(1, keepdim=True)
+        first = torch.where(fails, pos, none).amin(1, keepdim=True)  # the first failure, n where none
+        taken |= candidate & (pos < first)
         # (a gather, not ``w[first]``: an index read on the host is a wait for the device)
-        threshold = torch.where(first < n, torch.gather(w, 1, first.clamp(max=n - 1)), threshold)
+        threshold = torch.gather(w_end, 1, first)
         last = first
     return torch.zeros(rows, n, dtype=torch.bool, device=dev).scatter_(1, order, taken)
 
@@ -640,13 +639,36 @@ def expand_block_weights(block_weights: Tensor, table: BlockTable, index: int) -
                 [2., 3., 3.]])
     """
     begin, end = table.spans[index]
+    first, rest = block_weights[begin:begin + 1], block_weights[begin + 1:end] if end - begin > 1 else None
+    return _expand_pieces(first, rest, table, index)
+
+
+def _expand_pieces(first: Tensor, rest: Tensor | None, table: BlockTable, index: int) -> Tensor:
+    """:func:`expand_block_weights` of parameter ``index`` from its first block's weight ``[1]`` and its other
+    blocks' ``[n − 1]`` (``None`` for a single block)."""
     numel = math.prod(table.shapes[index])
-    head = table.sizes[begin]
-    parts = [block_weights[begin:begin + 1].expand(head)]
-    if end - begin > 1:
-        size = table.sizes[begin + 1]  # every later block has this size except a shorter last one
-        parts.append(block_weights[begin + 1:end].repeat_interleave(size)[:numel - head])
+    head = table.sizes[table.spans[index][0]]
+    parts = [first.expand(head)]
+    if rest is not None:
+        size = table.sizes[table.spans[index][0] + 1]  # every later block has this size except a shorter last one
+        parts.append(rest.repeat_interleave(size)[:numel - head])
     return torch.cat(parts).view(table.shapes[index])
+
+
+@functools.lru_cache(maxsize=64)
+def _piece_sizes(table: BlockTable) -> tuple[tuple[int, ...], tuple[tuple[int, int | None], ...]]:
+    """``M'`` cut into every parameter's first block and its other blocks, in block order: the pieces' lengths, and
+    per parameter the index of its first piece and of its rest (``None`` for a single block)."""
+    sizes: list[int] = []
+    where: list[tuple[int, int | None]] = []
+    for begin, end in table.spans:
+        sizes.append(1)
+        if end - begin > 1:
+            sizes.append(end - begin - 1)
+            where.append((len(sizes) - 2, len(sizes) - 1))
+        else:
+            where.append((len(sizes) - 1, None))
+    return tuple(sizes), tuple(where)
 
 
 def personalized_params(params: Mapping[str, Tensor], block_weights: Tensor, table: BlockTable) -> dict[str, Tensor]:
@@ -668,12 +690,18 @@ def personalized_params(params: Mapping[str, Tensor], block_weights: Tensor, tab
     _check_importance(block_weights, table, "block_weights")
     missing = [n for n in table.names if n not in params]
     check(not missing, "params", missing[:3], "a mapping with every parameter of the block table")
+    # one split of M' for every parameter (its backward: one concatenation, where slicing per parameter costs a
+    # zero-filled copy of M' per slice and the sum of them all; on a GPU each is a kernel launch)
+    sizes, where = _piece_sizes(table)
+    pieces = torch.split(block_weights, sizes)
     out = {}
     for i, name in enumerate(table.names):
         theta = params[name]
         check(tuple(theta.shape) == table.shapes[i], f"params[{name!r}]", tuple(theta.shape),
               f"the block table's shape {table.shapes[i]}")
-        out[name] = theta * expand_block_weights(block_weights, table, i).to(theta.dtype)
+        first, rest = where[i]
+        scale = _expand_pieces(pieces[first], None if rest is None else pieces[rest], table, i)
+        out[name] = theta * scale.to(theta.dtype)
     return out
 
 
