@@ -128,17 +128,18 @@ class MaskedTraining:
     def on_before_optimizer_step(self) -> None:
         if not self.mask_gradients:
             return
-        for name, mask in self._step_masks.items():
-            g = self._params[name].grad
-            if g is not None:
-                g.mul_(mask)
+        # (one multi-tensor operation: on a GPU a few kernel launches for every masked tensor, the same products)
+        pairs = [(g, mask) for name, mask in self._step_masks.items()
+                 if (g := self._params[name].grad) is not None]
+        if pairs:
+            torch._foreach_mul_([g for g, _ in pairs], [m for _, m in pairs])
 
     def on_train_batch_end(self) -> None:
         with torch.no_grad():
-            for name, mask in self._step_masks.items():
-                self._params[name].mul_(mask)
-            for name, frozen in self._frozen_dev.items():  # weight decay and momentum must not move frozen entries
-                self._params[name].add_(frozen)
+            if self._step_masks:
+                torch._foreach_mul_([self._params[n] for n in self._step_masks], list(self._step_masks.values()))
+            if self._frozen_dev:  # weight decay and momentum must not move frozen entries
+                torch._foreach_add_([self._params[n] for n in self._frozen_dev], list(self._frozen_dev.values()))
 
     def on_train_end(self) -> None:
         self._step_masks, self._frozen_dev = {}, {}
