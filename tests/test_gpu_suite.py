@@ -147,17 +147,36 @@ def _gpu_rounds():
     return mod
 
 
+class _NoSampler:  # (no nvidia-smi in these tests)
+    def __init__(self, path):
+        pass
+
+    def stop(self):
+        return {}
+
+
+def _offline_rounds(tmp_path, monkeypatch, popen):
+    """``gpu_rounds`` writing under ``tmp_path``, its runs made by ``popen`` (a stand-in for the CLI's process)."""
+    mod = _gpu_rounds()
+    monkeypatch.setattr(mod, "OUT", tmp_path)
+    monkeypatch.setattr(mod.subprocess, "Popen", popen)
+    monkeypatch.setattr(mod, "GpuSampler", _NoSampler)
+    return mod
+
+
+def _run_args(**given):
+    """``gpu_rounds run``'s arguments: one CIFAR-10 config for 3 rounds on the GPU, ``given`` on top."""
+    import argparse
+
+    args = {"only": ["fedavg"], "force": False, "data_root": "d", "fmnist_root": "f", "accelerator": "gpu",
+            "precision": "32-true", "rounds": 3, "eval_every": 3, "seconds": 1.0, "tag": "", "extra": []}
+    return argparse.Namespace(**{**args, **given})
+
+
 def test_a_run_that_fails_at_once_reports_no_earlier_runs_rounds(tmp_path, monkeypatch, capsys) -> None:
     """A run that stops before its first round (a bad argument: exit 2) must not report the rows an earlier run left
     in the same folder as its own (a lease recorded an H100 run's seconds under an H200 run that had failed)."""
-    import argparse
     import json
-
-    mod = _gpu_rounds()
-    monkeypatch.setattr(mod, "OUT", tmp_path)
-    old = tmp_path / "rounds" / "fedavg"
-    old.mkdir(parents=True)
-    (old / "metrics.jsonl").write_text(json.dumps({"round": 0, "time_train_s": 6.0, "time_s": 7.0}) + "\n")
 
     class Failed:  # the CLI refusing its arguments: no rows written
         def __init__(self, cmd, cwd=None):
@@ -166,18 +185,11 @@ def test_a_run_that_fails_at_once_reports_no_earlier_runs_rounds(tmp_path, monke
         def wait(self, timeout=None):
             return 2
 
-    class NoSampler:
-        def __init__(self, path):
-            pass
-
-        def stop(self):
-            return {}
-
-    monkeypatch.setattr(mod.subprocess, "Popen", Failed)
-    monkeypatch.setattr(mod, "GpuSampler", NoSampler)
-    args = argparse.Namespace(only=["fedavg"], force=True, data_root="d", fmnist_root="f", accelerator="gpu",
-                              precision="32-true", rounds=3, eval_every=3, seconds=1.0, tag="", extra=[])
-    mod.run(args)
+    mod = _offline_rounds(tmp_path, monkeypatch, Failed)
+    old = tmp_path / "rounds" / "fedavg"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text(json.dumps({"round": 0, "time_train_s": 6.0, "time_s": 7.0}) + "\n")
+    mod.run(_run_args(force=True))
     line = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
     assert line["exit_code"] == 2 and line["rounds_done"] == 0 and "train_s_per_round" not in line, line
 
@@ -186,11 +198,7 @@ def test_a_schedule_that_needs_more_rounds_gets_them() -> None:
     """DM-PFL's two phases of two iterations need four rounds: fewer asked are raised, more are kept."""
     mod = _gpu_rounds()
     assert mod.rounds_for("dmpfl", 3) == 4 and mod.rounds_for("dmpfl", 6) == 6 and mod.rounds_for("fedavg", 3) == 3
-    import argparse
-
-    args = argparse.Namespace(data_root="d", fmnist_root="f", accelerator="gpu", precision="32-true", rounds=3,
-                              eval_every=3)
-    argv = mod.fit_args("dmpfl", args, Path("run"))
+    argv = mod.fit_args("dmpfl", _run_args(), Path("run"))
     assert argv[argv.index("--trainer.num_rounds") + 1] == "4"
 
 
@@ -215,11 +223,8 @@ def test_dmpfls_refinement_rounds_are_counted_as_often_as_the_papers_run_has_the
 def test_a_tagged_run_passes_its_arguments_and_is_recorded_beside_the_plain_one(tmp_path, monkeypatch) -> None:
     """``--tag ray8 -- --trainer.executor ...``: the arguments after ``--`` reach the run's ``pl-fed fit``, and the
     run is recorded as ``pfedgate+ray8`` in its own folder, so the plain run's line and rows stay."""
-    import argparse
     import json
 
-    mod = _gpu_rounds()
-    monkeypatch.setattr(mod, "OUT", tmp_path)
     (tmp_path / "rounds.jsonl").write_text(json.dumps({"name": "pfedgate", "config": "cifar10_pfedgate.yaml",
                                                        "rounds_done": 3, "paper_num_rounds": 400}) + "\n")
     seen: list[list[str]] = []
@@ -234,19 +239,9 @@ def test_a_tagged_run_passes_its_arguments_and_is_recorded_beside_the_plain_one(
         def wait(self, timeout=None):
             return 0
 
-    class NoSampler:
-        def __init__(self, path):
-            pass
-
-        def stop(self):
-            return {}
-
-    monkeypatch.setattr(mod.subprocess, "Popen", Done)
-    monkeypatch.setattr(mod, "GpuSampler", NoSampler)
+    mod = _offline_rounds(tmp_path, monkeypatch, Done)
     extra = ["--trainer.executor", "RayExecutor", "--trainer.executor.num_workers", "8"]
-    args = argparse.Namespace(only=["pfedgate"], force=False, data_root="d", fmnist_root="f", accelerator="gpu",
-                              precision="32-true", rounds=3, eval_every=3, seconds=1.0, tag="ray8", extra=extra)
-    mod.run(args)
+    mod.run(_run_args(only=["pfedgate"], tag="ray8", extra=extra))
     assert len(seen) == 1 and seen[0][-len(extra):] == extra  # (the plain pfedgate line did not stop the tagged run)
     assert (tmp_path / "rounds" / "pfedgate+ray8" / "metrics.jsonl").exists()
     lines = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
