@@ -89,8 +89,10 @@ class MaskedTraining:
         self._given: dict[str, Tensor] = {}
         self._frozen: dict[str, Tensor] = {}
         self._params: dict[str, Tensor] = {}
-        self._step_masks: dict[str, Tensor] = {}
-        self._frozen_dev: dict[str, Tensor] = {}
+        # per fit, in the parameters' dtype on their device: (masked parameters, their masks) and (parameters with
+        # frozen entries, those entries), as lists for the per-step multi-tensor operations
+        self._step_masks: tuple[list[Tensor], list[Tensor]] = ([], [])
+        self._frozen_dev: tuple[list[Tensor], list[Tensor]] = ([], [])
         self._on: torch.device | None = None  # where ``active`` and ``_frozen`` are (None: as given)
 
     def begin(self, module: pl.LightningModule, trainable: dict[str, Tensor],
@@ -122,27 +124,29 @@ class MaskedTraining:
         # the module is on its device now: device copies of the masks, converted once per fit
         self._params = dict(module.named_parameters())
         self._move(module.device)
-        self._step_masks = {k: m.to(self._params[k].dtype) for k, m in self.active.items() if k in self._params}
-        self._frozen_dev = {k: v.to(self._params[k].dtype) for k, v in self._frozen.items()}
+        masked = [k for k in self.active if k in self._params]
+        self._step_masks = ([self._params[k] for k in masked],
+                            [self.active[k].to(self._params[k].dtype) for k in masked])
+        self._frozen_dev = ([self._params[k] for k in self._frozen],
+                            [v.to(self._params[k].dtype) for k, v in self._frozen.items()])
 
     def on_before_optimizer_step(self) -> None:
         if not self.mask_gradients:
             return
         # (one multi-tensor operation: on a GPU a few kernel launches for every masked tensor, the same products)
-        pairs = [(g, mask) for name, mask in self._step_masks.items()
-                 if (g := self._params[name].grad) is not None]
+        pairs = [(p.grad, mask) for p, mask in zip(*self._step_masks) if p.grad is not None]
         if pairs:
             torch._foreach_mul_([g for g, _ in pairs], [m for _, m in pairs])
 
     def on_train_batch_end(self) -> None:
         with torch.no_grad():
-            if self._step_masks:
-                torch._foreach_mul_([self._params[n] for n in self._step_masks], list(self._step_masks.values()))
-            if self._frozen_dev:  # weight decay and momentum must not move frozen entries
-                torch._foreach_add_([self._params[n] for n in self._frozen_dev], list(self._frozen_dev.values()))
+            if self._step_masks[0]:
+                torch._foreach_mul_(*self._step_masks)
+            if self._frozen_dev[0]:  # weight decay and momentum must not move frozen entries
+                torch._foreach_add_(*self._frozen_dev)
 
     def on_train_end(self) -> None:
-        self._step_masks, self._frozen_dev = {}, {}
+        self._step_masks, self._frozen_dev = ([], []), ([], [])
 
     def end(self) -> dict[str, Tensor]:
         """Finish the fit; returns the trainable masks (on CPU: those given to :meth:`begin` where they were there,
