@@ -340,21 +340,22 @@ def knapsack_greedy_rows(values: Tensor, weights: Tensor, capacity: int | Tensor
     # a column past the end: the "weight" of "no failure" (then nothing is left to decide, so any value does)
     w_end = torch.cat([w, w.new_zeros(rows, 1)], 1)
     cap = capacity.to(torch.int64).view(rows, 1) if isinstance(capacity, Tensor) else capacity
-    pos = torch.arange(n, device=dev)
-    taken = torch.zeros(rows, n, dtype=torch.bool, device=dev)
-    last = torch.full((rows, 1), -1, dtype=torch.int64, device=dev)  # per row: the last failure (decided up to there)
-    threshold = torch.full((rows, 1), torch.iinfo(torch.int64).max, dtype=torch.int64, device=dev)
-    none = torch.full((rows, 1), n, dtype=torch.int64, device=dev)
-    for _ in range(distinct_weights + 1):
-        candidate = (pos > last) & (w < threshold)
-        # room used up to each candidate: every item taken so far lies before it (before the last failure)
-        used = torch.cumsum(w * (taken | candidate), 1)
-        fails = candidate & (used > cap)
-        first = torch.where(fails, pos, none).amin(1, keepdim=True)  # the first failure, n where none
-        taken |= candidate & (pos < first)
+    # Each round: ``used``, the room used up to each item by what is taken and what is a candidate, never decreases
+    # (weights are >= 0) and stays within the capacity over the taken items (they fitted), so ``ok = used <= cap`` is
+    # true on a prefix that ends at the round's first failure: ``ok.sum`` is its index (``n`` when none), and the
+    # candidates inside the prefix are taken (``tc & ok``). The first round's candidates are every item; the next
+    # round's, the items lighter than the one that failed (the threshold). No item before a failure that the rounds
+    # left out can become one again: it was left out for weighing at least an earlier, larger threshold.
+    used = torch.cumsum(w, 1)
+    ok = used <= cap
+    taken = ok
+    for _ in range(distinct_weights):
         # (a gather, not ``w[first]``: an index read on the host is a wait for the device)
-        threshold = torch.gather(w_end, 1, first)
-        last = first
+        threshold = torch.gather(w_end, 1, ok.sum(1, keepdim=True))
+        tc = taken | (w < threshold)
+        used = torch.cumsum(w * tc, 1)
+        ok = used <= cap
+        taken = tc & ok
     return torch.zeros(rows, n, dtype=torch.bool, device=dev).scatter_(1, order, taken)
 
 
