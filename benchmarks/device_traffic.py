@@ -18,7 +18,8 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   (``trainer.device_state_budget``, :mod:`~pl_fedsparse.functional.resident`): what is found there does not cross
   again (``--budget 0`` counts without them). **Data transfers** (calls made by ``pl_fedsparse.data``:
   images, labels and batch orders to the loader's device; none once ``data.device`` holds the data there) are
-  counted apart;
+  counted apart. The data's inputs are prepared once where the data is (``data.cache_inputs``, what ``auto`` does on
+  an accelerator; ``--cache-inputs false`` counts without), so a batch is one gather;
 * **operators** (``ops_per_step``, ``ops_per_fit_outside_steps``): every operator dispatched that is not a view
   or an allocation — on a GPU each is a kernel launch, and a step of small kernels costs what its launches cost
   (pFedGate's round of 10 fits on an H200: 26,515 launches, 3.1 % of the wall time in kernels:
@@ -313,15 +314,16 @@ def counting() -> Iterator[TrafficCounter]:
                 setattr(owner, attr, old)
 
 
-def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = "auto") -> dict[str, Any]:
+def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = "auto",
+            cache_inputs: str = "true") -> dict[str, Any]:
     """Run config ``name`` for ``rounds`` rounds under the counter; per-fit and per-step figures. ``budget``:
     ``trainer.device_state_budget`` (``"auto"``: what a simulated device run keeps, ``"0"``: no copy kept on the
-    device between fits)."""
+    device between fits); ``cache_inputs``: ``data.cache_inputs`` (``"true"``: what ``auto`` does on a GPU)."""
     from pl_fedsparse.cli import main
 
     cfg, extra = CONFIGS[name]
     common = ["--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner,
-              "--trainer.device_state_budget", budget]
+              "--trainer.device_state_budget", budget, "--data.cache_inputs", cache_inputs]
     args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.num_rounds", str(rounds), "--trainer.eval_every",
             str(rounds), *common]
     if "--trainer.num_rounds" in extra:
@@ -356,7 +358,8 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
     aggregations = max(1, c.counts[("aggregate", "rounds")])
     per["aggregate_transfers_per_round"] = round(c.counts[("aggregate", "transfers")] / aggregations, 2)
     per["aggregate_syncs_per_round"] = round(c.counts[("aggregate", "syncs")] / aggregations, 2)
-    return {"config": name, "fit_runner": fit_runner, "device_state_budget": budget, "fits": c.counts[("fit", "fits")],
+    return {"config": name, "fit_runner": fit_runner, "device_state_budget": budget, "cache_inputs": cache_inputs,
+            "fits": c.counts[("fit", "fits")],
             "steps": c.counts[("step", "steps")], **per,
             "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
 
@@ -458,6 +461,8 @@ def main() -> None:
     ap.add_argument("--fit-runner", default="auto", choices=["auto", "trainer"])
     ap.add_argument("--budget", default="auto", help="trainer.device_state_budget (0: no device copies kept between "
                     "fits; auto: what a simulated device run keeps)")
+    ap.add_argument("--cache-inputs", default="true", choices=["true", "false"],
+                    help="data.cache_inputs (true: the inputs prepared once, as auto does on a GPU)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--gpu", action="store_true", help="count on a CUDA device with torch.profiler instead")
     a = ap.parse_args()
@@ -488,7 +493,7 @@ def main() -> None:
         if a.json:
             Path(a.json).write_text(json.dumps(gpu_rows, indent=1) + "\n")
         return
-    rows = [measure(n, a.rounds, a.fit_runner, a.budget) for n in a.configs]
+    rows = [measure(n, a.rounds, a.fit_runner, a.budget, a.cache_inputs) for n in a.configs]
     cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",
             "data_transfers_per_fit", "syncs_per_fit",
             "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",

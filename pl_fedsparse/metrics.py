@@ -8,6 +8,7 @@
   compute (``charge_flops``, ``charge_training``), per client, per round and cumulative.
 * :class:`TrainFlops` — training FLOPs per sample measured once with :mod:`torch.utils.flop_counter` (forward and
   backward of one small batch), with the FLOPs of masked layers scaled by their density.
+* :class:`StepLosses` — a fit's sample-weighted training loss, kept per step and summed once when the fit ends.
 
 Per-client accuracies are simple correct/total counts accumulated by the loop; torchmetrics' class-based metrics
 would add a per-client object and a host sync per batch for the same number.
@@ -24,9 +25,79 @@ import torch  # noqa: F401 - used by the doctests
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["summarize_accuracies", "summarize_metric", "EVAL_METRICS", "bottom_decile", "CommLedger", "TrainFlops", "Accounting", "SERVER"]
+__all__ = ["summarize_accuracies", "summarize_metric", "EVAL_METRICS", "bottom_decile", "CommLedger", "TrainFlops",
+           "Accounting", "SERVER", "StepLosses"]
 
 SERVER = -1  #: node id of the server in :class:`CommLedger`
+
+
+class StepLosses:
+    """A fit's ``Σ loss_i · n_i`` (each step's loss times its batch size), kept per step and summed once, on the host,
+    when the fit ends.
+
+    Summed on the device at every step, the training loss costs two operators a step (the product and the sum: on
+    a GPU two kernel launches, in a step of a few dozen). Kept as they are (0-dim tensors where the fit runs: no
+    operator, no host sync), the losses are read in one copy at the end and added up in the order and with the
+    rounding the per-step sum had, ``acc = acc + loss_i · n_i``: the product in the loss's dtype (``cast_float``:
+    in float32, ``loss.float() · n``), ``acc`` a float32 that starts at 0 (``start_at_zero``) or at the first
+    product. The same number, bit for bit (float32 losses are summed with numpy's float32 arithmetic, any other
+    dtype with torch's operators on the host copies).
+
+    Example:
+        >>> s = StepLosses()
+        >>> s.add(torch.tensor(0.5), 10); s.add(torch.tensor(0.25), 4)
+        >>> s.total(), s.samples
+        (6.0, 14)
+    """
+
+    def __init__(self, *, cast_float: bool = False, start_at_zero: bool = True) -> None:
+        self.cast_float, self.start_at_zero = cast_float, start_at_zero
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the steps (a new fit)."""
+        self._losses: list[Tensor] = []
+        self._sizes: list[int] = []
+        self.samples = 0
+
+    def __len__(self) -> int:
+        return len(self._losses)
+
+    def add(self, loss: Tensor, n: int) -> None:
+        """One step's loss (one value, any shape) and its batch size; no operator runs."""
+        self._losses.append(loss.detach())
+        self._sizes.append(int(n))
+        self.samples += int(n)
+
+    def total(self) -> float | None:
+        """``Σ loss_i · n_i`` as a Python float (``None`` before any step), in one read of the losses."""
+        if not self._losses:
+            return None
+        losses = [t.reshape(()) for t in self._losses]
+        dtypes = {t.dtype for t in losses}
+        if len(dtypes) == 1 and (self.cast_float or dtypes == {torch.float32}) and \
+                dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
+            # every loss exactly a float32 (a float16/bfloat16 one too): numpy's float32 products and sums round as
+            # the device's did (each step's product, then its sum, both rounded to float32)
+            values = torch.stack(losses).float().tolist()
+            acc = np.float32(0.0) if self.start_at_zero else None
+            with np.errstate(over="ignore", invalid="ignore"):  # (inf and NaN as the device makes them, silently)
+                for v, n in zip(values, self._sizes):
+                    p = np.float32(v) * np.float32(n)
+                    acc = p if acc is None else np.float32(acc + p)
+            return float(acc)  # type: ignore[arg-type]
+        host = [t.cpu() for t in losses]  # (a rare dtype: the same operators, on the host copies)
+        total: Tensor | None = torch.zeros((), dtype=torch.float32) if self.start_at_zero else None
+        for t, n in zip(host, self._sizes):
+            p = (t.float() if self.cast_float else t) * n
+            if total is None:
+                total = p
+            elif self.start_at_zero:
+                total += p
+            else:
+                total = total + p
+        assert total is not None
+        return float(total)
 
 
 def bottom_decile(values: Sequence[float]) -> float:

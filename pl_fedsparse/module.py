@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from pl_fedsparse.context import current_fit
 from pl_fedsparse.errors import check
+from pl_fedsparse.metrics import StepLosses
 
 __all__ = ["FederatedModule"]
 
@@ -74,8 +75,8 @@ class FederatedModule(pl.LightningModule):
         self.label_smoothing = label_smoothing
         #: the round whose learning rate is used outside a federated fit (inside one, the fit's context decides)
         self.round_idx = 0
-        self._loss_sum: Tensor | None = None
-        self._samples_seen = 0
+        #: the fit's per-step losses, summed when it ends (fit_metrics): no operator per step for the record
+        self._step_losses = StepLosses()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.backbone(x)
@@ -92,22 +93,20 @@ class FederatedModule(pl.LightningModule):
         return F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
 
     def on_fit_start(self) -> None:
-        self._loss_sum = torch.zeros((), device=self.device)
-        self._samples_seen = 0
+        self._step_losses.reset()
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = self.loss(self(x), y)
-        # accumulate on device: no host sync per step
-        if self._loss_sum is not None:
-            self._loss_sum += loss.detach() * y.shape[0]
-        self._samples_seen += int(y.shape[0])
+        # kept where it is (no host sync, no operator per step), summed once the fit ends
+        self._step_losses.add(loss, int(y.shape[0]))
         return loss
 
     def fit_metrics(self) -> dict[str, float]:
         """Mean training loss and number of samples processed by the last fit."""
-        n = self._samples_seen
-        loss = float(self._loss_sum) / n if (self._loss_sum is not None and n) else float("nan")
+        n = self._step_losses.samples
+        total = self._step_losses.total()
+        loss = total / n if (total is not None and n) else float("nan")
         return {"train_loss": loss, "samples_seen": float(n)}
 
     def configure_optimizers(self) -> Any:

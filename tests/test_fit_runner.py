@@ -17,7 +17,7 @@ from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_module
 from pl_fedsparse import FederatedLoop
 from pl_fedsparse.context import current_fit
 from pl_fedsparse.executors.base import FitMeter
-from pl_fedsparse.executors.runner import FitRunner, FitTrainer, RunnerUnsupported, runner_support
+from pl_fedsparse.executors.runner import FitRunner, FitTrainer, RunnerUnsupported, ignores_batch_outputs, runner_support
 
 HOOKS = ("setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
          "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward",
@@ -287,7 +287,7 @@ class ManualNet(FederatedModule):
         opt = self.optimizers()
         x, y = batch
         loss = self.loss(self(x), y)
-        self._samples_seen += int(y.shape[0])  # (FederatedModule's fit_metrics counts what training_step saw)
+        self._step_losses.add(loss, int(y.shape[0]))  # (FederatedModule's fit_metrics: what training_step saw)
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
@@ -331,3 +331,90 @@ def test_a_module_without_an_optimizer_is_a_one_line_error_on_both_paths(fit_run
     with pytest.raises(UserCodeError, match=r"configure_optimizers\(\) returned no optimizer: a local fit needs one"):
         loop.run_round(0)
     loop.reporter.release()
+
+
+class _Keeper(pl.Callback):
+    """Keeps what ``on_train_batch_end`` is given as the loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(outputs["loss"])
+
+
+class _Marked(pl.Callback):
+    calls = 0
+
+    @ignores_batch_outputs
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        _Marked.calls += 1
+
+
+class _MarkedThenReading(_Marked):
+    """A subclass whose override reads the outputs, without the mark."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(outputs["loss"])
+
+
+def _step_losses(callbacks: list[Any]) -> tuple[list[Any], list[torch.Tensor]]:
+    """The runner's step results (what ``on_train_batch_end`` would get) and the losses ``training_step`` returned,
+    over one epoch of :class:`Net`."""
+    torch.manual_seed(0)
+    module, returned, outputs = Net(), [], []
+    step, train = FitRunner._step, Net.training_step
+
+    def spy_step(*a: Any, **k: Any) -> Any:
+        outputs.append(step(*a, **k))
+        return outputs[-1]
+
+    def spy_train(self: Any, *a: Any) -> Any:
+        returned.append(train(self, *a))
+        return returned[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FitRunner, "_step", staticmethod(spy_step))
+        mp.setattr(Net, "training_step", spy_train)
+        FitRunner(torch.device("cpu")).fit(module, _loader(), callbacks, max_epochs=1, max_steps=-1)
+    return outputs, returned
+
+
+@pytest.mark.parametrize("callbacks, copied", [
+    (lambda: [], False), (lambda: [_Marked()], False), (lambda: [_Keeper()], True),
+    (lambda: [_Marked(), _Keeper()], True), (lambda: [_MarkedThenReading()], True), (lambda: [FitMeter()], True),
+], ids=["none", "marked", "reader", "marked-and-reader", "unmarked-override", "fit-meter"])
+def test_the_steps_loss_is_copied_only_for_hooks_that_may_read_it(callbacks: Any, copied: bool) -> None:
+    """``outputs["loss"]`` is a detached copy of the step's loss, as Lightning gives it, wherever a hook of
+    ``on_train_batch_end`` may read it (a callback's not marked ``ignores_batch_outputs``, an override in a subclass
+    of a marked one, the module's own); without such a hook, the loss is only detached (no copy: on a GPU a kernel
+    launch a step). The values are the same either way."""
+    outputs, returned = _step_losses(callbacks())
+    assert len(outputs) == len(returned) == 4
+    for out, loss in zip(outputs, returned):
+        assert torch.equal(out["loss"], loss) and not out["loss"].requires_grad
+        assert (out["loss"].data_ptr() != loss.data_ptr()) is copied
+
+
+def test_a_modules_own_batch_end_hook_gets_a_copy() -> None:
+    """The module's own ``on_train_batch_end`` may read the outputs: the loss it is given is a copy."""
+
+    class Reading(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.seen.append(("loss", loss))
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.seen.append(("given", outputs["loss"]))
+
+    torch.manual_seed(0)
+    module = Reading()
+    FitRunner(torch.device("cpu")).fit(module, _loader(), [], max_epochs=1, max_steps=-1)
+    returned = [e[1] for e in module.seen if e[0] == "loss"]
+    given = [e[1] for e in module.seen if e[0] == "given"]
+    assert len(returned) == len(given) == 4
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(returned, given))

@@ -31,6 +31,7 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import check
+from pl_fedsparse.executors.runner import ignores_batch_outputs
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
 from pl_fedsparse.functional.sparse import pack_masks, packed_count, unpack_masks
@@ -222,6 +223,7 @@ class UsesMaskedTraining(FederatedCallback):
         self.training.on_before_optimizer_step()
 
     @override
+    @ignores_batch_outputs
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.training.on_train_batch_end()

@@ -58,6 +58,7 @@ from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.executors.base import load_state
+from pl_fedsparse.executors.runner import ignores_batch_outputs
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -301,6 +302,7 @@ class PersonalLayers(FederatedCallback):
             g["lr"] = base * scale
 
     @override
+    @ignores_batch_outputs
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._fedrep_fit():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,11 @@ from pl_fedsparse.data.base import input_kind
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import transfer
 
-__all__ = ["TensorBatchLoader", "batch_to", "normalize", "epoch_seed", "dataset_loader", "item_input"]
+__all__ = ["AUGMENT_PAD", "PreparedInputs", "TensorBatchLoader", "batch_to", "normalize", "epoch_seed",
+           "dataset_loader", "item_input", "prepare_inputs"]
+
+#: the augmentation's zero padding on each side of an image (pixels) before its random crop
+AUGMENT_PAD = 4
 
 
 def normalize(images: torch.Tensor, mean: Sequence[float] | None = None,
@@ -74,6 +79,19 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
     return 1.0 / (255.0 * s), -m / s
 
 
+@functools.lru_cache(maxsize=16)
+def _channel_index(channels: int, device: torch.device) -> torch.Tensor:
+    """``arange(channels)`` shaped ``[1, C, 1, 1]`` (the crop's channel index; only ever read)."""
+    return torch.arange(channels, device=device).view(1, -1, 1, 1)
+
+
+@functools.lru_cache(maxsize=16)
+def _crop_ranges(h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``arange(h)``, ``arange(w)`` and ``w - 1 - arange(w)`` (a flip's columns) on ``device`` (only ever read)."""
+    ar_w = torch.arange(w, device=device)
+    return torch.arange(h, device=device), ar_w, w - 1 - ar_w
+
+
 def _as_index_tensor(values: torch.Tensor | np.ndarray) -> torch.Tensor:
     """int64 tensor from a tensor or (possibly read-only) array, copying arrays."""
     if isinstance(values, torch.Tensor):
@@ -93,6 +111,64 @@ def batch_to(x: torch.Tensor, y: torch.Tensor, device: torch.device | str,
     x, y = x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
     transfer.mark_placed((x, y), device)  # (a device run simulated on the CPU: the batch is on "the device")
     return x, y
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedInputs:
+    """The model inputs of every row of a base tensor, made once where the data lives: for each row what
+    :meth:`TensorBatchLoader.inputs` gives for it (the same values, from the same operations), images zero-padded by
+    ``pad`` pixels on each side for the augmentation's crops (:func:`prepare_inputs`).
+
+    A loader given them gathers a batch in one operation instead of a gather, a conversion and the normalisation's
+    two (and, augmented, the padding and the crop's index arithmetic: a dozen more): on a GPU each operation is a
+    kernel launch, and a small model's step is a few dozen. They take 4 bytes per input value (a uint8 image 4 times
+    its size, padded by 4 on 32x32 about 6 times), so the datamodule makes them where memory is plentiful
+    (``data.cache_inputs``).
+
+    Attributes:
+        values: ``[n, ...]`` the inputs of rows ``0 … n-1`` (images ``[n, C, H + 2 pad, W + 2 pad]``).
+        pad: the zero padding on each side of an image (0: none; features: 0).
+    """
+
+    values: torch.Tensor
+    pad: int = 0
+
+    def core(self) -> torch.Tensor:
+        """The inputs without their padding (a view)."""
+        p = self.pad
+        return self.values[..., p:self.values.shape[-2] - p, p:self.values.shape[-1] - p] if p else self.values
+
+
+def prepare_inputs(images: torch.Tensor, mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                   pad: int = 0, chunk: int = 4096) -> PreparedInputs:
+    """The :class:`PreparedInputs` of ``images`` (a loader's base tensor) with ``mean``/``std`` as a
+    :class:`TensorBatchLoader` normalises them, made where ``images`` are, ``chunk`` rows at a time (the temporary
+    memory of one chunk).
+
+    Example:
+        >>> x = torch.arange(8, dtype=torch.uint8).view(2, 1, 2, 2)
+        >>> p = prepare_inputs(x, [0.0], [1.0], pad=1)
+        >>> tuple(p.values.shape), torch.equal(p.core(), TensorBatchLoader(x, torch.zeros(2), 2, False, 0,
+        ...     [0.0], [1.0]).inputs(torch.arange(2)))
+        ((2, 1, 4, 4), True)
+    """
+    check(isinstance(pad, int) and pad >= 0, "pad", pad, "an int >= 0")
+    loader = TensorBatchLoader(images, torch.zeros(len(images), dtype=torch.int64), 1, shuffle=False,
+                               generator_seed=0, mean=mean, std=std)
+    check(pad == 0 or loader.kind == "image", "pad", pad, f"0 for {loader.kind} inputs (padding is for images)")
+    n = len(images)
+    first = loader.inputs(torch.arange(min(chunk, n), device=images.device))
+    shape = list(first.shape[1:])
+    if pad:
+        shape[-2] += 2 * pad
+        shape[-1] += 2 * pad
+    values = (torch.zeros if pad else torch.empty)((n, *shape), dtype=first.dtype, device=images.device)
+    out = PreparedInputs(values, pad)
+    core = out.core()
+    for begin in range(0, n, chunk):
+        rows = torch.arange(begin, min(begin + chunk, n), device=images.device)
+        core[begin:begin + len(rows)] = first if begin == 0 else loader.inputs(rows)
+    return out
 
 
 class TensorBatchLoader:
@@ -121,6 +197,9 @@ class TensorBatchLoader:
         drop_last: drop the last incomplete batch.
         device: move the images and labels there once (GPU-resident batches); ``None`` keeps them where they are.
         indices: optional ``int [m]`` rows of ``images``/``labels`` to iterate over (avoids copying a client's data).
+        prepared: the inputs of every row of ``images``, made once (:func:`prepare_inputs`, with this loader's
+            ``mean``/``std`` and, when it augments, padding :data:`AUGMENT_PAD`): each batch is then gathered from
+            them in one operation, with the same values.
 
     Example:
         >>> x = torch.arange(10, dtype=torch.uint8).view(10, 1, 1, 1)
@@ -132,7 +211,8 @@ class TensorBatchLoader:
     def __init__(self, images: torch.Tensor, labels: torch.Tensor | np.ndarray, batch_size: int, shuffle: bool,
                  generator_seed: int | None, mean: Sequence[float] | None = None,
                  std: Sequence[float] | None = None, augment: bool = False, drop_last: bool = False,
-                 device: str | torch.device | None = None, indices: torch.Tensor | np.ndarray | None = None) -> None:
+                 device: str | torch.device | None = None, indices: torch.Tensor | np.ndarray | None = None,
+                 prepared: PreparedInputs | None = None) -> None:
         kind = input_kind(images) if isinstance(images, torch.Tensor) else None
         check(kind in ("image", "features", "tokens"), "images",
               getattr(images, "shape", type(images).__name__),
@@ -178,6 +258,18 @@ class TensorBatchLoader:
                 self._shift, self._scale = _feature_stats(self.mean, self.std, images.ndim, images.device)
                 self._normalize_features = True
         self.epoch = 0
+        self.prepared = prepared
+        self._prepared_core: torch.Tensor | None = None
+        if prepared is not None:
+            values = getattr(prepared, "values", None)
+            check(isinstance(prepared, PreparedInputs) and isinstance(values, torch.Tensor)
+                  and len(values) == len(images) and values.device == images.device, "prepared",
+                  type(prepared).__name__ if not isinstance(values, torch.Tensor) else tuple(values.shape),
+                  f"None or the PreparedInputs of these {len(images)} inputs on {images.device}")
+            check(kind != "tokens", "prepared", tuple(values.shape), "None for token ids (their batch is one gather)")
+            check(not self.augment or prepared.pad == AUGMENT_PAD, "prepared.pad", prepared.pad,
+                  f"{AUGMENT_PAD} for an augmenting loader (the crop's padding)")
+            self._prepared_core = prepared.core()
 
     @property
     def num_samples(self) -> int:
@@ -199,6 +291,14 @@ class TensorBatchLoader:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         gen, batches = self.epoch_batches()
+        if self.augment and self.prepared is not None:  # one gather per batch: the crop from the padded inputs
+            values = self.prepared.values
+            channels = _channel_index(values.shape[1], values.device)
+            crops = self._crop_indices(gen, [len(r) for r in batches])
+            for rows, (r, c) in zip(batches, crops):
+                yield (values[rows[:, None, None, None], channels, r[:, None, :, None], c[:, None, None, :]],
+                       self.labels.index_select(0, rows))
+            return
         draws = self._augment_draws(gen, [len(r) for r in batches]) if self.augment else None
         for i, rows in enumerate(batches):
             x = self.inputs(rows)
@@ -206,19 +306,38 @@ class TensorBatchLoader:
                 x = self._augment(x, gen, draws=draws[i])
             yield x, self.labels.index_select(0, rows)
 
-    def _augment_draws(self, gen: torch.Generator, sizes: list[int], pad: int = 4
+    def _augment_draws(self, gen: torch.Generator, sizes: list[int], pad: int = AUGMENT_PAD
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every batch's crop offsets and flips of the epoch, drawn up front from ``gen`` in the order the batches
         would draw them one by one (the same numbers), and moved to the batches' device once per epoch: no transfer
         per step."""
         if not sizes:
             return []
+        offsets, flips = self._epoch_draws(gen, sizes, pad)
+        return list(zip(offsets.split(sizes, dim=1), flips.split(sizes)))
+
+    def _epoch_draws(self, gen: torch.Generator, sizes: list[int], pad: int = AUGMENT_PAD
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_augment_draws` not split by batch: the epoch's offsets ``[2, N]`` and flips ``[N]``."""
         offsets, flips = [], []
         for b in sizes:
             offsets.append(torch.randint(0, 2 * pad + 1, (2, b), generator=gen))
             flips.append(torch.rand(b, generator=gen) < 0.5)
-        return list(zip(torch.cat(offsets, dim=1).to(self.device).split(sizes, dim=1),
-                        torch.cat(flips).to(self.device).split(sizes)))
+        return torch.cat(offsets, dim=1).to(self.device), torch.cat(flips).to(self.device)
+
+    def _crop_indices(self, gen: torch.Generator, sizes: list[int], pad: int = AUGMENT_PAD
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per batch of the epoch, the rows ``[b, H]`` and columns ``[b, W]`` of its images' crops (flipped) in the
+        padded inputs, from the draws :meth:`_augment_draws` makes, for the whole epoch in three operations: the
+        index arithmetic of :meth:`_augment`, batch by batch."""
+        if not sizes:
+            return []
+        offsets, flips = self._epoch_draws(gen, sizes, pad)
+        h, w = self.images.shape[-2:]
+        ar_h, ar_w, rev_w = _crop_ranges(h, w, offsets.device)
+        rows = offsets[0, :, None] + ar_h
+        cols = offsets[1, :, None] + torch.where(flips[:, None], rev_w, ar_w)
+        return list(zip(rows.split(sizes), cols.split(sizes)))
 
     def epoch_batches(self) -> tuple[torch.Generator, list[torch.Tensor]]:
         """Start the next epoch: its generator (as it stands after the permutation, for the augmentation) and the
@@ -235,6 +354,8 @@ class TensorBatchLoader:
     def inputs(self, rows: torch.Tensor) -> torch.Tensor:
         """The model inputs of ``rows`` of ``images``, normalised (element-wise: the same values whether the rows
         are one batch or several batches' rows together), not augmented."""
+        if self._prepared_core is not None:  # made once, the same values: one gather
+            return self._prepared_core.index_select(0, rows)
         picked = self.images.index_select(0, rows)  # (3x faster than images[rows] for uint8 images, same values)
         if self.kind == "image":
             return picked.float().mul_(self._scale).add_(self._shift)

@@ -35,6 +35,7 @@ from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
 from pl_fedsparse.data.loaders import batch_to
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.metrics import StepLosses
 from pl_fedsparse.protocol import check_model, training_loss
 
 if TYPE_CHECKING:
@@ -182,12 +183,13 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
 class FitMeter(pl.Callback):
     """Mean training loss and samples seen of one fit, for a module without ``fit_metrics`` (the optional protocol
     method, :mod:`pl_fedsparse.protocol`): the loss each ``training_step`` returned, weighted by the number of labels
-    in its batch (the batch's last element, or its ``"y"``/``"label"``/``"labels"`` entry), summed on the device
-    (no host sync per step)."""
+    in its batch (the batch's last element, or its ``"y"``/``"label"``/``"labels"`` entry), kept per step and summed
+    when the fit ends (:class:`~pl_fedsparse.metrics.StepLosses`: no host sync, no operator per step)."""
 
     def __init__(self) -> None:
-        self._loss_sum: Tensor | None = None
-        self._samples = 0
+        # (float32 products of each step's loss and batch size, summed from the first: kept per step, summed when
+        # the fit ends — no operator per step)
+        self._losses = StepLosses(cast_float=True, start_at_zero=False)
 
     @staticmethod
     def batch_size(batch: Any) -> int:
@@ -209,15 +211,13 @@ class FitMeter(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if not isinstance(loss, Tensor):
             return  # a manual-optimisation step that returned nothing: no loss to record
-        n = self.batch_size(batch)
-        value = loss.detach().float() * n
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._samples += n
+        self._losses.add(loss, self.batch_size(batch))
 
     def metrics(self) -> dict[str, float]:
         """``{"train_loss", "samples_seen"}`` of the fit."""
-        n = self._samples
-        loss = float(self._loss_sum) / n if (self._loss_sum is not None and n) else float("nan")
+        n = self._losses.samples
+        total = self._losses.total()
+        loss = total / n if (total is not None and n) else float("nan")
         return {"train_loss": loss, "samples_seen": float(n)}
 
 

@@ -27,7 +27,9 @@ weights and optimizer state; ``benchmarks/parity.py`` every shipped synthetic co
   ``AttributeError`` that names the attribute and the way back to the reference path.
 
 Only what is cheap happens per step: each hook is called only on the callbacks that override it (resolved once per
-fit), and a batch already on the module's device is not copied. The module stays on its device between fits.
+fit), a batch already on the module's device is not copied, and the step's loss is copied for ``on_train_batch_end``
+(``outputs["loss"]``, a detached copy as Lightning gives it) only where a hook there may read it — not for hooks
+marked :func:`ignores_batch_outputs` (on a GPU a kernel launch a step). The module stays on its device between fits.
 
 The runner applies to modules with automatic optimisation that leave Lightning's optimiser, backward, batch-transfer
 and callback-configuration hooks alone, and to ``configure_optimizers`` results with one optimizer and schedulers
@@ -51,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from pl_fedsparse.errors import UserCodeError
 from pl_fedsparse.functional import transfer
 
-__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "no_optimizer",
+__all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "ignores_batch_outputs", "no_optimizer",
            "runner_support"]
 
 #: ``trainer.fit_runner``: ``auto`` (the persistent runner where it applies, else a ``Trainer`` per fit), ``fast``
@@ -76,6 +78,30 @@ _UNSUPPORTED_MODULE_HOOKS = (
     "configure_callbacks", "configure_model", "configure_sharded_model", "on_before_batch_transfer",
     "transfer_batch_to_device", "on_after_batch_transfer",
 )
+
+
+def ignores_batch_outputs(hook: Any) -> Any:
+    """Mark a callback's ``on_train_batch_end`` that never reads its ``outputs``: where every such hook of a fit is
+    marked (and the module does not override it), the persistent runner hands them the step's loss without the copy
+    Lightning makes of it. An override in a subclass is not marked unless it says so too.
+
+    Example:
+        >>> class Counter(pl.Callback):
+        ...     @ignores_batch_outputs
+        ...     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ...         self.n = getattr(self, "n", 0) + 1
+        >>> Counter.on_train_batch_end.ignores_batch_outputs
+        True
+    """
+    hook.ignores_batch_outputs = True
+    return hook
+
+
+def _reads_outputs(hooks: Mapping[str, list[Any]], mod: Mapping[str, Any]) -> bool:
+    """Whether a hook of the fit may read ``on_train_batch_end``'s ``outputs``: the module's, or a callback's not
+    marked :func:`ignores_batch_outputs`."""
+    return "on_train_batch_end" in mod or not all(
+        getattr(getattr(fn, "__func__", fn), "ignores_batch_outputs", False) for fn in hooks["on_train_batch_end"])
 
 
 class RunnerUnsupported(Exception):
@@ -352,6 +378,7 @@ class FitRunner:
             trainer.num_training_batches = float(int(trainer.num_training_batches * limit))
         n_batches = trainer.num_training_batches
         device = self.device
+        copy_loss = _reads_outputs(hooks, mod)
         call(hooks, mod, "on_fit_start", module)
         module.zero_grad()
         if n_batches == 0:  # Lightning's fit loop skips: no train start, epoch or end hooks
@@ -371,7 +398,8 @@ class FitRunner:
                 skip_rest = call(hooks, mod, "on_train_batch_start", module, batch, batch_idx) == -1
                 outputs: Any = None
                 if not skip_rest:
-                    outputs = self._step(module, optimizer, plugin, scaler, params, batch, batch_idx, hooks, mod)
+                    outputs = self._step(module, optimizer, plugin, scaler, params, batch, batch_idx, hooks, mod,
+                                         copy_loss)
                     trainer.global_step += 1
                     self.steps_run += 1
                     self.steps_without_loss += outputs.get("loss") is None
@@ -402,8 +430,9 @@ class FitRunner:
     @staticmethod
     def _step(module: pl.LightningModule, optimizer: torch.optim.Optimizer, plugin: FabricPrecision, scaler: Any,
               params: list[Tensor], batch: Any, batch_idx: int, hooks: Mapping[str, list[Any]],
-              mod: Mapping[str, Any]) -> dict[str, Any]:
-        """One automatic-optimisation step, in ``Trainer.fit``'s order; returns what ``on_train_batch_end`` gets."""
+              mod: Mapping[str, Any], copy_loss: bool = True) -> dict[str, Any]:
+        """One automatic-optimisation step, in ``Trainer.fit``'s order; returns what ``on_train_batch_end`` gets
+        (the loss detached, copied where ``copy_loss``)."""
         call = FitRunner._call
         with plugin.forward_context():
             out = module.training_step(batch, batch_idx)
@@ -432,7 +461,7 @@ class FitRunner:
             optimizer.step()
         if loss is None:
             return {"loss": None, **extra}
-        return {"loss": loss.detach().clone(), **extra}
+        return {"loss": loss.detach().clone() if copy_loss else loss.detach(), **extra}
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
