@@ -621,11 +621,11 @@ def test_personalized_params_from_one_split_equal_each_parameters_expansion(fact
 
 
 def test_a_knapsack_round_dispatches_8_operators() -> None:
-    """A round of the device knapsack (one more distinct weight, one more round) costs 8 operators (22 at first, then
-    14): the room used read from one cumulative sum over what is taken and what is a candidate, and, as that sum
-    never decreases, the first failure as the length of the prefix that fits (a sum, no index search), the items
-    taken as the candidates inside that prefix, the next candidates as the items lighter than the failure. Fails
-    when an operator is added back to the round."""
+    """A round of the device knapsack (one more distinct weight, one more round)
+    costs 8 operators (22 at first, then 14): the room used read from one cumulative sum over what is taken and what
+    is a candidate, and, as that sum never decreases, the first failure as the length of the prefix that fits (a
+    sum, no index search), the items taken as the candidates inside that prefix, the next candidates as the items
+    lighter than the failure. Fails when an operator is added back to the round."""
     from pl_fedsparse.functional.gate import knapsack_greedy_rows
 
     values = torch.rand(2, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)

@@ -175,7 +175,7 @@ class FederatedDataModule(lightning.LightningDataModule):
             (:class:`~pl_fedsparse.data.loaders.PreparedInputs`) instead of a gather, a conversion, the
             normalisation and the augmentation's index arithmetic — on a GPU a dozen kernel launches fewer per step
             with augmentation, three without. ``"auto"`` (default): on an accelerator, when they take at most
-            :data:`AUTO_DATA_SHARE` of its free memory (CIFAR-10 with augmentation: about 1.2 GB); ``true``: also on
+            :data:`AUTO_DATA_SHARE` of its free memory (CIFAR-10 with augmentation: about 1.1 GB); ``true``: also on
             the host (4 bytes per input value: about 6 times a uint8 dataset padded); ``false``: never. The batches
             are the same values either way. Token ids and unnormalised float32 features have nothing to prepare.
         synthetic: overrides of the synthetic task's parameters.
