@@ -3,7 +3,8 @@
 A client fit ends with dozens of small tensors going to the host — the trained state dict, masks, optimizer and gate
 state — and a copy per tensor costs a launch and, copied to pageable memory, a wait for the device each time. Here
 they travel as one byte buffer: every tensor's bytes are laid out at 64-byte aligned offsets in one ``uint8`` tensor
-on the source device (device-side copies), the buffer crosses once, and each tensor is read back as a view of it
+on the source device (one concatenation of the tensors' bytes there: a kernel launch or two on a GPU, not one per
+tensor), the buffer crosses once, and each tensor is read back as a view of it
 (``Tensor.view(dtype)`` then its shape). Values are bit for bit the tensors' own: only bytes move.
 
 The tensors that come back share that one buffer's storage. :func:`copy_tensors` hands out such views (``share=True``:
@@ -106,21 +107,16 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
         if t.layout != torch.strided:
             raise TypeError(f"copy_tensors: a {t.layout} tensor cannot be packed (strided tensors only)")
     out: list[Tensor | None] = [None] * len(tensors)
-    by_source: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_source.setdefault(t.device, []).append(i)
-    for source, idx in by_source.items():
+    by_source: dict[tuple[torch.device, str | None], list[int]] = {}
+    for i, t in enumerate(tensors):  # (simulated on the CPU: what is placed on "the device" apart from the rest)
+        by_source.setdefault((t.device, placed_on(t) if ALWAYS_PACK else None), []).append(i)
+    for (source, where), idx in by_source.items():
         offsets, total = [], 0
         for i in idx:
             offsets.append(total)
             nbytes = tensors[i].numel() * tensors[i].element_size()
             total += -(-nbytes // ALIGN) * ALIGN
-        buf = torch.empty(total, dtype=torch.uint8, device=source)
-        for i, at in zip(idx, offsets):
-            t = tensors[i].detach()
-            n = t.numel() * t.element_size()
-            if n:
-                buf[at:at + n].view(t.dtype).view(t.shape).copy_(t)
+        buf = _pack(tensors, idx, offsets, total, source, where)
         moved = buf.to(dev, copy=True)  # the one copy across the link
         for i, at in zip(idx, offsets):
             t = tensors[i]
@@ -135,6 +131,41 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
     if ALWAYS_PACK:  # (a simulated device run: a copy is placed by its caller, e.g. to_device; a host copy is not)
         _unplace(out)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
+
+
+#: per device, ``ALIGN`` bytes that fill the gaps between the packed tensors (their value is never read)
+_GAPS: dict[torch.device, Tensor] = {}
+
+
+def _pack(tensors: Sequence[Tensor], idx: Sequence[int], offsets: Sequence[int], total: int,
+          source: torch.device, where: str | None = None) -> Tensor:
+    """The ``total``-byte buffer on ``source`` holding ``tensors[i]``'s bytes at ``offsets`` (for ``i`` in ``idx``),
+    written by one concatenation of the tensors' bytes (views, no copy of their own) and of gap fillers (``where``:
+    the simulated device the tensors are placed on, where the fillers are placed too)."""
+    gap = _GAPS.get(source)
+    if gap is None:
+        gap = _GAPS[source] = torch.zeros(ALIGN, dtype=torch.uint8, device=source)
+    pieces: list[Tensor] = []
+    filled = 0
+    for i, at in zip(idx, offsets):
+        t = tensors[i].detach()
+        n = t.numel() * t.element_size()
+        if not n:
+            continue
+        if at > filled:
+            pieces.append(gap[:at - filled])
+            if where is not None:
+                _remember(_placed, pieces[-1:], where)
+        pieces.append(t.contiguous().reshape(-1).view(torch.uint8))
+        filled = at + n
+    if total > filled:
+        pieces.append(gap[:total - filled])
+        if where is not None:
+            _remember(_placed, pieces[-1:], where)
+    buf = torch.empty(total, dtype=torch.uint8, device=source)
+    if pieces:
+        torch.cat(pieces, out=buf)
+    return buf
 
 
 def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, share: bool = True) -> dict[str, Tensor]:
