@@ -117,7 +117,12 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
             nbytes = tensors[i].numel() * tensors[i].element_size()
             total += -(-nbytes // ALIGN) * ALIGN
         buf = _pack(tensors, idx, offsets, total, source, where)
-        moved = buf.to(dev, copy=True)  # the one copy across the link
+        if ALWAYS_PACK and where is None and len(by_source) > 1 and dev.type == "cpu":
+            # (simulated: host tensors copied to the host beside device tensors — a host copy, as on an
+            # accelerator, where they are a group of their own; not a crossing)
+            moved = buf.clone()
+        else:
+            moved = buf.to(dev, copy=True)  # the one copy across the link
         for i, at in zip(idx, offsets):
             t = tensors[i]
             n = t.numel() * t.element_size()
