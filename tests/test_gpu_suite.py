@@ -247,3 +247,23 @@ def test_a_tagged_run_passes_its_arguments_and_is_recorded_beside_the_plain_one(
     lines = [json.loads(x) for x in (tmp_path / "rounds.jsonl").read_text().splitlines()]
     assert [x["name"] for x in lines] == ["pfedgate", "pfedgate+ray8"] and lines[1]["extra_args"] == extra
     assert lines[1]["train_s_per_round"] == 2.0
+
+
+def test_the_next_leases_prepared_call_parses_and_names_what_exists() -> None:
+    """``benchmarks/gpu/lease_next.sh`` (the next lease's first call, prepared where no GPU is): bash parses it,
+    every script and config it runs exists, and every argument it gives a benchmark script is one that script takes
+    (a rename here must not cost device time there)."""
+    import re
+
+    script = ROOT / "benchmarks" / "gpu" / "lease_next.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    calls = re.findall(r"python3 (benchmarks/\S+\.py)((?: [^\n;&|]*)?)", text)
+    assert {c[0] for c in calls} >= {"benchmarks/overhead.py", "benchmarks/gpu_rounds.py", "benchmarks/profile_fit.py"}
+    for path, args in calls:
+        assert (ROOT / path).is_file(), path
+        source = (ROOT / path).read_text()
+        for flag in re.findall(r"(--[a-z][a-z-]*)", args):
+            assert f'"{flag}"' in source, (path, flag)
+        for config in re.findall(r"(configs/\S+\.yaml)", args):
+            assert (ROOT / config).is_file(), config
