@@ -1,44 +1,48 @@
 #!/usr/bin/env bash
-# The next lease's first call, prepared (run as 'bash benchmarks/gpu/lease_next.sh' on the lent machine, with the
-# wheels and the CIFAR-10 tarball carried in .lease/ as "Getting the package onto a lent machine" in README.md says;
-# about 8.5 minutes). What changed since the last lease is measured first: the GPU tests (the corrected EWA test and
-# the prepared-inputs test among them), the runner's overhead at 32-true and bf16-mixed (batches from the prepared
-# inputs, no per-step loss operators), then pFedGate's, DM-PFL's (8 rounds: both kinds of Phase-2 round) and FedSpa's
-# rounds, then FedSpa's runner profile with the time left. Every record goes straight to $OUT, named as in README.md.
+# The next lease's two calls, prepared: 'bash benchmarks/gpu/lease_next.sh 1', then '... 2', on the lent machine,
+# with the wheels and the CIFAR-10 tarball carried in .lease/ as "Getting the package onto a lent machine" in
+# README.md says. What changed since the last lease is measured first. Call 1 (about 9 minutes): the GPU tests (the
+# corrected EWA test and the prepared-inputs test among them), the runner's overhead at 32-true and bf16-mixed
+# (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, DM-PFL's 8 rounds
+# (both kinds of Phase-2 round). Call 2 (what the lease has left, about 4 minutes): where FedSpa's and DM-PFL's
+# rounds spend their time (the runner's profiles). Every record goes straight to $OUT, named as in README.md.
 set -u
+CALL=${1:?usage: lease_next.sh 1|2}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 O=${OUT:?}; COMMIT=${COMMIT:-$(cat .lease/commit 2>/dev/null || echo unknown)}; DAY=$(date +%F)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-exec > >(tee -a "$O/lease.log") 2>&1
+exec > >(tee -a "$O/lease$CALL.log") 2>&1
 [ -d /tmp/site/pl_fedsparse ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .lease/whl/*.whl
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 [ -d data/cifar10/train ] || { mkdir -p data/cifar10; tar -xzf .lease/cifar10-jpg.tar.gz -C data/cifar10; }
-{ nvidia-smi; python3 -c "import platform, torch, lightning, torchmetrics; print('python', platform.python_version()); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('lightning', lightning.__version__, 'torchmetrics', torchmetrics.__version__)"; echo "commit $COMMIT"; nproc; } > "$O/env.txt" 2>&1
-nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 250 > "$O/util.csv" 2>/dev/null & SMI=$!
+{ nvidia-smi; python3 -c "import platform, torch, lightning, torchmetrics; print('python', platform.python_version()); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); print('lightning', lightning.__version__, 'torchmetrics', torchmetrics.__version__)"; echo "commit $COMMIT"; nproc; } > "$O/env$CALL.txt" 2>&1
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 250 > "$O/util$CALL.csv" 2>/dev/null & SMI=$!
 run() {  # run NAME SECONDS CMD...: the command's output and exit code in $O/NAME, under its header line
     local name=$1 secs=$2; shift 2
     ( echo "# $*  ($GPU, commit $COMMIT, $DAY)"; timeout -k 10 "$secs" "$@"; echo "rc $?" ) > "$O/$name" 2>&1
 }
-echo "[$(el)s] GPU tests"
-run tests.txt 150 env OMP_NUM_THREADS=3 python3 -m pytest -vv -p no:cacheprovider -m gpu -rA --tb=short -n 4 tests
-echo "[$(el)s] overhead, alone on the GPU"
-run overhead_runner_32-true.txt 80 python3 benchmarks/overhead.py --data-root data/cifar10 --accelerator gpu \
-    --precision 32-true --repeats 7
-run overhead_runner_bf16-mixed.txt 80 python3 benchmarks/overhead.py --data-root data/cifar10 --accelerator gpu \
-    --precision bf16-mixed --repeats 7
-echo "[$(el)s] rounds"
-run rounds.log 150 python3 benchmarks/gpu_rounds.py run --force --only pfedgate fedspa_dst --rounds 3 \
-    --eval-every 3 --seconds 70 --data-root data/cifar10
-run rounds_dmpfl.log 100 python3 benchmarks/gpu_rounds.py run --force --only dmpfl --rounds 8 --eval-every 8 \
-    --seconds 95 --data-root data/cifar10
-LEFT=$(( 500 - $(el) ))
-echo "[$(el)s] FedSpa's runner profile, $LEFT s"
-if [ "$LEFT" -gt 45 ]; then
-    run profile_fedspa_runner.txt "$LEFT" python3 benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml \
+if [ "$CALL" = 1 ]; then
+    echo "[$(el)s] GPU tests"
+    run tests.txt 150 env OMP_NUM_THREADS=3 python3 -m pytest -vv -p no:cacheprovider -m gpu -rA --tb=short -n 4 tests
+    echo "[$(el)s] overhead, alone on the GPU"
+    run overhead_runner_32-true.txt 60 python3 benchmarks/overhead.py --data-root data/cifar10 --accelerator gpu \
+        --precision 32-true --repeats 5
+    run overhead_runner_bf16-mixed.txt 60 python3 benchmarks/overhead.py --data-root data/cifar10 --accelerator gpu \
+        --precision bf16-mixed --repeats 5
+    echo "[$(el)s] rounds"
+    run rounds.log 150 python3 benchmarks/gpu_rounds.py run --force --only pfedgate fedspa_dst --rounds 3 \
+        --eval-every 3 --seconds 70 --data-root data/cifar10
+    run rounds_dmpfl.log 100 python3 benchmarks/gpu_rounds.py run --force --only dmpfl --rounds 8 --eval-every 8 \
+        --seconds 95 --data-root data/cifar10
+    tar -czf "$O/rounds.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
+        benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/fedspa_dst benchmarks/gpu/rounds/dmpfl 2>/dev/null
+else
+    echo "[$(el)s] FedSpa's and DM-PFL's runner profiles"
+    run profile_fedspa_runner.txt 110 python3 benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml \
+        --accelerator gpu --clients 10 --top 25 --data-root data/cifar10
+    run profile_dmpfl_runner.txt 90 python3 benchmarks/profile_fit.py --config configs/cifar10_dmpfl.yaml \
         --accelerator gpu --clients 10 --top 25 --data-root data/cifar10
 fi
 kill $SMI 2>/dev/null
-tar -czf "$O/rounds.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
-    benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/fedspa_dst benchmarks/gpu/rounds/dmpfl 2>/dev/null
 echo "[$(el)s] done"
