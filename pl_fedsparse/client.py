@@ -384,7 +384,10 @@ class ClientStateStore:
         if floatcodec.is_encoded(value):
             return self._decoded(value)
         if isinstance(value, Mapping):
-            return {k: self._private(v) for k, v in value.items()}
+            # (a mapping's tensors in one multi-tensor copy: on a GPU a launch or a few, not one per tensor)
+            flat = {k: v for k, v in value.items() if isinstance(v, Tensor)}
+            copies = dict(zip(flat, transfer.clone_tensors(list(flat.values()))))
+            return {k: copies[k] if k in copies else self._private(v) for k, v in value.items()}
         return value.clone() if isinstance(value, Tensor) else value
 
     def stored(self, client_idx: int, key: str) -> TensorTree:

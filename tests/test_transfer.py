@@ -332,3 +332,44 @@ def test_packing_many_tensors_is_one_concatenation() -> None:
     assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(tensors, out))
     strided = torch.arange(12.0).view(3, 4).t()
     assert torch.equal(copy_tensors([strided, torch.ones(2)], "cpu", force=True)[0], strided)
+
+
+def test_clones_and_copies_of_many_tensors_are_one_operator() -> None:
+    """``clone_tensors`` and ``copy_into`` (a fit's update copied where it trained, a state loaded into a module, a
+    client's entries read privately): one multi-tensor copy for any number of tensors — with each tensor's values,
+    dtype and strides, a conversion where the target's dtype differs, and no autograd. Fails when a copy per tensor
+    comes back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pl_fedsparse.executors.base import _load_into
+    from pl_fedsparse.functional.transfer import clone_tensors, copy_into
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(fn: Any) -> int:
+        Count.n = 0
+        with Count():
+            fn()
+        return Count.n
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, generator=g).t(), torch.tensor(True), torch.randint(0, 5, (6,), generator=g),
+               torch.randn(5, generator=g).to(torch.bfloat16)] * 10
+    out: list[Any] = []
+    assert ops(lambda: out.extend(clone_tensors(tensors))) == ops(lambda: clone_tensors(tensors[:4])) == 1
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride() and a.data_ptr() != b.data_ptr()
+               for a, b in zip(tensors, out))
+    targets = [torch.zeros(4, 3, dtype=torch.float64), torch.zeros((), dtype=torch.bool)]
+    assert ops(lambda: copy_into(targets, tensors[:2])) == 1
+    assert targets[0].dtype == torch.float64 and torch.equal(targets[0], tensors[0].double())
+    module = torch.nn.Sequential(*[torch.nn.Linear(3, 3) for _ in range(10)])
+    state = {k: torch.randn(v.shape, generator=g) for k, v in module.state_dict().items()}
+    assert ops(lambda: _load_into(module.state_dict(keep_vars=True), state)) == 1
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in state.items())
+    assert all(p.requires_grad and p.grad_fn is None for p in module.parameters())

@@ -117,7 +117,7 @@ from pl_fedsparse.functional.gate import (
 from pl_fedsparse.functional.gate_sliced import sliced_forward
 from pl_fedsparse.functional.gate_upload import index_wise_average, pack_blocks, unpack_blocks
 from pl_fedsparse.functional.pse import elementwise_average
-from pl_fedsparse.functional.transfer import to_device, to_where
+from pl_fedsparse.functional.transfer import clone_tensors, to_device, to_where
 from pl_fedsparse.models.gate import GatingLayer, adapted_forward
 from pl_fedsparse.streams import register_stream
 
@@ -547,7 +547,8 @@ class PFedGate(FederatedCallback):
         opt_state = {f"{i}.{name}": v.detach() for i, entries in
                      self._gate_opt.state_dict()["state"].items() for name, v in entries.items()
                      if isinstance(v, Tensor)}
-        self._captured = ({k: v.detach().clone() for k, v in self.gate.state_dict().items()}, opt_state)
+        gate_state = self.gate.state_dict()
+        self._captured = (dict(zip(gate_state, clone_tensors(list(gate_state.values())))), opt_state)
         self._gate_opt = None
 
     #: ``on_client_fit_end`` takes the update where the weights are: the fit's statistics stay where they were

@@ -146,6 +146,9 @@ def _load_into(own: Mapping[str, Tensor], state: Mapping[str, Tensor]) -> None:
         devices = {t.device for t in own.values()}
         if len(devices) == 1:
             state = to_device(state, devices.pop())
+            # (one multi-tensor copy: on a GPU a launch or a few, not one per tensor)
+            transfer.copy_into([own[k] for k in state], list(state.values()))
+            return
         for k, v in state.items():
             own[k].copy_(v)
 
@@ -270,7 +273,7 @@ def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, 
     all take the update where the weights are (:func:`~pl_fedsparse.callbacks.base.takes_device_update`)."""
     state = module.state_dict() if state is None else state  # type: ignore[union-attr]
     if on_device and transfer.on_a_device(state.values()):
-        state = {n: t.detach().clone() for n, t in state.items()}
+        state = dict(zip(state, transfer.clone_tensors(list(state.values()))))
     else:
         state = to_cpu_state(state)
     return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,

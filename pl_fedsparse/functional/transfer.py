@@ -30,7 +30,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "copy_tensors", "mark_placed",
+__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "clone_tensors", "copy_tensors",
+           "copy_into", "mark_placed",
            "is_on", "needs_copy", "on_a_device", "placed_on", "remember_twin", "tensors_in", "to_device", "to_host",
            "to_where", "twins_on"]
 
@@ -173,6 +174,34 @@ def _pack(tensors: Sequence[Tensor], idx: Sequence[int], offsets: Sequence[int],
     return buf
 
 
+def clone_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Detached copies of ``tensors`` where each is, with its dtype and strides: one multi-tensor copy
+    (``torch._foreach_copy_``) into fresh tensors — on a GPU a launch or a few for them all, where a ``clone`` each is
+    a launch each. The same bytes as ``t.detach().clone()``.
+
+    Example:
+        >>> ts = [torch.arange(3.0), torch.tensor(True)]
+        >>> out = clone_tensors(ts)
+        >>> [torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(ts, out)]
+        [True, True]
+    """
+    if not tensors:
+        return []
+    src = [t.detach() for t in tensors]
+    out = [torch.empty_like(t) for t in src]
+    with torch.no_grad():
+        torch._foreach_copy_(out, src)
+    return out
+
+
+def copy_into(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``target.copy_(source)`` for every pair, without autograd, in one multi-tensor copy (a launch or a few on a
+    GPU for them all; dtypes are converted as ``copy_`` converts them)."""
+    if targets:
+        with torch.no_grad():
+            torch._foreach_copy_(list(targets), [s.detach() for s in sources])
+
+
 def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, share: bool = True) -> dict[str, Tensor]:
     """``{name: t.to(device)}`` for a dict of tensors, with the copies across the link made as one
     (:func:`copy_tensors`, sharing its buffer): tensors already on ``device`` are handed back as they are, as
@@ -298,8 +327,9 @@ class DeviceMismatch(RuntimeError):
 
 #: operators that take a host tensor beside a device one on an accelerator too: copies across the link, and indexing
 #: with host indices (moved to the device by the operator)
-_CROSSING_OPS = frozenset({"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to", "set_", "index",
-                           "index_put", "index_put_", "_index_put_impl_", "lift_fresh", "lift_fresh_copy"})
+_CROSSING_OPS = frozenset({"copy_", "_foreach_copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "to",
+                           "set_", "index", "index_put", "index_put_", "_index_put_impl_", "lift_fresh",
+                           "lift_fresh_copy"})
 
 
 class PlacementTracker(TorchDispatchMode):
@@ -332,6 +362,9 @@ class PlacementTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if device is not None:
             mark_placed((t for t in tree_leaves(out) if isinstance(t, Tensor)), device)
+            if func._schema.name.startswith("aten::_foreach_") and func._schema.name.endswith("_") and args:
+                # (a multi-tensor in-place operation returns nothing: what it wrote is where the operation ran)
+                mark_placed((t for t in tree_leaves(args[0]) if isinstance(t, Tensor)), device)
         elif self.strict and (func in _LIFTS or all(_is_fresh(t) for t in leaves)):
             # made here from no tensor (``torch.arange(8, device=x.device)``) or only from such: on a GPU it is where
             # its ``device=`` says, which the CPU cannot tell, so the strict check lets it meet either side
