@@ -38,6 +38,26 @@ METHODS: dict[str, tuple[Any, Any]] = {
 TINY_SYNTH = {"num_train": 400, "num_test": 100, "size": 8, "channels": 1, "num_classes": 4}
 
 
+def count_operators(fn: Any, skip: Any = None) -> int:
+    """The operators ``fn()`` dispatches that would launch a kernel on a GPU (views and allocations left out; and
+    those dispatched while ``skip()`` is true). What the tests that hold an operator count use."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count = 0
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            nonlocal count
+            if not (func.is_view or func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided")
+                    or (skip is not None and skip())):
+                count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return count
+
+
 def tiny_datamodule(**kw: Any) -> FederatedDataModule:
     args: dict[str, Any] = dict(name="synthetic", num_clients=4, alpha=0.5, batch_size=16, synthetic=TINY_SYNTH)
     args.update(kw)

@@ -17,7 +17,13 @@ from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_module
 from pl_fedsparse import FederatedLoop
 from pl_fedsparse.context import current_fit
 from pl_fedsparse.executors.base import FitMeter
-from pl_fedsparse.executors.runner import FitRunner, FitTrainer, RunnerUnsupported, ignores_batch_outputs, runner_support
+from pl_fedsparse.executors.runner import (
+    FitRunner,
+    FitTrainer,
+    RunnerUnsupported,
+    ignores_batch_outputs,
+    runner_support,
+)
 
 HOOKS = ("setup", "teardown", "on_fit_start", "on_fit_end", "on_train_start", "on_train_end", "on_train_epoch_start",
          "on_train_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_before_backward",

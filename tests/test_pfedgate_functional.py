@@ -563,19 +563,9 @@ def test_the_row_knapsacks_take_what_each_rows_scan_takes() -> None:
 
 def _operators(fn) -> int:
     """The operators ``fn()`` dispatches that launch a kernel on a GPU (views and allocations left out)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import count_operators
 
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
+    return count_operators(fn)
 
 
 def test_the_groups_knapsacks_issue_the_operators_of_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import fit_rows, metric_rows
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import count_operators, fit_rows, metric_rows
 
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.data.loaders import AUGMENT_PAD, PreparedInputs, TensorBatchLoader, prepare_inputs
@@ -108,31 +107,20 @@ def test_auto_makes_no_prepared_inputs_on_the_host_and_a_pickled_copy_makes_its_
 def _device_operators(fn: Any, monkeypatch: pytest.MonkeyPatch) -> int:
     """Operators ``fn()`` dispatches that launch a kernel on a GPU (views and allocations left out), not counting
     the augmentation's draws: those are made on the host from the epoch's CPU generator (then moved in one copy)."""
-
-    class Count(TorchDispatchMode):
-        n = 0
-        paused = False
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not (Count.paused or func.is_view
-                    or func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided")):
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
+    drawing = [False]
     draws = TensorBatchLoader._epoch_draws
 
     def host_draws(self: Any, *a: Any, **k: Any) -> Any:
-        Count.paused = True
+        drawing[0] = True
         try:
             return draws(self, *a, **k)
         finally:
-            Count.paused = False
+            drawing[0] = False
 
     monkeypatch.setattr(TensorBatchLoader, "_epoch_draws", host_draws)
-    with Count():
-        fn()
+    n = count_operators(fn, skip=lambda: drawing[0])
     monkeypatch.undo()
-    return Count.n
+    return n
 
 
 @pytest.mark.parametrize("augment", [False, True])

@@ -5,9 +5,9 @@ check waits once per fit; and a run that packs (as a device run does) gives the 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -301,17 +301,9 @@ def test_packing_many_tensors_is_one_concatenation() -> None:
     """The tensors' bytes reach the buffer by one concatenation on their device — on a GPU a launch or two, not one
     per tensor: packing 40 tensors costs the operators of packing 4 (and the copies are their values, bit for bit,
     every dtype, 0-dim and empty ones, a non-contiguous one). Fails when a copy per tensor comes back."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import count_operators
 
     from pl_fedsparse.functional.transfer import copy_tensors
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
     kinds = [lambda: torch.randn(3, 5, generator=g), lambda: torch.randint(0, 9, (7,), generator=g),
@@ -320,10 +312,8 @@ def test_packing_many_tensors_is_one_concatenation() -> None:
 
     def packed_ops(n: int) -> tuple[int, list[Any], list[Any]]:
         tensors = [kinds[i % len(kinds)]() for i in range(n)]
-        Count.n = 0
-        with Count():
-            out = copy_tensors(tensors, "cpu", force=True, share=True)
-        return Count.n, tensors, out
+        out: list[Any] = []
+        return count_operators(lambda: out.extend(copy_tensors(tensors, "cpu", force=True, share=True))), tensors, out
 
     packed_ops(1)  # (the gap filler is made once per device)
     few, _, _ = packed_ops(4)
@@ -339,24 +329,10 @@ def test_clones_and_copies_of_many_tensors_are_one_operator() -> None:
     client's entries read privately): one multi-tensor copy for any number of tensors — with each tensor's values,
     dtype and strides, a conversion where the target's dtype differs, and no autograd. Fails when a copy per tensor
     comes back."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import count_operators as ops
 
     from pl_fedsparse.executors.base import _load_into
     from pl_fedsparse.functional.transfer import clone_tensors, copy_into
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    def ops(fn: Any) -> int:
-        Count.n = 0
-        with Count():
-            fn()
-        return Count.n
 
     g = torch.Generator().manual_seed(0)
     tensors = [torch.randn(3, 4, generator=g).t(), torch.tensor(True), torch.randint(0, 5, (6,), generator=g),

@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_map
 
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
 from pl_fedsparse.data.loaders import batch_to
+from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.metrics import StepLosses
