@@ -173,7 +173,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         cache_inputs: make the model inputs of the whole dataset once (normalised float32 images, zero-padded for
             the augmentation's crops; normalised features), where the data lives, so that every batch is one gather
             (:class:`~pl_fedsparse.data.loaders.PreparedInputs`) instead of a gather, a conversion, the
-            normalisation and the augmentation's index arithmetic — on a GPU a dozen kernel launches fewer per step
+            normalisation and the augmentation's index arithmetic — on a GPU thirteen kernel launches fewer per step
             with augmentation, three without. ``"auto"`` (default): on an accelerator, when they take at most
             :data:`AUTO_DATA_SHARE` of its free memory (CIFAR-10 with augmentation: about 1.1 GB); ``true``: also on
             the host (4 bytes per input value: about 6 times a uint8 dataset padded); ``false``: never. The batches

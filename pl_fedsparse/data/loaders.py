@@ -120,7 +120,7 @@ class PreparedInputs:
     ``pad`` pixels on each side for the augmentation's crops (:func:`prepare_inputs`).
 
     A loader given them gathers a batch in one operation instead of a gather, a conversion and the normalisation's
-    two (and, augmented, the padding and the crop's index arithmetic: a dozen more): on a GPU each operation is a
+    two (and, augmented, the padding and the crop's index arithmetic: ten more): on a GPU each operation is a
     kernel launch, and a small model's step is a few dozen. They take 4 bytes per input value (a uint8 image 4 times
     its size, padded by 4 on 32x32 about 6 times), so the datamodule makes them where memory is plentiful
     (``data.cache_inputs``).
