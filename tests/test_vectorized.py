@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
+from torch import Tensor
 
 from pl_fedsparse import FederatedCallback, FederatedModule, allocator
-from pl_fedsparse.callbacks import PFedGate
+from pl_fedsparse.callbacks import KeepOptimizerState, PFedGate
 from pl_fedsparse.cli import FedCLI
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import VectorizedExecutor
@@ -268,6 +269,51 @@ def test_adam_and_weight_decay_and_local_steps(tmp_path: Path) -> None:
         return _rows(loop)
 
     assert_same_run(run(None, "ref"), run(VectorizedExecutor(), "vec"))
+
+
+def _kept_states(loop: Any) -> dict[tuple[int, str], Tensor]:
+    """Every client's kept optimizer entries, by (client, key)."""
+    key = next(k for k in loop.client_store.keys if k.startswith("KeepOptimizerState"))
+    out = {}
+    for k in range(loop.datamodule.num_clients):
+        if loop.client_store.has(k, key):
+            for name, t in loop.client_store.get(k, key).items():
+                out[(k, name)] = t
+    return out
+
+
+class Dampened(FederatedModule):
+    """SGD with momentum and dampening: a fresh buffer's first step is the gradient itself, a kept one's is damped."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, dampening=0.3)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-dampening", "adam"])
+def test_kept_optimizer_state_continues_in_stacked_fits(tmp_path: Path, optimizer: str) -> None:
+    """KeepOptimizerState under stacked fits: half the clients a round (so a group mixes clients with kept state and
+    clients without), clients of different sizes (some stop early), two epochs: the same run, and every client's
+    kept momentum (Adam: moments and step count) equal to the one-by-one run's."""
+
+    def run(executor: Any, sub: str) -> tuple[list[dict], dict[tuple[int, str], Tensor]]:
+        loop = tiny_loop(tmp_path / sub, callbacks=[KeepOptimizerState()], executor=executor, num_rounds=4,
+                         local_epochs=2, gradient_clip_val=0.5, join_ratio=0.5)
+        if optimizer == "sgd-dampening":
+            torch.manual_seed(0)
+            module: FederatedModule = Dampened(_mlp())
+        else:
+            kw: dict[str, Any] = ({"momentum": 0.9, "weight_decay": 5e-4} if optimizer == "sgd"
+                                  else {"optimizer": "adam", "lr": 0.01})
+            module = tiny_module(**kw)
+        loop.fit(module, tiny_datamodule(alpha=0.1, batch_size=7, quantity_skew=True))
+        return _rows(loop), _kept_states(loop)
+
+    (ref, ref_state), (got, got_state) = run(None, "ref"), run(VectorizedExecutor(max_group_size=3), "vec")
+    assert_same_run(ref, got)
+    assert ref_state.keys() == got_state.keys() and ref_state
+    for key, t in ref_state.items():
+        assert got_state[key].dtype == t.dtype and got_state[key].shape == t.shape, key
+        assert torch.allclose(got_state[key], t, rtol=1e-5, atol=1e-6), key
 
 
 def test_bf16_mixed_autocasts_like_lightning(tmp_path: Path) -> None:

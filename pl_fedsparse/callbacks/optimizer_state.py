@@ -9,7 +9,7 @@ fit, so it is also checkpointed and resumed with the federation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -19,7 +19,7 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.functional.transfer import to_device
+from pl_fedsparse.functional.transfer import clone_tensors, to_device
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -89,3 +89,80 @@ class KeepOptimizerState(FederatedCallback):
         if self._captured is not None:
             self.set_client_state(loop, update.client_idx, "state", self._captured)
         self._pending = self._captured = None
+
+    @override
+    def vectorized_fit(self) -> Any:
+        """The kept state continued in stacked fits (:class:`_VectorizedKeptState`)."""
+        return _VectorizedKeptState(self)
+
+
+#: ``torch.optim``'s per-parameter state keys, in its order: SGD's, Adam's (``step`` is its count, a host scalar)
+_KEYS = ("momentum_buffer", "step", "exp_avg", "exp_avg_sq")
+
+
+class _VectorizedKeptState:
+    """:class:`KeepOptimizerState`'s ``on_train_start`` and ``on_train_end`` over a stacked group of fits: every
+    client's kept buffers become its rows of the group's optimizer state before the first step (a client with none
+    starts as a fresh ``torch.optim`` one: SGD's first step takes the gradient, Adam's moments start at zero), and
+    its rows are kept again when its fit ends — its loaded state unchanged when it made no step, as in process."""
+
+    def __init__(self, keep: KeepOptimizerState) -> None:
+        self.keep = keep
+        self.pending: dict[int, dict[str, Tensor] | None] = {}
+        self.fit: Any = None
+        self.first: Tensor | None = None
+
+    def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        self.pending[index] = self.keep._pending  # None: not a round's training; {}: nothing kept yet
+
+    def start(self, fit: Any) -> None:
+        self.fit, self.first = fit, fit.steps.clone()
+        K = len(fit.contexts)
+        kept = [self.pending.get(i) or {} for i in range(K)]
+        if not any(kept):
+            return  # every optimizer fresh: the executor makes its state at the first step, as torch.optim does
+        moved = to_device({f"{i}/{key}": t for i, d in enumerate(kept) for key, t in d.items()}, fit.device)
+        for name, idx in fit.optimizer_index.items():
+            p = fit.params[name]
+            for key in _KEYS:
+                have = [moved.get(f"{i}/{idx}.{key}") for i in range(K)]
+                if all(t is None for t in have):
+                    continue
+                if key == "step":  # one count per client (its parameters step together)
+                    for i, t in enumerate(have):
+                        if t is not None:
+                            fit.steps[i] = int(t)
+                    continue
+                zero = p.new_zeros(p.shape[1:])
+                fit.optimizer_state[name][key] = torch.stack([zero if t is None else t.to(p.dtype) for t in have])
+                if key == "momentum_buffer" and any(t is None for t in have):
+                    fit.optimizer_state[name]["fresh"] = torch.tensor([t is None for t in have], device=p.device)
+
+    def before_optimizer_step(self, fit: Any) -> None:
+        pass
+
+    def after_optimizer_step(self, fit: Any) -> None:
+        pass
+
+    def finish(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        pending = self.pending.pop(index, None)
+        if pending is None:
+            return  # not a round's training: nothing read or kept (as in process)
+        fit, first = self.fit, self.first
+        assert fit is not None and first is not None
+        if int(fit.steps[index]) == int(first[index]):
+            self.keep._captured = pending  # no step: the loaded state, unchanged
+            return
+        names, rows, steps = [], [], {}
+        for name, idx in sorted(fit.optimizer_index.items(), key=lambda item: item[1]):
+            for key in _KEYS:
+                if key == "step":
+                    if "exp_avg" in fit.optimizer_state[name]:  # Adam's count: a host scalar, as torch.optim's
+                        names.append(f"{idx}.step")
+                        steps[f"{idx}.step"] = torch.tensor(float(fit.steps[index]))
+                elif key in fit.optimizer_state[name]:
+                    names.append(f"{idx}.{key}")
+                    rows.append(fit.optimizer_state[name][key][index])
+        # the client's own copies (not views of the group's stacked state), in one multi-tensor copy
+        copies = iter(clone_tensors(rows))
+        self.keep._captured = {n: steps[n] if n in steps else next(copies) for n in names}

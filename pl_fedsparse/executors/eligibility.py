@@ -38,7 +38,8 @@ def elementwise_optimizer(module: pl.LightningModule, names: Mapping[int, str]) 
     else:
         raise ConfigError(f"{where} returns {type(out).__name__}: the VectorizedExecutor supports torch.optim.SGD "
                           "and torch.optim.Adam (element-wise updates)")
-    lr, hyper = {}, {}
+    lr, hyper, index = {}, {}, {}
+    position = -1  # torch.optim numbers every parameter of every group, in order, in its state_dict
     for group in out.param_groups:
         if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
             raise ConfigError(f"{where}: maximize, amsgrad and differentiable are not supported by the "
@@ -50,13 +51,14 @@ def elementwise_optimizer(module: pl.LightningModule, names: Mapping[int, str]) 
             b1, b2 = group["betas"]
             h = (float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]))
         for p in group["params"]:
+            position += 1
             if not p.requires_grad:
                 continue
             name = names.get(id(p))
             if name is None:
                 raise ConfigError(f"{where} optimizes a tensor that is not one of the module's parameters")
-            lr[name], hyper[name] = float(group["lr"]), h
-    return ElementwiseOptim(kind, lr, hyper)
+            lr[name], hyper[name], index[name] = float(group["lr"]), h, position
+    return ElementwiseOptim(kind, lr, hyper, index)
 
 
 def check_module(module: pl.LightningModule) -> None:

@@ -52,6 +52,15 @@ class StackedFit:
             the indices (into ``contexts``) of the clients that still have a batch, ``params`` and ``grads`` holding
             only their rows, in that order. A hook's own per-client tensors are indexed with it
             (``mask.index_select(0, fit.rows)``).
+        optimizer_state: the module optimizer's state by parameter name, each entry stacked ``[K, *shape]`` under
+            ``torch.optim``'s own key (SGD ``"momentum_buffer"``; Adam ``"exp_avg"``, ``"exp_avg_sq"``) — empty
+            until a step makes it, or filled in :meth:`VectorizedFitHooks.start` to continue an earlier fit's (with
+            SGD, a bool ``"fresh"`` row flag ``[K]`` marks the rows that have no buffer yet: their first step takes
+            the gradient itself, as ``torch.optim.SGD`` does).
+        optimizer_index: each trained parameter's index in ``torch.optim``'s ``state_dict()["state"]`` of the
+            client's optimizer (``"0.momentum_buffer"`` is parameter 0's buffer).
+        steps: ``[K]`` int64 on the host, every client's optimizer steps so far (Adam's bias corrections count from
+            it: set it in ``start`` to continue an earlier fit's count).
     """
 
     contexts: list[FitContext]
@@ -59,6 +68,9 @@ class StackedFit:
     grads: dict[str, Tensor] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     rows: Tensor | None = None
+    optimizer_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    optimizer_index: dict[str, int] = field(default_factory=dict)
+    steps: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
 class VectorizedFitHooks:
@@ -68,8 +80,11 @@ class VectorizedFitHooks:
     :meth:`capture` right after each client's ``on_client_fit_start`` (the callback's per-fit attributes are that
     client's then), :meth:`start` once the group is stacked, and per step :meth:`before_optimizer_step` (Lightning's
     ``on_before_optimizer_step``: gradients unscaled, before clipping) and :meth:`after_optimizer_step` (Lightning's
-    ``on_train_batch_end``). Every method edits the stacked tensors in place, row ``i`` for client ``i`` — or, once
-    some clients have stopped, only the rows of those still training (:attr:`StackedFit.rows`).
+    ``on_train_batch_end``); after the last step, :meth:`end` once (everything still stacked), then :meth:`finish`
+    for each client right before its ``on_client_fit_end`` (the callback's per-fit attributes are that client's
+    again: set what its ``on_train_end`` would have). Every method edits the stacked tensors in place, row ``i`` for
+    client ``i`` — or, once some clients have stopped, only the rows of those still training
+    (:attr:`StackedFit.rows`). :meth:`end` and :meth:`finish` are optional (the executor calls them where defined).
     """
 
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
@@ -83,3 +98,10 @@ class VectorizedFitHooks:
 
     def after_optimizer_step(self, fit: StackedFit) -> None:
         """Edit ``fit.params`` after the optimizer step (e.g. re-apply masks)."""
+
+    def end(self, fit: StackedFit) -> None:
+        """The group's last step is done (``fit.params``, ``fit.optimizer_state`` and ``fit.steps`` hold every
+        client's final rows)."""
+
+    def finish(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        """Client ``index``'s fit is about to end (its ``on_client_fit_end`` comes next)."""

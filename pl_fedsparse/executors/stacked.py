@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -36,6 +36,7 @@ class ElementwiseOptim:
     kind: Literal["sgd", "adam"]
     lr: dict[str, float]
     hyper: dict[str, tuple[Any, ...]]  # name -> the hyper-parameters other than lr
+    index: dict[str, int] = field(default_factory=dict)  # name -> its index in torch.optim's state_dict
 
     def signature(self) -> tuple[Any, ...]:
         return self.kind, tuple(sorted(self.hyper.items()))
@@ -348,8 +349,12 @@ def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[s
                 g = g.add(p, alpha=wd)
             if momentum != 0:
                 buf = state[n].get("momentum_buffer")
+                fresh = state[n].get("fresh")  # rows with no buffer yet among rows with one (a continued fit's)
                 if buf is None:
                     buf = state[n]["momentum_buffer"] = torch.clone(g).detach()
+                elif fresh is not None:
+                    buf.copy_(torch.where(rows_like(fresh, buf), g, buf.mul(momentum).add_(g, alpha=1 - dampening)))
+                    fresh.zero_()
                 else:
                     buf.mul_(momentum).add_(g, alpha=1 - dampening)
                 g = g.add(buf, alpha=momentum) if nesterov else buf
@@ -386,10 +391,10 @@ def adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[
                 step_size = lr / bias_correction1
                 denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-step_size)
-            else:
-                t = torch.tensor(counts, dtype=p.dtype, device=p.device)
-                bc1 = rows_like(1 - beta1**t, p)
-                bc2 = rows_like((1 - beta2**t).sqrt(), p)
-                lr_t = lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=p.dtype, device=p.device)
-                denom = (exp_avg_sq.sqrt() / bc2).add_(eps)
-                p.sub_(exp_avg / denom * (lr_t / bc1))
+            else:  # torch.optim.Adam's host arithmetic per row (Python floats), then its kernels' order of operations
+                bc2 = [(1 - beta2**c) ** 0.5 for c in counts]
+                neg_step = [-r / (1 - beta1**c) for r, c in zip(lrs[n], counts, strict=True)]
+                host = torch.tensor([bc2, neg_step], dtype=p.dtype)  # (one copy to the rows' device)
+                rows = host.to(p.device)
+                denom = (exp_avg_sq.sqrt() / rows_like(rows[0], p)).add_(eps)
+                p.add_(rows_like(rows[1], p) * exp_avg / denom)  # addcdiv_: self + value * t1 / t2

@@ -23,7 +23,8 @@ stacked tensors. Everything a fit is made of stays per client:
   client with its start weights loaded, ``on_client_fit_end`` with its trained weights loaded); what a callback does
   *inside* a fit (Lightning's ``on_before_optimizer_step``, ``on_train_batch_end``, …) it declares in a vectorised
   form, :meth:`VectorizedFitHooks` returned by ``vectorized_fit()`` — the library's masks
-  (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term and the FedProx example do.
+  (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term, the FedProx example and
+  :class:`~pl_fedsparse.callbacks.KeepOptimizerState` (each client's kept optimizer state continued in its rows) do.
   A callback with in-fit hooks and no vectorised form is refused when the federation starts, in one line naming it
   (or its clients are run in process, ``unsupported: sequential``);
 * **gradients**: at its first stacked step the executor also computes each of (up to) four clients' gradients
@@ -329,6 +330,10 @@ class VectorizedExecutor(ClientExecutor):
                 update, error, known = None, None, []
                 try:
                     with fit_scope(ctx):
+                        for _, hooks in self.hooks:
+                            finish = getattr(hooks, "finish", None)  # (optional, as ``end``)
+                            if finish is not None:
+                                finish(i, module, ctx)
                         if at_end:
                             load_state(module, state)
                         update = fit_update(module, ctx, item["n_samples"], metrics, None if at_end else state)
@@ -356,13 +361,15 @@ class VectorizedExecutor(ClientExecutor):
         K = len(items)
         P = {n: t for n, t in stacked.items() if n in optims[0].lr}  # trained in place
         F = {n: t for n, t in stacked.items() if n not in optims[0].lr}  # buffers, frozen parameters
-        fit = StackedFit([it["request"].context for it in items], P, {}, device)
-        for _, hooks in self.hooks:
-            hooks.start(fit)
-        lrs = {n: [o.lr[n] for o in optims] for n in trainable}
-        step_fn = sgd_step if optims[0].kind == "sgd" else adam_step
         opt_state: dict[str, dict[str, Tensor]] = {n: {} for n in trainable}
         steps_done = torch.zeros(K, dtype=torch.long)
+        fit = StackedFit([it["request"].context for it in items], P, {}, device, optimizer_state=opt_state,
+                         optimizer_index=dict(optims[0].index), steps=steps_done)
+        for _, hooks in self.hooks:
+            hooks.start(fit)
+        opt_state, steps_done = fit.optimizer_state, fit.steps  # (a hook may have continued an earlier fit's)
+        lrs = {n: [o.lr[n] for o in optims] for n in trainable}
+        step_fn = sgd_step if optims[0].kind == "sgd" else adam_step
         loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
         seen = [0] * K
         streams: list[ClientStream] = [it["stream"] for it in items]
@@ -441,6 +448,10 @@ class VectorizedExecutor(ClientExecutor):
                             opt_state[n][k] = torch.zeros((K, *v.shape[1:]), dtype=v.dtype, device=v.device)
                         opt_state[n][k].index_copy_(0, at, v)
             fit.params, fit.grads, fit.rows = P, {}, None
+        for _, hooks in self.hooks:
+            end = getattr(hooks, "end", None)  # (optional: forms written before it existed have none)
+            if end is not None:
+                end(fit)
         out = []
         for i in range(K):
             state = {n: t[i] for n, t in stacked.items()}  # views: loaded into the module, then copied out
