@@ -9,6 +9,9 @@ Workloads (``--task``):
   ``--clients`` clients of 500 training images, all training every round.
 * ``vgg11``, ``resnet18`` — the same with the papers' own models: FedSpa's VGG11-GN and DisPFL's ResNet18-GN
   (plain FedAvg training, so the executors are compared on the model alone).
+* ``pfedgate`` — ``configs/cifar10_pfedgate.yaml`` as it is (pFedGate's gated LeNet-CIFAR, the code's settings,
+  batch 128, one epoch, every client every round) over ``--clients`` clients: real CIFAR-10 with ``--data-root``,
+  else synthetic 32×32 RGB images (500 a client).
 
 Each run is ``--rounds`` rounds (default 4) without evaluation (only the last round evaluates; it is left out) and
 without checkpoints; the first round is left out too (warm-up). Runs alternate A, B, A, B … (``--pairs`` pairs), and
@@ -57,6 +60,12 @@ def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: s
     if task == "mlp":
         return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *common,
                 "--data.synthetic", json.dumps({"num_train": samples})]
+    if task == "pfedgate":  # the config's own callbacks (PFedGate, KeepOptimizerState)
+        own = [a for i, a in enumerate(common) if a != "--trainer.callbacks" and common[i - 1] != "--trainer.callbacks"]
+        data = (["--data.root", data_root] if data_root is not None else
+                ["--data.name", "synthetic", "--data.root", "null", "--data.synthetic",
+                 json.dumps({"num_train": 625 * clients, "num_test": 100, "size": 32, "channels": 3})])
+        return ["--config", str(ROOT / "configs" / "cifar10_pfedgate.yaml"), *own, *data]
     if data_root is None:
         raise SystemExit(f"--data-root is required for --task {task} (a folder with CIFAR-10, see README 'Data')")
     model = {"vgg11": ["--model.backbone", "pl_fedsparse.models.VGG11GN"],
@@ -99,7 +108,7 @@ def one_run(task: str, executor: str | None, clients: int, rounds: int, data_roo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=["mlp", "lenet", "vgg11", "resnet18"], default="mlp")
+    p.add_argument("--task", choices=["mlp", "lenet", "vgg11", "resnet18", "pfedgate"], default="mlp")
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--pairs", type=int, default=5)

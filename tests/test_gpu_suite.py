@@ -3,6 +3,7 @@ resolves (CI has no GPU; the real run happens whenever a GPU is lent)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -263,7 +264,13 @@ def test_the_next_leases_prepared_call_parses_and_names_what_exists() -> None:
     for path, args in calls:
         assert (ROOT / path).is_file(), path
         source = (ROOT / path).read_text()
-        for flag in re.findall(r"(--[a-z][a-z-]*)", args):
+        own, _, passed = args.partition(" -- ")  # after a bare --: pl-fed's own arguments, passed on
+        for flag in re.findall(r"(--[a-z][a-z-]*)", own):
             assert f'"{flag}"' in source, (path, flag)
+        for flag, value in re.findall(r"--([a-z_.]+) (\S+)", passed):
+            assert flag.split(".")[0] in ("trainer", "model", "data"), (path, flag)
+            if re.fullmatch(r"pl_fedsparse(\.\w+)+", value):  # a class path: it must import
+                module, _, name = value.rpartition(".")
+                assert hasattr(importlib.import_module(module), name), (path, value)
         for config in re.findall(r"(configs/\S+\.yaml)", args):
             assert (ROOT / config).is_file(), config

@@ -18,7 +18,7 @@ from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
 from torch import Tensor
 
 from pl_fedsparse import FederatedCallback, FederatedModule, allocator
-from pl_fedsparse.callbacks import KeepOptimizerState, PFedGate
+from pl_fedsparse.callbacks import KeepOptimizerState, PersonalLayers
 from pl_fedsparse.cli import FedCLI
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import VectorizedExecutor
@@ -29,8 +29,7 @@ TIMES = ("time_s", "time_cum_s", "time_train_s")
 #: compared exactly (integers: bytes, links, counts; FLOPs are exact products)
 EXACT_PREFIXES = ("comm_", "flops_", "num_participants", "client_faults", "round", "evaluated")
 #: synthetic configs whose callbacks have in-fit hooks without a vectorised form, and the one they name
-REFUSED = {"synthetic_pfedgate": "PFedGate", "synthetic_fedrep": "PersonalLayers", "synthetic_lgfedavg": "PersonalLayers",
-           "synthetic_fedem": "FedEM"}
+REFUSED = {"synthetic_fedrep": "PersonalLayers", "synthetic_lgfedavg": "PersonalLayers", "synthetic_fedem": "FedEM"}
 #: the CIFAR-10 CPU configs of the serverless baselines, shrunk onto the synthetic task (as benchmarks/parity.py)
 SHRINK = ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients", "6", "--data.max_train_samples",
           "null", "--data.augment", "false", "--data.batch_size", "32", "--data.synthetic", '{"num_train": 1200}',
@@ -222,7 +221,9 @@ def test_configs_with_unvectorisable_callbacks_are_refused_in_one_line(tmp_path:
 
 
 def test_unvectorisable_callbacks_can_run_in_process_instead(tmp_path: Path) -> None:
-    make = METHODS["pfedgate"][0]
+    def make() -> list[Any]:
+        return [PersonalLayers(mode="lg", head_layers=1), KeepOptimizerState()]
+
     ref = tiny_loop(tmp_path / "ref", callbacks=make())
     ref.fit(tiny_module(), tiny_datamodule())
     got = tiny_loop(tmp_path / "vec", callbacks=make(), executor=VectorizedExecutor(unsupported="sequential"))
@@ -477,8 +478,8 @@ def test_a_module_that_declares_its_step_vectorizable_runs(tmp_path: Path) -> No
 
 
 def test_a_callback_with_in_fit_hooks_and_no_vectorised_form_is_named(tmp_path: Path) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PFedGate(density=0.5)], executor=VectorizedExecutor())
-    with pytest.raises(ConfigError, match=r"PFedGate has in-fit hooks \(on_train_start"):
+    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="lg", head_layers=1)], executor=VectorizedExecutor())
+    with pytest.raises(ConfigError, match=r"PersonalLayers has in-fit hooks \(on_train_start"):
         loop.fit(tiny_module(), tiny_datamodule())
 
 

@@ -3,9 +3,10 @@
 # with the wheels and the CIFAR-10 tarball carried in .lease/ as "Getting the package onto a lent machine" in
 # README.md says. What changed since the last lease is measured first. Call 1 (about 9 minutes): the GPU tests (the
 # corrected EWA test and the prepared-inputs test among them), the runner's overhead at 32-true and bf16-mixed
-# (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, DM-PFL's 8 rounds
-# (both kinds of Phase-2 round). Call 2 (what the lease has left, about 4 minutes): where FedSpa's and DM-PFL's
-# rounds spend their time (the runner's profiles). Every record goes straight to $OUT, named as in README.md.
+# (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, then pFedGate's
+# rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
+# left, about 4 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round) and where FedSpa's rounds spend their time
+# (the runner's profile). Every record goes straight to $OUT, named as in README.md.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -33,15 +34,18 @@ if [ "$CALL" = 1 ]; then
     echo "[$(el)s] rounds"
     run rounds.log 150 python3 benchmarks/gpu_rounds.py run --force --only pfedgate fedspa_dst --rounds 3 \
         --eval-every 3 --seconds 70 --data-root data/cifar10
+    run rounds_pfedgate_vec.log 90 python3 benchmarks/gpu_rounds.py run --force --only pfedgate --tag vec \
+        --rounds 3 --eval-every 3 --seconds 80 --data-root data/cifar10 -- \
+        --trainer.executor pl_fedsparse.executors.VectorizedExecutor
+    tar -czf "$O/rounds.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
+        benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/pfedgate+vec benchmarks/gpu/rounds/fedspa_dst 2>/dev/null
+else
+    echo "[$(el)s] DM-PFL's 8 rounds; FedSpa's runner profile"
     run rounds_dmpfl.log 100 python3 benchmarks/gpu_rounds.py run --force --only dmpfl --rounds 8 --eval-every 8 \
         --seconds 95 --data-root data/cifar10
-    tar -czf "$O/rounds.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
-        benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/fedspa_dst benchmarks/gpu/rounds/dmpfl 2>/dev/null
-else
-    echo "[$(el)s] FedSpa's and DM-PFL's runner profiles"
+    tar -czf "$O/rounds_dmpfl.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
+        benchmarks/gpu/rounds/dmpfl 2>/dev/null
     run profile_fedspa_runner.txt 110 python3 benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml \
-        --accelerator gpu --clients 10 --top 25 --data-root data/cifar10
-    run profile_dmpfl_runner.txt 90 python3 benchmarks/profile_fit.py --config configs/cifar10_dmpfl.yaml \
         --accelerator gpu --clients 10 --top 25 --data-root data/cifar10
 fi
 kill $SMI 2>/dev/null

@@ -38,6 +38,10 @@ gradients of θ and φ; the gate steps with its own SGD, the model with the modu
   density is the batch-averaged kept share of that tensor (what :class:`~pl_fedsparse.metrics.TrainFlops` prices;
   a layer's FLOPs are linear in its density, so the average is exact), and the gate's own forward/backward FLOPs
   are charged on top. The round's union of kept blocks is ``update.extras["pfedgate_union"]``.
+* **many clients at once**: under :class:`~pl_fedsparse.executors.VectorizedExecutor` a round's fits run stacked —
+  every client's gate, knapsack, ``θ'`` and step in one set of operations
+  (:mod:`~pl_fedsparse.callbacks.pfedgate_stacked`; the in-process run's results to rounding, the ``joint`` schedule
+  with the greedy knapsack).
 
 Where the paper and the authors' code differ, each choice is an argument (the functional core documents the
 block maths ones):
@@ -602,6 +606,14 @@ class PFedGate(FederatedCallback):
             delta = {name: update.state[name] - start[name] for name in start}
             update.message = Message(delta, {name: t != 0 for name, t in delta.items()})
             update.extras[DELTA] = True
+
+    @override
+    def vectorized_fit(self) -> Any:
+        """The gated step for a stacked group of fits (:class:`~pl_fedsparse.callbacks.pfedgate_stacked.StackedPFedGate`;
+        a one-line :class:`~pl_fedsparse.errors.ConfigError` for the settings it does not stack)."""
+        from pl_fedsparse.callbacks.pfedgate_stacked import StackedPFedGate
+
+        return StackedPFedGate(self)
 
     # ---- evaluation of the personal model ---------------------------------------------------------------------
     @override

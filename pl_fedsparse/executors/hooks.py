@@ -61,6 +61,7 @@ class StackedFit:
             client's optimizer (``"0.momentum_buffer"`` is parameter 0's buffer).
         steps: ``[K]`` int64 on the host, every client's optimizer steps so far (Adam's bias corrections count from
             it: set it in ``start`` to continue an earlier fit's count).
+        precision: the run's ``trainer.precision`` (``"32-true"`` or ``"bf16-mixed"``).
     """
 
     contexts: list[FitContext]
@@ -71,6 +72,7 @@ class StackedFit:
     optimizer_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     optimizer_index: dict[str, int] = field(default_factory=dict)
     steps: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    precision: str = "32-true"
 
 
 class VectorizedFitHooks:
@@ -85,6 +87,18 @@ class VectorizedFitHooks:
     again: set what its ``on_train_end`` would have). Every method edits the stacked tensors in place, row ``i`` for
     client ``i`` — or, once some clients have stopped, only the rows of those still training
     (:attr:`StackedFit.rows`). :meth:`end` and :meth:`finish` are optional (the executor calls them where defined).
+
+    Three more optional methods, for a callback that changes the fit itself (pFedGate's gated model does):
+
+    * ``supports(context) -> bool``: ``False`` runs that fit in process instead (e.g. a kind of fit the form does
+      not stack);
+    * ``learning_rates(fit, lrs)``: after :meth:`start`, edit each client's module learning rates in place
+      (``lrs[name][i]``: what the callback's ``on_train_start`` would set on the optimizer);
+    * ``gradients(fit, params, fixed, xs, ys, rows)``: compute a step's gradients itself — ``params`` the trained
+      parameters of clients ``rows`` (indices into ``fit.contexts``) stacked ``[k, ...]``, ``fixed`` their other
+      tensors, ``xs``/``ys`` their batches ``[k, B, ...]`` — and return ``(grads, losses, skip)``: the gradients of
+      ``params`` by name, the losses ``[k]`` and, per row, whether that client makes no optimizer step at this batch
+      (or ``None``); or return ``None`` for the executor's own ``loss(forward(x), y)``. At most one callback may.
     """
 
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:

@@ -190,12 +190,22 @@ class VectorizedExecutor(ClientExecutor):
         for cb in self.loop.callbacks:
             declare = getattr(cb, "vectorized_fit", None)
             declares = callable(declare)
-            form = declare() if declares else None  # type: ignore[misc]
+            try:
+                form = declare() if declares else None  # type: ignore[misc]
+            except ConfigError:  # its settings have no vectorised form (the error says which)
+                if self.unsupported == "error":
+                    raise
+                form = NotImplemented
             hooks = in_fit_hooks(cb)
             if form is NotImplemented or (form is None and hooks and not declares):
                 refused.append((cb, hooks))
             elif form is not None:
                 self.hooks.append((cb, form))
+        providers = [type(cb).__name__ for cb, form in self.hooks if getattr(form, "gradients", None) is not None]
+        if len(providers) > 1:
+            raise ConfigError(f"trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: "
+                              f"{', '.join(providers)} each compute a stacked step's gradients themselves; expected "
+                              "at most one such callback")
         return refused
 
     def _optimizer(self, module: pl.LightningModule, names: Mapping[int, str], ctx: FitContext) -> ElementwiseOptim:
@@ -230,6 +240,10 @@ class VectorizedExecutor(ClientExecutor):
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, r in enumerate(requests):  # one kind of fit per group: the callbacks' in-fit forms may rely on it
             c = r.context
+            if not all(getattr(form, "supports", _any_fit)(c) for _, form in self.hooks):
+                out[i] = self.sequential.run_one(r)  # a kind of fit a callback cannot stack (e.g. pFedGate's
+                self._stats["sequential_fits"] += 1  # gate-only fine-tuning): in process, as the executor would
+                continue
             groups.setdefault((c.kind, c.requester, c.epochs), []).append(i)
         cap = self._group_cap()
         with heap_only():  # a group's stacked tensors exceed the mmap threshold: keep them in the heap (see there)
@@ -364,11 +378,18 @@ class VectorizedExecutor(ClientExecutor):
         opt_state: dict[str, dict[str, Tensor]] = {n: {} for n in trainable}
         steps_done = torch.zeros(K, dtype=torch.long)
         fit = StackedFit([it["request"].context for it in items], P, {}, device, optimizer_state=opt_state,
-                         optimizer_index=dict(optims[0].index), steps=steps_done)
+                         optimizer_index=dict(optims[0].index), steps=steps_done, precision=loop.precision)
         for _, hooks in self.hooks:
             hooks.start(fit)
         opt_state, steps_done = fit.optimizer_state, fit.steps  # (a hook may have continued an earlier fit's)
         lrs = {n: [o.lr[n] for o in optims] for n in trainable}
+        provider = None  # a hook that computes the step's gradients itself (at most one: checked at setup)
+        for _, hooks in self.hooks:
+            edit = getattr(hooks, "learning_rates", None)  # (optional: Lightning's on_train_start may scale them)
+            if edit is not None:
+                edit(fit, lrs)
+            if getattr(hooks, "gradients", None) is not None:
+                provider = hooks
         step_fn = sgd_step if optims[0].kind == "sgd" else adam_step
         loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
         seen = [0] * K
@@ -393,6 +414,7 @@ class VectorizedExecutor(ClientExecutor):
             sS = opt_state if at is None else {n: {k: v.index_select(0, at) for k, v in st.items()}
                                                for n, st in opt_state.items()}
             G: dict[str, Tensor] = {}
+            skipped: set[int] = set()  # clients whose batch makes no optimizer step (the gradient hook says so)
             shapes: dict[tuple[Any, ...], list[int]] = {}  # batch shape -> positions in ``live``
             for pos, i in enumerate(live):
                 if bulk:
@@ -415,21 +437,39 @@ class VectorizedExecutor(ClientExecutor):
                 idx = None if whole else torch.tensor(positions, device=device)
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
                 sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
+                rows = [live[q] for q in positions]
                 with exact_linear(not autocast):
-                    grads, losses = grad_fn(sub_p, sub_f, xs, ys)
                     if not self._gradients_checked and not autocast:  # once: the first stacked step
+                        # (the module's own batching rules, also where a callback computes the gradients itself)
                         _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys, grad_fn)
                         self._gradients_checked = True
+                    # the callback's own forward (e.g. pFedGate's gated model), or None: the module's own loss
+                    own = provider.gradients(fit, sub_p, sub_f, xs, ys, rows) if provider is not None else None
+                    if own is None:
+                        grads, losses = grad_fn(sub_p, sub_f, xs, ys)
+                    else:
+                        grads, losses, skip = own
+                        if skip is not None:
+                            skipped.update(i for i, s in zip(rows, skip, strict=True) if s)
                 for n, g in grads.items():
                     if idx is None:
                         G[n] = g
                     else:
                         G.setdefault(n, torch.empty_like(sP[n])).index_copy_(0, idx, g)
                 n_b = ys.shape[1]
-                rows = [live[q] for q in positions]
                 loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * n_b)
                 for i in rows:
                     seen[i] += n_b
+            if skipped:  # those clients' rows take no step: as if they had no batch (weights and state untouched)
+                keep = [q for q, i in enumerate(live) if i not in skipped]
+                if not keep:
+                    continue
+                pos = torch.tensor(keep, device=device)
+                sP = {n: p.index_select(0, pos) for n, p in sP.items()}
+                G = {n: g.index_select(0, pos) for n, g in G.items()}
+                sS = {n: {k: v.index_select(0, pos) for k, v in st.items()} for n, st in sS.items()}
+                live = [live[q] for q in keep]
+                at = torch.tensor(live, device=device)
             fit.params, fit.grads, fit.rows = sP, G, at
             for _, hooks in self.hooks:
                 hooks.before_optimizer_step(fit)
@@ -446,6 +486,10 @@ class VectorizedExecutor(ClientExecutor):
                     for k, v in sS[n].items():
                         if k not in opt_state[n]:  # created at this step: rows of clients that never stepped stay 0
                             opt_state[n][k] = torch.zeros((K, *v.shape[1:]), dtype=v.dtype, device=v.device)
+                            if k == "momentum_buffer" and skipped and "fresh" not in sS[n]:
+                                # a skipped client steps later: SGD's first step takes the gradient, not a decayed 0
+                                fresh = torch.ones(K, dtype=torch.bool, device=v.device)
+                                opt_state[n]["fresh"] = fresh.index_fill_(0, at, False)
                         opt_state[n][k].index_copy_(0, at, v)
             fit.params, fit.grads, fit.rows = P, {}, None
         for _, hooks in self.hooks:
@@ -459,6 +503,11 @@ class VectorizedExecutor(ClientExecutor):
             loss = float(loss_sum[i]) / n if n else float("nan")
             out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
         return out
+
+
+def _any_fit(context: FitContext) -> bool:
+    """A vectorised form without ``supports``: it stacks every fit."""
+    return True
 
 
 def _copy_runs(out: Tensor, rows: list[tuple[int, Tensor]]) -> None:

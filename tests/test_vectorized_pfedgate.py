@@ -1,0 +1,212 @@
+"""pFedGate under the VectorizedExecutor: a round's gated fits stacked (the gates, the knapsacks, θ' and the model's
+step for all clients at once) give the in-process run — the stacked pieces against the one-client functions, whole
+runs against the in-process executor's (accuracies, losses and gate densities to 1e-5, bytes and FLOPs exactly), the
+kept gate state and momentum equal; and the settings it does not stack refused in one line or run in process."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import tiny_datamodule, tiny_loop, tiny_module
+from test_vectorized import _cli_run, _rows, assert_same_run
+from torch import Tensor
+
+from pl_fedsparse.callbacks import KeepOptimizerState, PFedGate
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.executors import VectorizedExecutor
+from pl_fedsparse.functional.gate import adapt_gated_weights, block_table, code_s_min, personalized_params
+from pl_fedsparse.functional.gate_stacked import (
+    stacked_gate_forward,
+    stacked_personalized_params,
+    stacked_select_blocks,
+    stacked_straight_through,
+)
+from pl_fedsparse.models import LeNetCIFAR
+from pl_fedsparse.models.gate import GatingLayer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the stacked pieces against one client's ------------------------------------------------------------------
+def _gates(k: int, separate: bool, num_blocks: int) -> list[GatingLayer]:
+    out = []
+    for i in range(k):
+        torch.manual_seed(i)
+        g = GatingLayer(num_blocks, 3, 32, separate_paths=separate)
+        with torch.no_grad():  # every client's gate its own
+            for p in g.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+            for name, b in g.named_buffers():
+                if b.is_floating_point():
+                    b.add_(torch.rand_like(b))
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("variant", ["paper", "code"])
+def test_the_stacked_gated_step_is_each_clients_own(separate: bool, training: bool, variant: str) -> None:
+    """G, M, the kept blocks, M', the running statistics and the gradients of θ and the gates, for 4 clients with
+    their own gates and budgets (one dense), against GatingLayer, adapt_gated_weights and personalized_params of
+    each client alone: the same selections, values to 1e-6 (the gate's sigmoid rounds differently in the stacked
+    layout), θ's gradients bit for bit."""
+    torch.manual_seed(0)
+    model = LeNetCIFAR(num_classes=10)
+    table = block_table(model)
+    K, B = 4, 6
+    gates = _gates(K, separate, table.num_blocks)
+    x = torch.randn(K, B, 3, 32, 32)
+    dens = [0.5, 0.3, 1.0, 0.5]
+    floors = [code_s_min(5, d) for d in dens]
+    names = dict(gates[0].named_parameters())
+    state = {n: torch.stack([g.state_dict()[n] for g in gates]).clone() for n in gates[0].state_dict()}
+    for n, t in state.items():
+        if n in names:
+            t.requires_grad_()
+    imp, w = stacked_gate_forward(state, x, torch.tensor(floors), training=training, separate_paths=separate)
+    keep = stacked_select_blocks(imp, table, dens)
+    m_sparse = stacked_straight_through(keep, imp, w, variant, torch.tensor([d >= 1 for d in dens]))
+    theta = {n: torch.stack([p.detach()] * K).clone().requires_grad_() for n, p in model.named_parameters()}
+    target = {n: torch.randn_like(t) for n, t in theta.items()}
+    tp = stacked_personalized_params(theta, m_sparse, table)
+    loss = sum(((tp[n] - target[n]) ** 2).sum() for n in tp)
+    leaves = [t for n, t in state.items() if n in names]
+    grads = torch.autograd.grad(loss, [*theta.values(), *leaves])
+    scale = max(float(g.abs().max()) for g in grads[len(theta):])
+    for k in range(K):
+        gate = copy.deepcopy(gates[k]).train(training)
+        th = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        i1, w1 = gate(x[k], s_min=floors[k])
+        m1, keep1 = adapt_gated_weights(i1, w1, table, dens[k], variant=variant)
+        assert torch.equal(keep[k], keep1), k
+        torch.testing.assert_close(imp[k], i1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(w[k], w1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(m_sparse[k], m1, rtol=0, atol=1e-6)
+        for n, b in gate.state_dict().items():  # the running statistics moved as the module's own
+            torch.testing.assert_close(state[n][k].detach().double(), b.double(), rtol=1e-6, atol=1e-7)
+        tp1 = personalized_params(th, m1, table)
+        loss1 = sum(((tp1[n] - target[n][k]) ** 2).sum() for n in tp1)
+        # (the code variant at density 1 uses M alone: path A then has no gradient, zero in the stacked rows)
+        ref = [torch.zeros_like(t) if r is None else r for t, r in zip(
+            [*th.values(), *gate.parameters()],
+            torch.autograd.grad(loss1, [*th.values(), *gate.parameters()], allow_unused=True), strict=True)]
+        for g, r in zip(grads[:len(theta)], ref[:len(theta)], strict=True):
+            torch.testing.assert_close(g[k], r, rtol=1e-5, atol=1e-6)
+        for g, r in zip(grads[len(theta):], ref[len(theta):], strict=True):
+            torch.testing.assert_close(g[k], r, rtol=0, atol=1e-5 * scale)
+
+
+def test_stacked_selection_is_each_clients_own_knapsack_on_many_draws() -> None:
+    """300 random importance rows (with ties: values on a grid of tenths), 5 budgets, both budgets' groupings."""
+    from pl_fedsparse.functional import gate as gate_fn
+
+    table = block_table(LeNetCIFAR(num_classes=10))
+    gen = torch.Generator().manual_seed(0)
+    for budget in ("group", "global"):
+        dens = [0.25, 0.3, 0.5, 0.8, 1.0] * 60
+        imp = torch.randint(0, 11, (len(dens), table.num_blocks), generator=gen).float() / 10
+        imp += torch.rand(imp.shape, generator=gen) * 0.04 - 0.02
+        got = stacked_select_blocks(imp, table, dens, budget)
+        for k, d in enumerate(dens):
+            want = gate_fn.select_blocks(imp[k], table, d, budget=budget)
+            assert torch.equal(got[k], want), (budget, k, d)
+
+
+# ---- whole runs ------------------------------------------------------------------------------------------------
+def _kept(loop: Any) -> dict[tuple[int, str, str], Tensor]:
+    """Every client's stored gate, gate momentum and θ momentum entries."""
+    out = {}
+    for key in loop.client_store.keys:
+        for k in range(loop.datamodule.num_clients):
+            if loop.client_store.has(k, key):
+                for name, t in loop.client_store.get(k, key).items():
+                    out[(k, key, name)] = t
+    return out
+
+
+def _assert_same_state(ref: dict[tuple[int, str, str], Tensor], got: dict[tuple[int, str, str], Tensor]) -> None:
+    assert ref.keys() == got.keys() and ref
+    for key, t in ref.items():
+        assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
+        torch.testing.assert_close(got[key].double(), t.double(), rtol=1e-4, atol=1e-5, msg=str(key))
+
+
+def _single_sample_batch_size(dm_kw: dict[str, Any]) -> int:
+    """A batch size at which one client's last batch holds one sample (the gate then steps nothing)."""
+    dm = tiny_datamodule(**dm_kw)
+    dm.setup("fit")
+    sizes = [dm.num_samples(k) for k in range(dm.num_clients)]
+    for bs in range(5, 40):
+        if any(n % bs == 1 for n in sizes) and len({-(-n // bs) for n in sizes}) > 1:
+            return bs
+    raise AssertionError(sizes)
+
+
+@pytest.mark.parametrize("gate_kw", [
+    {},
+    {"separate_paths": True, "straight_through": "code", "aggregation": "ewa", "relu_logits": True},
+    {"client_densities": [0.3, 0.5, 1.0], "budget": "global", "aggregation": "fedavg", "gate_momentum": 0.0},
+], ids=["index-momentum", "two-paths-code-ewa", "mixed-budgets-global"])
+def test_stacked_pfedgate_gives_the_in_process_run(tmp_path: Path, gate_kw: dict[str, Any]) -> None:
+    """Clients of different sizes (different step counts; one client's last batch a single sample, which steps
+    nothing), half the clients a round (groups mix clients with kept momentum and fresh ones), two epochs, both
+    clips, the milestone decay of both learning rates, groups of 3: the same rounds, and every client's stored gate,
+    gate momentum and θ momentum equal."""
+    dm_kw = {"alpha": 0.1, "quantity_skew": True, "num_clients": 6}
+    bs = _single_sample_batch_size(dm_kw)
+
+    def run(executor: Any, sub: str) -> tuple[list[dict], dict[tuple[int, str, str], Tensor]]:
+        gate = PFedGate(**{"density": 0.5, "aggregation": "index", "gate_lr": 0.5, "lr_milestones": [0.5],
+                           **gate_kw})
+        loop = tiny_loop(tmp_path / sub, callbacks=[gate, KeepOptimizerState()], executor=executor, num_rounds=4,
+                         local_epochs=2, gradient_clip_val=0.5, join_ratio=0.5)
+        loop.fit(tiny_module(momentum=0.9, weight_decay=5e-4), tiny_datamodule(batch_size=bs, **dm_kw))
+        return _rows(loop), _kept(loop)
+
+    (ref, ref_state), (got, got_state) = run(None, "ref"), run(VectorizedExecutor(max_group_size=3), "vec")
+    assert_same_run(ref, got)
+    _assert_same_state(ref_state, got_state)
+    assert any(r.get("gate_density_train") for r in got)
+
+
+@pytest.mark.slow
+def test_the_pfedgate_paper_config_shrunk_gives_the_in_process_run(tmp_path: Path) -> None:
+    """configs/cifar10_pfedgate.yaml (LeNet-CIFAR, all clients every round, the code's settings) on 32×32 synthetic
+    images: the same run stacked."""
+    argv = ["--config", str(ROOT / "configs" / "cifar10_pfedgate.yaml"), "--data.name", "synthetic", "--data.root",
+            "null", "--data.num_clients", "5", "--data.batch_size", "16", "--data.synthetic",
+            '{"num_train": 300, "num_test": 80, "size": 32, "channels": 3}', "--trainer.num_rounds", "3",
+            "--trainer.eval_every", "1"]
+    assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True))
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"schedule": "bilevel"}, r"^PFedGate.schedule='bilevel' is invalid with trainer.executor=VectorizedExecutor"),
+    ({"solver": "exact"}, r"^PFedGate.solver='exact' is invalid with trainer.executor=VectorizedExecutor"),
+])
+def test_settings_it_does_not_stack_are_refused_in_one_line_or_run_in_process(tmp_path: Path, kw: dict[str, Any],
+                                                                             match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as e:
+        tiny_loop(tmp_path / "err", callbacks=[PFedGate(density=0.5, **kw)],
+                  executor=VectorizedExecutor()).fit(tiny_module(), tiny_datamodule())
+    assert "\n" not in str(e.value)
+    ref = tiny_loop(tmp_path / "ref", callbacks=[PFedGate(density=0.5, **kw)])
+    ref.fit(tiny_module(), tiny_datamodule())
+    got = tiny_loop(tmp_path / "seq", callbacks=[PFedGate(density=0.5, **kw)],
+                    executor=VectorizedExecutor(unsupported="sequential"))
+    got.fit(tiny_module(), tiny_datamodule())
+    assert _rows(got) == _rows(ref)  # the in-process path: bit for bit
