@@ -142,7 +142,11 @@ def _assert_same_state(ref: dict[tuple[int, str, str], Tensor], got: dict[tuple[
     assert ref.keys() == got.keys() and ref
     for key, t in ref.items():
         assert got[key].dtype == t.dtype and got[key].shape == t.shape, key
-        torch.testing.assert_close(got[key].double(), t.double(), rtol=1e-4, atol=1e-5, msg=str(key))
+        # rounding of the stacked arithmetic (checked per step to 1e-6 above) grows over a run's gate steps: within
+        # 5e-4 of each tensor's scale (measured: at most 1.5e-4, a gate's second path after 8 steps at lr 0.5), and
+        # 1e-6 for the input norm's bias, whose gradient is a cancellation's rounding (its values ~1e-9)
+        scale = float(t.double().abs().max()) if t.numel() else 0.0
+        torch.testing.assert_close(got[key].double(), t.double(), rtol=0, atol=5e-4 * scale + 1e-6, msg=str(key))
 
 
 def _single_sample_batch_size(dm_kw: dict[str, Any]) -> int:

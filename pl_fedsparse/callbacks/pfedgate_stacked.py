@@ -9,6 +9,9 @@ backward for ``θ`` and the gates; each gate's gradient clipped at ``gate_clip``
 per client across rounds, as in process); the model's gradients go back to the executor, which clips and steps θ
 as for any module (the learning rates scaled by the milestones' factor, as ``on_train_start`` scales them). A batch
 of one sample runs the gate in eval mode and steps neither (the code skips such batches); its loss still counts.
+Clients whose batches differ in size (a client's last, shorter batch) share one step too: their batches padded to the
+longest, every batch statistic (the gates' norms, the sigmoid's batch mean, the loss's mean) taken over each client's
+own samples — a written-out BatchNorm, the same as ``F.batch_norm`` to rounding.
 
 The same statistics as in process (kept blocks, the union, the achieved density, the gate's trained samples) are
 summed per client where the fits run and handed to each client's ``on_client_fit_end`` — so the update, its bytes,
@@ -146,19 +149,27 @@ class StackedPFedGate:
                     rates[i] = rates[i] * factor
 
     # ---- a step ----------------------------------------------------------------------------------------------------
+    #: the executor may stack batches of different sizes in one step (padded, with each client's size)
+    ragged = True
+
     def gradients(self, fit: Any, params: dict[str, Tensor], fixed: dict[str, Tensor], xs: Tensor, ys: Tensor,
-                  rows: Sequence[int]) -> tuple[dict[str, Tensor], Tensor, list[bool]] | None:
-        """The gated step of clients ``rows`` (their batches ``xs``, ``ys``; their stacked ``θ`` in ``params``):
-        the model's gradients, the losses ``[k]`` and which rows make no optimizer step (batches of one)."""
+                  rows: Sequence[int], sizes: Sequence[int] | None = None
+                  ) -> tuple[dict[str, Tensor], Tensor, list[bool]] | None:
+        """The gated step of clients ``rows`` (their batches ``xs``, ``ys``, padded to the longest when ``sizes``
+        gives their own sizes; their stacked ``θ`` in ``params``): the model's gradients, the losses ``[k]`` and
+        which rows make no optimizer step (batches of one)."""
         if not self.active:
             return None  # the group's plain fits: the executor's own step
         cb = self.cb
         table = cb.table
         assert table is not None and self.gate_optim is not None
         k, batch = len(rows), int(xs.shape[1])
+        ragged = sizes is not None and len(set(sizes)) > 1
+        counts = list(sizes) if sizes is not None else [batch] * k
         everyone = k == len(fit.contexts) and list(rows) == list(range(k))
         idx = None if everyone else torch.tensor(list(rows), device=xs.device)
-        single = batch < 2  # BatchNorm1d needs 2 samples: the gate runs in eval mode and nothing steps
+        lone = [c < 2 for c in counts]  # BatchNorm1d needs 2 samples: the gate runs in eval mode and nothing steps
+        single = all(lone)
         state = self.state if idx is None else {n: t.index_select(0, idx) for n, t in self.state.items()}
         leaves = {n: state[n].detach().requires_grad_(not single) for n in self.params}
         gate_state = {**state, **leaves}
@@ -168,7 +179,8 @@ class StackedPFedGate:
         autocast = fit.precision == "bf16-mixed"
         with torch.enable_grad():
             importance, weights = stacked_gate_forward(gate_state, xs, floors, training=not single,
-                                                       separate_paths=cb.separate_paths)
+                                                       separate_paths=cb.separate_paths,
+                                                       sizes=counts if ragged else None)
             capacity = self.capacity if idx is None else self.capacity.index_select(0, idx)
             keep = stacked_select_blocks(importance, table, densities, self.budget, capacity=capacity)
             dense = self.dense if idx is None else self.dense.index_select(0, idx)
@@ -178,14 +190,30 @@ class StackedPFedGate:
             assert module is not None
             relu = cb.relu_logits
 
+            def logits_of(p: dict[str, Tensor], f: dict[str, Tensor], x: Tensor) -> Tensor:
+                out = torch.func.functional_call(module, {**p, **f}, (x,))
+                return torch.nn.functional.relu(out) if relu else out
+
             def loss(p: dict[str, Tensor], f: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
                 with torch.autocast(xs.device.type, dtype=torch.bfloat16, enabled=autocast):
-                    logits = torch.func.functional_call(module, {**p, **f}, (x,))
-                    if relu:
-                        logits = torch.nn.functional.relu(logits)
-                    return training_loss(module, logits, y)
+                    return training_loss(module, logits_of(p, f, x), y)
 
-            losses = torch.func.vmap(loss)(theta_p, fixed, xs, ys)
+            def padded_loss(p: dict[str, Tensor], f: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor,
+                            n: Tensor) -> Tensor:
+                # the loss of each sample (the module's loss of a batch of one: a batch mean's term), averaged over
+                # the client's own samples
+                with torch.autocast(xs.device.type, dtype=torch.bfloat16, enabled=autocast):
+                    logits = logits_of(p, f, x)
+                    each = torch.func.vmap(lambda o, t: training_loss(module, o.unsqueeze(0), t.unsqueeze(0)))(
+                        logits, y)
+                return (each.float() * m).sum() / n
+
+            if ragged:
+                own = torch.tensor(counts, device=xs.device)
+                mask = (torch.arange(batch, device=xs.device).view(1, -1) < own.view(-1, 1)).float()
+                losses = torch.func.vmap(padded_loss)(theta_p, fixed, xs, ys, mask, own.float())
+            else:
+                losses = torch.func.vmap(loss)(theta_p, fixed, xs, ys)
             wrt = [*theta.values(), *(leaves.values() if not single else ())]
             grads = torch.autograd.grad(losses.sum(), wrt)
         model_grads = dict(zip(theta, grads[:len(theta)], strict=True))
@@ -194,21 +222,32 @@ class StackedPFedGate:
                 for n, t in state.items():
                     if n not in leaves:
                         self.state[n].index_copy_(0, idx, t)
-        self._record(keep, batch, rows, idx)
+        self._record(keep, counts, rows, idx)
         if not single:
-            self._step_gates(dict(zip(self.params, grads[len(theta):], strict=True)), rows, idx)
-        return model_grads, losses.detach(), [single] * k
+            gate_grads = dict(zip(self.params, grads[len(theta):], strict=True))
+            if any(lone):  # the rows of one sample step nothing
+                steps = [q for q, one in enumerate(lone) if not one]
+                at = torch.tensor(steps, device=xs.device)
+                gate_grads = {n: g.index_select(0, at) for n, g in gate_grads.items()}
+                stepping = [rows[q] for q in steps]
+                self._step_gates(gate_grads, stepping, torch.tensor(stepping, device=xs.device))
+            else:
+                self._step_gates(gate_grads, rows, idx)
+        return model_grads, losses.detach(), lone
 
-    def _record(self, keep: Tensor, n: int, rows: Sequence[int], idx: Tensor | None) -> None:
+    def _record(self, keep: Tensor, counts: Sequence[int], rows: Sequence[int], idx: Tensor | None) -> None:
         """:meth:`PFedGate._record` for every row (the same integer sums and float64 terms, in batch order)."""
         s = self.stats
         k = keep.shape[0]
         kept = torch.zeros(k, len(self.cb.table.spans), dtype=torch.int64,  # type: ignore[union-attr]
                            device=keep.device).index_add_(1, self.owner, self.sizes * keep)
-        density = (kept.sum(1) * n).double() / self.cb.table.numel  # type: ignore[union-attr]
-        for i in rows:
-            s["n"][i] += n
-            s["trained"][i] += n  # (the joint schedule: the gate trains on every batch, as in process)
+        n: int | Tensor = counts[0]
+        if any(c != counts[0] for c in counts):
+            n = torch.tensor(list(counts), dtype=torch.int64, device=keep.device).view(-1, 1)
+        density = (kept.sum(1, keepdim=True) * n).double().view(-1) / self.cb.table.numel  # type: ignore[union-attr]
+        for i, c in zip(rows, counts, strict=True):
+            s["n"][i] += c
+            s["trained"][i] += c  # (the joint schedule: the gate trains on every batch, as in process)
         if idx is None:
             s["density"] += density
             s["kept"] += kept * n

@@ -383,13 +383,16 @@ class VectorizedExecutor(ClientExecutor):
             hooks.start(fit)
         opt_state, steps_done = fit.optimizer_state, fit.steps  # (a hook may have continued an earlier fit's)
         lrs = {n: [o.lr[n] for o in optims] for n in trainable}
-        provider = None  # a hook that computes the step's gradients itself (at most one: checked at setup)
+        provider: Any = None  # a hook that computes the step's gradients itself (at most one: checked at setup)
         for _, hooks in self.hooks:
             edit = getattr(hooks, "learning_rates", None)  # (optional: Lightning's on_train_start may scale them)
             if edit is not None:
                 edit(fit, lrs)
             if getattr(hooks, "gradients", None) is not None:
                 provider = hooks
+        # clients' batches of different sizes in one step, padded (where the form computing the gradients says it
+        # takes them: the module's own loss is a batch mean, which padding would change)
+        ragged = provider is not None and bool(getattr(provider, "ragged", False))
         step_fn = sgd_step if optims[0].kind == "sgd" else adam_step
         loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
         seen = [0] * K
@@ -418,20 +421,23 @@ class VectorizedExecutor(ClientExecutor):
             shapes: dict[tuple[Any, ...], list[int]] = {}  # batch shape -> positions in ``live``
             for pos, i in enumerate(live):
                 if bulk:
-                    shapes.setdefault((len(batches[i]),), []).append(pos)
+                    key: tuple[Any, ...] = () if ragged else (len(batches[i]),)
                 else:
                     x, y = batches[i]
-                    shapes.setdefault((tuple(x.shape), tuple(y.shape)), []).append(pos)
+                    key = (tuple(x.shape[1:]), tuple(y.shape[1:])) if ragged else (tuple(x.shape), tuple(y.shape))
+                shapes.setdefault(key, []).append(pos)
             for positions in shapes.values():
-                if bulk:
-                    rows_cat = torch.cat([batches[live[q]] for q in positions])
-                    per = len(batches[live[positions[0]]])
+                lengths = [len(batches[live[q]]) if bulk else int(batches[live[q]][1].shape[0]) for q in positions]
+                per = max(lengths)
+                sizes = lengths if any(n != per for n in lengths) else None  # padded to the longest (ragged forms)
+                if bulk:  # (a shorter batch padded with its own first sample: real values, masked out)
+                    rows_cat = torch.cat([_pad_rows(batches[live[q]], per) for q in positions])
                     xs = first.inputs(rows_cat)
                     xs = xs.view(len(positions), per, *xs.shape[1:]).to(device)
                     ys = first.labels.index_select(0, rows_cat).view(len(positions), per).to(device)
                 else:
-                    xs = torch.stack([batches[live[q]][0] for q in positions]).to(device)
-                    ys = torch.stack([batches[live[q]][1] for q in positions]).to(device)
+                    xs = torch.stack([_pad_rows(batches[live[q]][0], per) for q in positions]).to(device)
+                    ys = torch.stack([_pad_rows(batches[live[q]][1], per) for q in positions]).to(device)
                 transfer.mark_placed((xs, ys), device)  # (a device run simulated on the CPU: on "the device")
                 whole = len(positions) == len(live)
                 idx = None if whole else torch.tensor(positions, device=device)
@@ -444,7 +450,10 @@ class VectorizedExecutor(ClientExecutor):
                         _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys, grad_fn)
                         self._gradients_checked = True
                     # the callback's own forward (e.g. pFedGate's gated model), or None: the module's own loss
-                    own = provider.gradients(fit, sub_p, sub_f, xs, ys, rows) if provider is not None else None
+                    own = None
+                    if provider is not None:
+                        own = (provider.gradients(fit, sub_p, sub_f, xs, ys, rows, sizes=sizes) if sizes is not None
+                               else provider.gradients(fit, sub_p, sub_f, xs, ys, rows))
                     if own is None:
                         grads, losses = grad_fn(sub_p, sub_f, xs, ys)
                     else:
@@ -456,18 +465,21 @@ class VectorizedExecutor(ClientExecutor):
                         G[n] = g
                     else:
                         G.setdefault(n, torch.empty_like(sP[n])).index_copy_(0, idx, g)
-                n_b = ys.shape[1]
-                loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * n_b)
-                for i in rows:
+                if sizes is None:
+                    loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * per)
+                else:
+                    weights = torch.tensor(sizes, dtype=torch.float32, device=device)
+                    loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * weights)
+                for i, n_b in zip(rows, lengths, strict=True):
                     seen[i] += n_b
             if skipped:  # those clients' rows take no step: as if they had no batch (weights and state untouched)
                 keep = [q for q, i in enumerate(live) if i not in skipped]
                 if not keep:
                     continue
-                pos = torch.tensor(keep, device=device)
-                sP = {n: p.index_select(0, pos) for n, p in sP.items()}
-                G = {n: g.index_select(0, pos) for n, g in G.items()}
-                sS = {n: {k: v.index_select(0, pos) for k, v in st.items()} for n, st in sS.items()}
+                stepping = torch.tensor(keep, device=device)
+                sP = {n: p.index_select(0, stepping) for n, p in sP.items()}
+                G = {n: g.index_select(0, stepping) for n, g in G.items()}
+                sS = {n: {k: v.index_select(0, stepping) for k, v in st.items()} for n, st in sS.items()}
                 live = [live[q] for q in keep]
                 at = torch.tensor(live, device=device)
             fit.params, fit.grads, fit.rows = sP, G, at
@@ -497,12 +509,20 @@ class VectorizedExecutor(ClientExecutor):
             if end is not None:
                 end(fit)
         out = []
+        sums = loss_sum.tolist()  # (every client's loss sum read at once: one wait on a device, not one per client)
         for i in range(K):
             state = {n: t[i] for n, t in stacked.items()}  # views: loaded into the module, then copied out
             n = seen[i]
-            loss = float(loss_sum[i]) / n if n else float("nan")
+            loss = sums[i] / n if n else float("nan")
             out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
         return out
+
+
+def _pad_rows(t: Tensor, length: int) -> Tensor:
+    """``t`` with its first row repeated after its own rows up to ``length`` rows (real values, masked out)."""
+    if len(t) == length:
+        return t
+    return torch.cat([t, t[:1].expand(length - len(t), *t.shape[1:])])
 
 
 def _any_fit(context: FitContext) -> bool:

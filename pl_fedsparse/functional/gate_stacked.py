@@ -39,10 +39,32 @@ __all__ = ["stacked_capacities", "stacked_gate_forward", "stacked_personalized_p
            "stacked_straight_through"]
 
 
+class _Ragged:
+    """Clients' batches of different sizes in one stack: ``x`` padded to the longest, ``mask`` ``[K, B]`` (1 on a
+    client's own samples), ``n`` ``[K]`` their counts, ``train`` ``[K]`` bool (rows of one sample run in eval mode,
+    as a lone client's gate does: BatchNorm1d needs two)."""
+
+    def __init__(self, sizes: Sequence[int], batch: int, device: torch.device) -> None:
+        n = torch.tensor(list(sizes), device=device)
+        self.mask = (torch.arange(batch, device=device).view(1, -1) < n.view(-1, 1)).float()
+        self.n = n.float()
+        self.count = n
+        self.train = n >= 2
+
+    def mean(self, t: Tensor) -> Tensor:
+        """The mean over each row's own samples (dimension 1) of ``t`` ``[K, B, ...]``, keeping the dimension."""
+        shape = (t.shape[0], t.shape[1], *([1] * (t.dim() - 2)))
+        return (t * self.mask.view(shape)).sum(1, keepdim=True) / self.n.view(-1, *([1] * (t.dim() - 1)))
+
+    def rows(self, t: Tensor) -> Tensor:
+        """``train`` shaped to broadcast over ``t`` ``[K, ...]``."""
+        return self.train.view(-1, *([1] * (t.dim() - 1)))
+
+
 def _switch_norm(x: Tensor, s: Mapping[str, Tensor], prefix: str, training: bool, momentum: float,
-                 eps: float) -> Tensor:
+                 eps: float, ragged: _Ragged | None = None) -> Tensor:
     """:class:`~pl_fedsparse.models.gate.SwitchNorm2d` on ``x`` ``[K, B, C, H, W]`` (its operations, one client
-    dimension ahead)."""
+    dimension ahead; with ``ragged``, the batch statistics over each client's own samples)."""
     k, n, c, h, w = x.shape
     flat = x.reshape(k, n, c, h * w)
     mean_in = flat.mean(-1, keepdim=True)
@@ -51,7 +73,17 @@ def _switch_norm(x: Tensor, s: Mapping[str, Tensor], prefix: str, training: bool
     mean_ln = mean_in.mean(2, keepdim=True)
     var_ln = second.mean(2, keepdim=True) - mean_ln ** 2
     running_mean, running_var = s[prefix + "running_mean"], s[prefix + "running_var"]  # [K, 1, C, 1]
-    if training:
+    if ragged is not None:  # each row's own samples; rows of one sample on the running statistics
+        batch_mean = ragged.mean(mean_in)
+        batch_var = ragged.mean(second) - batch_mean ** 2
+        train = ragged.rows(running_mean)
+        with torch.no_grad():
+            running_mean.copy_(torch.where(train, running_mean * momentum + (1 - momentum) * batch_mean,
+                                           running_mean))
+            running_var.copy_(torch.where(train, running_var * momentum + (1 - momentum) * batch_var, running_var))
+        mean_bn = torch.where(train, batch_mean, running_mean)
+        var_bn = torch.where(train, batch_var, running_var)
+    elif training:
         mean_bn = mean_in.mean(1, keepdim=True)
         var_bn = second.mean(1, keepdim=True) - mean_bn ** 2
         with torch.no_grad():
@@ -67,13 +99,29 @@ def _switch_norm(x: Tensor, s: Mapping[str, Tensor], prefix: str, training: bool
     return out * s[prefix + "weight"] + s[prefix + "bias"]  # ([K, 1, C, 1, 1]: one client dimension ahead)
 
 
-def _gate_path(z: Tensor, s: Mapping[str, Tensor], prefix: str, training: bool) -> Tensor:
+def _gate_path(z: Tensor, s: Mapping[str, Tensor], prefix: str, training: bool,
+               ragged: _Ragged | None = None) -> Tensor:
     """``Flatten → Linear → BatchNorm1d`` of one gate path on ``z`` ``[K, B, d_X]``, then the sigmoid's batch mean
     ``[K, L]``."""
     k, n, _ = z.shape
     weight, bias = s[prefix + "1.weight"], s[prefix + "1.bias"]  # [K, L, d_X], [K, L]
     out = torch.baddbmm(bias.unsqueeze(1), z, weight.transpose(1, 2))  # (addmm's accumulation, per client)
     num_blocks = out.shape[-1]
+    if ragged is not None:  # BatchNorm1d's arithmetic over each row's own samples (F.batch_norm's, written out)
+        running_mean, running_var = s[prefix + "2.running_mean"], s[prefix + "2.running_var"]  # [K, L]
+        mean = ragged.mean(out)  # [K, 1, L]
+        var = ragged.mean((out - mean) ** 2)
+        train = ragged.rows(running_mean)
+        with torch.no_grad():
+            unbiased = var.squeeze(1) * (ragged.n / (ragged.n - 1).clamp(min=1)).view(-1, 1)
+            running_mean.copy_(torch.where(train, 0.1 * mean.squeeze(1) + 0.9 * running_mean, running_mean))
+            running_var.copy_(torch.where(train, 0.1 * unbiased + 0.9 * running_var, running_var))
+            s[prefix + "2.num_batches_tracked"].add_(ragged.train.to(s[prefix + "2.num_batches_tracked"].dtype))
+        mean = torch.where(train.unsqueeze(1), mean, running_mean.unsqueeze(1))
+        var = torch.where(train.unsqueeze(1), var, running_var.unsqueeze(1))
+        normed = (out - mean) * torch.rsqrt(var + 1e-5) * s[prefix + "2.weight"].unsqueeze(1) \
+            + s[prefix + "2.bias"].unsqueeze(1)
+        return ragged.mean(torch.sigmoid(normed)).squeeze(1)
     # BatchNorm1d of every client as channels of one: [B, K·L] (a channel's statistics are its own client's)
     if training:
         with torch.no_grad():
@@ -87,8 +135,8 @@ def _gate_path(z: Tensor, s: Mapping[str, Tensor], prefix: str, training: bool) 
 
 
 def stacked_gate_forward(state: Mapping[str, Tensor], x: Tensor, s_min: Tensor | float | None, *,
-                         training: bool, separate_paths: bool, momentum: float = 0.9,
-                         eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+                         training: bool, separate_paths: bool, momentum: float = 0.9, eps: float = 1e-5,
+                         sizes: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
     """``(G, M)`` ``[K, L]`` of ``K`` clients' gating layers, each on its own batch.
 
     Args:
@@ -101,12 +149,17 @@ def stacked_gate_forward(state: Mapping[str, Tensor], x: Tensor, s_min: Tensor |
         separate_paths: whether ``M`` comes from its own path (``w_transform.*``) or is the scores.
         momentum: SwitchNorm's running statistics' decay (the module's 0.9).
         eps: SwitchNorm's ``eps``.
+        sizes: the clients' own batch sizes when they differ (``x`` padded after each client's samples to the
+            longest): every statistic over the batch is then taken over a client's own samples (a written-out
+            BatchNorm, the same to rounding), and a client with one sample runs in eval mode (its running statistics
+            used, not moved: what a lone gate does with a batch of one). Requires ``training``.
     """
     with torch.autocast(device_type=x.device.type, enabled=False):
         k = x.shape[0]
-        z = _switch_norm(x.float(), state, "norm_input.", training, momentum, eps).reshape(k, x.shape[1], -1)
-        scores = _gate_path(z, state, "gating.", training)
-        weights = _gate_path(z, state, "w_transform.", training) if separate_paths else scores
+        ragged = None if sizes is None else _Ragged(sizes, int(x.shape[1]), x.device)
+        z = _switch_norm(x.float(), state, "norm_input.", training, momentum, eps, ragged).reshape(k, x.shape[1], -1)
+        scores = _gate_path(z, state, "gating.", training, ragged)
+        weights = _gate_path(z, state, "w_transform.", training, ragged) if separate_paths else scores
         if s_min is None:
             importance = scores
         elif isinstance(s_min, Tensor):
