@@ -6,14 +6,13 @@ kept gate state and momentum equal; and the settings it does not stack refused i
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import tiny_datamodule, tiny_loop, tiny_module
-from test_vectorized import _cli_run, _rows, assert_same_run
+from test_vectorized import _cli_run, _rows, assert_same_run, one_thread  # noqa: F401 (autouse fixture)
 from torch import Tensor
 
 from pl_fedsparse.callbacks import KeepOptimizerState, PFedGate
@@ -30,14 +29,6 @@ from pl_fedsparse.models import LeNetCIFAR
 from pl_fedsparse.models.gate import GatingLayer
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- the stacked pieces against one client's ------------------------------------------------------------------
