@@ -15,9 +15,10 @@ from conftest import tiny_datamodule, tiny_loop, tiny_module
 from test_vectorized import _cli_run, _rows, assert_same_run, one_thread  # noqa: F401 (autouse fixture)
 from torch import Tensor
 
+from pl_fedsparse import FederatedCallback
 from pl_fedsparse.callbacks import KeepOptimizerState, PFedGate
 from pl_fedsparse.errors import ConfigError
-from pl_fedsparse.executors import VectorizedExecutor
+from pl_fedsparse.executors import VectorizedExecutor, VectorizedFitHooks
 from pl_fedsparse.functional.gate import adapt_gated_weights, block_table, code_s_min, personalized_params
 from pl_fedsparse.functional.gate_stacked import (
     stacked_gate_forward,
@@ -205,3 +206,45 @@ def test_settings_it_does_not_stack_are_refused_in_one_line_or_run_in_process(tm
                     executor=VectorizedExecutor(unsupported="sequential"))
     got.fit(tiny_module(), tiny_datamodule())
     assert _rows(got) == _rows(ref)  # the in-process path: bit for bit
+
+
+# ---- the protocol's new parts, on their own -----------------------------------------------------------------------
+class _InFit(FederatedCallback):
+    """A callback with an in-fit hook and a vectorised form given at construction."""
+
+    def __init__(self, form: Any) -> None:
+        self.form = form
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        pass
+
+    def vectorized_fit(self) -> Any:
+        return self.form
+
+
+class _Computes(VectorizedFitHooks):
+    def gradients(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Refuses(VectorizedFitHooks):
+    def supports(self, context: Any) -> bool:
+        return False
+
+
+def test_two_callbacks_that_compute_the_gradients_are_refused_in_one_line(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, callbacks=[PFedGate(density=0.5), _InFit(_Computes())], executor=VectorizedExecutor())
+    with pytest.raises(ConfigError, match=r"^trainer.callbacks is invalid .*PFedGate, _InFit each compute") as e:
+        loop.fit(tiny_module(), tiny_datamodule())
+    assert "\n" not in str(e.value)
+
+
+def test_a_fit_a_form_does_not_support_runs_in_process(tmp_path: Path) -> None:
+    """``supports`` False: every fit in process (the same numbers, bit for bit), counted in the round's row."""
+    ref = tiny_loop(tmp_path / "ref", callbacks=[_InFit(_Refuses())])
+    ref.fit(tiny_module(), tiny_datamodule())
+    got = tiny_loop(tmp_path / "vec", callbacks=[_InFit(_Refuses())], executor=VectorizedExecutor())
+    got.fit(tiny_module(), tiny_datamodule())
+    rows = _rows(got)
+    assert [r.pop("sequential_fits") for r in rows] == [r["num_participants"] for r in _rows(ref)]
+    assert rows == _rows(ref)
