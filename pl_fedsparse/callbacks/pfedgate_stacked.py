@@ -77,6 +77,10 @@ class StackedPFedGate:
         self.stats: dict[str, Any] = {}
         self.moved: set[int] = set()  # rows whose gate made an optimizer step
         self.module: pl.LightningModule | None = None
+        self.rates: list[float] = []  # each client's gate learning rate
+        self.densities: list[float] = []  # each client's budget s_i
+        self.budget = "group"
+        self.floors = self.dense = self.capacity = self.owner = self.sizes = torch.zeros(0)
 
     # ---- the group -----------------------------------------------------------------------------------------------
     def supports(self, context: FitContext) -> bool:
@@ -305,6 +309,8 @@ class StackedPFedGate:
                          "kept": s["kept"][index], "union": s["union"][index]}
         else:
             cb._stats = {"fit": True}
+        if not self.items:  # the group's last fit: its stacked gates and statistics are not kept past it
+            self.state, self.opt_state, self.stats = {}, {}, {}
 
     def before_optimizer_step(self, fit: Any) -> None:
         pass
