@@ -248,3 +248,25 @@ def test_a_fit_a_form_does_not_support_runs_in_process(tmp_path: Path) -> None:
     rows = _rows(got)
     assert [r.pop("sequential_fits") for r in rows] == [r["num_participants"] for r in _rows(ref)]
     assert rows == _rows(ref)
+
+
+class _RaggedWithoutGradients(VectorizedFitHooks):
+    """Says it takes batches of different sizes, then leaves the step to the executor: a broken form."""
+
+    ragged = True
+
+    def gradients(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_padded_batches_never_reach_the_modules_own_loss(tmp_path: Path) -> None:
+    """A form that takes ragged batches but returns no gradients for them: the padded batch is not trained on as if
+    it were real (the group is re-run in process, said in the row), so the run is the in-process one."""
+    dm_kw = {"alpha": 0.1, "quantity_skew": True, "batch_size": 7}
+    ref = tiny_loop(tmp_path / "ref", callbacks=[_InFit(_RaggedWithoutGradients())])
+    ref.fit(tiny_module(), tiny_datamodule(**dm_kw))
+    got = tiny_loop(tmp_path / "vec", callbacks=[_InFit(_RaggedWithoutGradients())], executor=VectorizedExecutor())
+    got.fit(tiny_module(), tiny_datamodule(**dm_kw))
+    rows = _rows(got)
+    assert all(r.pop("sequential_fits") == r["num_participants"] for r in rows)
+    assert rows == _rows(ref)

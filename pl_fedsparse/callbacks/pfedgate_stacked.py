@@ -153,8 +153,11 @@ class StackedPFedGate:
                     rates[i] = rates[i] * factor
 
     # ---- a step ----------------------------------------------------------------------------------------------------
-    #: the executor may stack batches of different sizes in one step (padded, with each client's size)
-    ragged = True
+    @property
+    def ragged(self) -> bool:
+        """Whether the executor may stack batches of different sizes in one step (padded, each client's size given):
+        while this group's fits are gated ones (read after :meth:`start`)."""
+        return self.active
 
     def gradients(self, fit: Any, params: dict[str, Tensor], fixed: dict[str, Tensor], xs: Tensor, ys: Tensor,
                   rows: Sequence[int], sizes: Sequence[int] | None = None

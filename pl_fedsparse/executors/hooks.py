@@ -99,8 +99,8 @@ class VectorizedFitHooks:
       tensors, ``xs``/``ys`` their batches ``[k, B, ...]`` — and return ``(grads, losses, skip)``: the gradients of
       ``params`` by name, the losses ``[k]`` and, per row, whether that client makes no optimizer step at this batch
       (or ``None``); or return ``None`` for the executor's own ``loss(forward(x), y)``. At most one callback may.
-      With the class attribute ``ragged = True`` the form also takes clients whose batches differ in size in one
-      step: ``xs``/``ys`` padded after each client's own samples (with copies of its first one) to the longest, and
+      With an attribute ``ragged`` true after :meth:`start` the form also takes clients whose batches differ in size
+      in one step (and must then return their gradients, not ``None``): ``xs``/``ys`` padded after each client's own samples (with copies of its first one) to the longest, and
       ``gradients(..., sizes=[...])`` given every row's own size (without it, such clients are stepped in sub-groups
       of one size each — a client's last, shorter batch alone).
     """

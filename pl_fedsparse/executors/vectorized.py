@@ -391,7 +391,7 @@ class VectorizedExecutor(ClientExecutor):
             if getattr(hooks, "gradients", None) is not None:
                 provider = hooks
         # clients' batches of different sizes in one step, padded (where the form computing the gradients says it
-        # takes them: the module's own loss is a batch mean, which padding would change)
+        # takes them, after its start: the module's own loss is a batch mean, which padding would change)
         ragged = provider is not None and bool(getattr(provider, "ragged", False))
         step_fn = sgd_step if optims[0].kind == "sgd" else adam_step
         loss_sum = torch.zeros(K, dtype=torch.float32, device=device)
@@ -454,6 +454,9 @@ class VectorizedExecutor(ClientExecutor):
                     if provider is not None:
                         own = (provider.gradients(fit, sub_p, sub_f, xs, ys, rows, sizes=sizes) if sizes is not None
                                else provider.gradients(fit, sub_p, sub_f, xs, ys, rows))
+                    if own is None and sizes is not None:  # (the module's own loss is a batch mean: not padded)
+                        raise RuntimeError(f"{type(provider).__name__} said it takes batches of different sizes "
+                                           "(ragged) and returned no gradients for them")
                     if own is None:
                         grads, losses = grad_fn(sub_p, sub_f, xs, ys)
                     else:
