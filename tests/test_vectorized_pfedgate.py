@@ -102,6 +102,39 @@ def test_the_stacked_gated_step_is_each_clients_own(separate: bool, training: bo
             torch.testing.assert_close(g[k], r, rtol=0, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_batches_of_different_sizes_stack_as_each_clients_own(separate: bool) -> None:
+    """Clients' batches of 6, 3, 1 and 5 samples padded to 6: G, M, the running statistics and the gates' gradients
+    against each client's gate on its own batch alone (the client of one sample in eval mode, as a lone gate runs),
+    to rounding."""
+    table = block_table(LeNetCIFAR(num_classes=10))
+    sizes = [6, 3, 1, 5]
+    K, B = len(sizes), max(sizes)
+    gates = _gates(K, separate, table.num_blocks)
+    x = torch.randn(K, B, 3, 32, 32)
+    names = dict(gates[0].named_parameters())
+    state = {n: torch.stack([g.state_dict()[n] for g in gates]).clone() for n in gates[0].state_dict()}
+    for n, t in state.items():
+        if n in names:
+            t.requires_grad_()
+    imp, w = stacked_gate_forward(state, x, 0.2, training=True, separate_paths=separate, sizes=sizes)
+    weights = torch.randn(K, table.num_blocks)
+    leaves = [t for n, t in state.items() if n in names]
+    grads = torch.autograd.grad((imp * weights).sum() + (w * weights).sum(), leaves)
+    for k, n_k in enumerate(sizes):
+        gate = copy.deepcopy(gates[k]).train(n_k >= 2)
+        i1, w1 = gate(x[k, :n_k], s_min=0.2)
+        torch.testing.assert_close(imp[k], i1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(w[k], w1, rtol=0, atol=1e-6)
+        for n, b in gate.state_dict().items():
+            torch.testing.assert_close(state[n][k].detach().double(), b.double(), rtol=1e-6, atol=1e-6, msg=n)
+        ref = torch.autograd.grad((i1 * weights[k]).sum() + (w1 * weights[k]).sum(), list(gate.parameters()),
+                                  allow_unused=True)
+        for n, g, r in zip(names, grads, ref, strict=True):
+            r = torch.zeros_like(g[k]) if r is None else r
+            torch.testing.assert_close(g[k], r, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_stacked_selection_is_each_clients_own_knapsack_on_many_draws() -> None:
     """300 random importance rows (with ties: values on a grid of tenths), 5 budgets, both budgets' groupings."""
     from pl_fedsparse.functional import gate as gate_fn
