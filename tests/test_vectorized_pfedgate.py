@@ -213,14 +213,19 @@ def test_stacked_pfedgate_gives_the_in_process_run(tmp_path: Path, gate_kw: dict
 
 
 @pytest.mark.slow
-def test_the_pfedgate_paper_config_shrunk_gives_the_in_process_run(tmp_path: Path) -> None:
-    """configs/cifar10_pfedgate.yaml (LeNet-CIFAR, all clients every round, the code's settings) on 32×32 synthetic
+@pytest.mark.parametrize("config", ["cifar10_pfedgate", "cifar10_pfedgate_hetero", "cifar10_pfedgate_novel"])
+def test_the_pfedgate_paper_configs_shrunk_give_the_in_process_run(tmp_path: Path, config: str) -> None:
+    """The paper's configs (LeNet-CIFAR, all clients every round, the code's settings; heterogeneous budgets; novel
+    clients, whose gate-only fine-tuning runs in process and is counted in the round's row) on 32×32 synthetic
     images: the same run stacked."""
-    argv = ["--config", str(ROOT / "configs" / "cifar10_pfedgate.yaml"), "--data.name", "synthetic", "--data.root",
-            "null", "--data.num_clients", "5", "--data.batch_size", "16", "--data.synthetic",
-            '{"num_train": 300, "num_test": 80, "size": 32, "channels": 3}', "--trainer.num_rounds", "3",
+    argv = ["--config", str(ROOT / "configs" / f"{config}.yaml"), "--data.name", "synthetic", "--data.root",
+            "null", "--data.num_clients", "6", "--data.batch_size", "16", "--data.synthetic",
+            '{"num_train": 360, "num_test": 80, "size": 32, "channels": 3}', "--trainer.num_rounds", "3",
             "--trainer.eval_every", "1"]
-    assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True))
+    ref, got = _cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True)
+    in_process = [r.pop("sequential_fits", 0) for r in got]
+    assert (sum(in_process) > 0) == config.endswith("novel")
+    assert_same_run(ref, got)
 
 
 @pytest.mark.parametrize(("kw", "match"), [
