@@ -260,7 +260,7 @@ def test_the_next_leases_prepared_call_parses_and_names_what_exists() -> None:
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, check=False).returncode == 0
     text = script.read_text().replace("\\\n", " ")
     calls = re.findall(r"python3 (benchmarks/\S+\.py)((?: [^\n;&|]*)?)", text)
-    assert {c[0] for c in calls} >= {"benchmarks/overhead.py", "benchmarks/gpu_rounds.py", "benchmarks/profile_fit.py"}
+    assert {c[0] for c in calls} >= {"benchmarks/overhead.py", "benchmarks/gpu_rounds.py"}
     for path, args in calls:
         assert (ROOT / path).is_file(), path
         source = (ROOT / path).read_text()

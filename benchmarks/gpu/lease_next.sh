@@ -5,8 +5,8 @@
 # corrected EWA test and the prepared-inputs test among them), the runner's overhead at 32-true and bf16-mixed
 # (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, then pFedGate's
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
-# left, about 4 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round) and where FedSpa's rounds spend their time
-# (the runner's profile). Every record goes straight to $OUT, named as in README.md.
+# left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round) and FedSpa's rounds with its fits stacked.
+# Every record goes straight to $OUT, named as in README.md.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -40,13 +40,14 @@ if [ "$CALL" = 1 ]; then
     tar -czf "$O/rounds.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
         benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/pfedgate+vec benchmarks/gpu/rounds/fedspa_dst 2>/dev/null
 else
-    echo "[$(el)s] DM-PFL's 8 rounds; FedSpa's runner profile"
+    echo "[$(el)s] DM-PFL's 8 rounds; FedSpa's rounds stacked"
     run rounds_dmpfl.log 100 python3 benchmarks/gpu_rounds.py run --force --only dmpfl --rounds 8 --eval-every 8 \
         --seconds 95 --data-root data/cifar10
-    tar -czf "$O/rounds_dmpfl.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
-        benchmarks/gpu/rounds/dmpfl 2>/dev/null
-    run profile_fedspa_runner.txt 110 python3 benchmarks/profile_fit.py --config configs/cifar10_fedspa_dst.yaml \
-        --accelerator gpu --clients 10 --top 25 --data-root data/cifar10
+    run rounds_fedspa_vec.log 90 python3 benchmarks/gpu_rounds.py run --force --only fedspa_dst --tag vec \
+        --rounds 3 --eval-every 3 --seconds 80 --data-root data/cifar10 -- \
+        --trainer.executor pl_fedsparse.executors.VectorizedExecutor
+    tar -czf "$O/rounds2.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
+        benchmarks/gpu/rounds/dmpfl benchmarks/gpu/rounds/fedspa_dst+vec 2>/dev/null
 fi
 kill $SMI 2>/dev/null
 echo "[$(el)s] done"
