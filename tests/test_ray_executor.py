@@ -17,7 +17,7 @@ import torch
 from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import FederatedCallback, FederatedModule
-from pl_fedsparse.callbacks import Gossip, PFedGate, SparseMask
+from pl_fedsparse.callbacks import Gossip, PersonalLayers, PFedGate, SparseMask
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import FitWorker, RayExecutor, pack_tree, tune_malloc, unpack_tree, worker_spec
 from pl_fedsparse.functional import floatcodec
@@ -83,9 +83,24 @@ def test_vectorized_workers_give_the_in_process_metrics(tmp_path: Path, method: 
 
 def test_vectorized_workers_refuse_what_they_cannot_vectorise_before_starting(tmp_path: Path,
                                                                               ray_session: None) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PFedGate(density=0.5)], executor=RayExecutor(num_workers=1, vectorize=True))
-    with pytest.raises(ConfigError, match=r"PFedGate has in-fit hooks"):
+    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="lg", head_layers=1)],
+                     executor=RayExecutor(num_workers=1, vectorize=True))
+    with pytest.raises(ConfigError, match=r"PersonalLayers has in-fit hooks"):
         loop.fit(tiny_module(), tiny_datamodule())
+
+
+@pytest.mark.slow
+def test_pfedgate_stacked_on_a_worker_gives_the_in_process_run(tmp_path: Path, ray_session: None,
+                                                               one_thread: None) -> None:
+    """pFedGate's stacked form on a Ray worker (``vectorize: true``): clients of different sizes, kept momenta."""
+    from test_vectorized import assert_same_run
+
+    rows = []
+    for name, executor in [("ref", None), ("ray", RayExecutor(num_workers=1, vectorize=True))]:
+        loop = tiny_loop(tmp_path / name, callbacks=METHODS["pfedgate"][0](), executor=executor, num_rounds=3)
+        loop.fit(tiny_module(momentum=0.9), tiny_datamodule(alpha=0.1, quantity_skew=True, batch_size=7))
+        rows.append(_rows(loop))
+    assert_same_run(*rows)
 
 
 @pytest.mark.slow
