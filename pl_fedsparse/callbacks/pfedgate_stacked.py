@@ -138,7 +138,7 @@ class StackedPFedGate:
         # (constants made once per table on the fits' device: "there" in a device run simulated on the CPU too)
         transfer.mark_placed([self.owner, self.sizes, self.capacity, *_device_groups(table, self.budget, dev)[:3]],
                              dev)
-        self.stats = {"n": [0] * K, "trained": [0] * K,
+        self.stats = {"n": [0] * K,
                       "density": torch.zeros(K, dtype=torch.float64, device=dev),
                       "kept": torch.zeros(K, len(table.spans), dtype=torch.int64, device=dev),
                       "union": torch.zeros(K, table.num_blocks, dtype=torch.bool, device=dev)}
@@ -254,7 +254,6 @@ class StackedPFedGate:
         density = (kept.sum(1, keepdim=True) * n).double().view(-1) / self.cb.table.numel  # type: ignore[union-attr]
         for i, c in zip(rows, counts, strict=True):
             s["n"][i] += c
-            s["trained"][i] += c  # (the joint schedule: the gate trains on every batch, as in process)
         if idx is None:
             s["density"] += density
             s["kept"] += kept * n
@@ -275,14 +274,11 @@ class StackedPFedGate:
                                                 for n, st in self.opt_state.items()}
         rates = [self.rates[i] for i in rows]
         sgd_step(P, grads, S, self.gate_optim, {n: rates for n in self.params}, torch.zeros(len(rows)))
-        if idx is not None:
+        if idx is not None:  # (the momentum buffers exist from the start: a subset's step only writes rows back)
             with torch.no_grad():
                 for n in self.params:
                     self.state[n].index_copy_(0, idx, P[n])
                     for key, v in S[n].items():
-                        if key not in self.opt_state[n]:  # (made at this step: momentum 0 has none)
-                            self.opt_state[n][key] = torch.zeros((len(self.items), *v.shape[1:]), dtype=v.dtype,
-                                                                 device=v.device)
                         self.opt_state[n][key].index_copy_(0, idx, v)
         self.moved.update(rows)
 
@@ -308,7 +304,8 @@ class StackedPFedGate:
         s = self.stats
         n = s["n"][index]
         if n:
-            cb._stats = {"fit": True, "n": n, "density": s["density"][index], "gate_trained": s["trained"][index],
+            # (the joint schedule: the gate trains on every batch, as in process, so it trained on all n samples)
+            cb._stats = {"fit": True, "n": n, "density": s["density"][index], "gate_trained": n,
                          "kept": s["kept"][index], "union": s["union"][index]}
         else:
             cb._stats = {"fit": True}

@@ -645,15 +645,16 @@ def expand_block_weights(block_weights: Tensor, table: BlockTable, index: int) -
 
 
 def _expand_pieces(first: Tensor, rest: Tensor | None, table: BlockTable, index: int) -> Tensor:
-    """:func:`expand_block_weights` of parameter ``index`` from its first block's weight ``[1]`` and its other
-    blocks' ``[n − 1]`` (``None`` for a single block)."""
+    """:func:`expand_block_weights` of parameter ``index`` from its first block's weight ``[..., 1]`` and its other
+    blocks' ``[..., n − 1]`` (``None`` for a single block); leading dimensions (stacked clients) are kept."""
     numel = math.prod(table.shapes[index])
     head = table.sizes[table.spans[index][0]]
-    parts = [first.expand(head)]
+    lead = first.shape[:-1]
+    parts = [first.expand(*lead, head)]
     if rest is not None:
         size = table.sizes[table.spans[index][0] + 1]  # every later block has this size except a shorter last one
-        parts.append(rest.repeat_interleave(size)[:numel - head])
-    return torch.cat(parts).view(table.shapes[index])
+        parts.append(rest.repeat_interleave(size, dim=-1)[..., :numel - head])
+    return torch.cat(parts, -1).view(*lead, *table.shapes[index])
 
 
 @functools.lru_cache(maxsize=64)

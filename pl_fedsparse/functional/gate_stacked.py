@@ -30,6 +30,7 @@ from pl_fedsparse.functional.gate import (
     BlockTable,
     _device_capacities,
     _device_groups,
+    _expand_pieces,
     _piece_sizes,
     code_s_min,
     knapsack_greedy_rows,
@@ -247,21 +248,13 @@ def stacked_straight_through(keep: Tensor, importance: Tensor, weights: Tensor, 
 def stacked_personalized_params(params: Mapping[str, Tensor], block_weights: Tensor,
                                 table: BlockTable) -> dict[str, Tensor]:
     """``θ' = θ ⊙ expand(M')`` for stacked ``θ`` (``[K, *shape]`` by name) and ``M'`` ``[K, L]``
-    (:func:`~pl_fedsparse.functional.gate.personalized_params` per row)."""
-    k = block_weights.shape[0]
+    (:func:`~pl_fedsparse.functional.gate.personalized_params` per row, through its own expansion)."""
     sizes, where = _piece_sizes(table)
     pieces = torch.split(block_weights, list(sizes), dim=1)
     out = {}
     for i, name in enumerate(table.names):
         theta = params[name]
-        numel = theta[0].numel()
-        begin = table.spans[i][0]
-        head = table.sizes[begin]
         first, rest = where[i]
-        parts = [pieces[first].expand(k, head)]
-        if rest is not None:
-            size = table.sizes[begin + 1]
-            parts.append(pieces[rest].repeat_interleave(size, dim=1)[:, :numel - head])
-        scale = torch.cat(parts, 1).view(theta.shape)
+        scale = _expand_pieces(pieces[first], None if rest is None else pieces[rest], table, i)
         out[name] = theta * scale.to(theta.dtype)
     return out
