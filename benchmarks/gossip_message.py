@@ -9,23 +9,34 @@ message by the callback's own code: the expansion, the average, and the whole me
 times the expansion by boolean indexing (``dense[mask] = values``, what the callback did before) on the same tensors
 and checks that both give the same bits.
 
+With ``--flat`` it compares the message as the callback makes it now — the group's stored models unpacked, expanded
+and summed as one flat buffer each (:func:`~pl_fedsparse.functional.sparse.group_average_stored`) — with the
+tensor-by-tensor message (each stored tensor unpacked and expanded, then ``weighted_average``; what the callback did
+before, and still does where the flat form does not apply): seconds (alternating, wall and CPU time), the
+operators each dispatches (``TorchDispatchMode``; on a GPU each is a kernel launch, and a message's launches, not
+its arithmetic, set its pace there) and whether both give the same bits. ``--device cuda`` runs it on a GPU.
+
     python benchmarks/gossip_message.py                  # seconds per message and per part
     python benchmarks/gossip_message.py --compare        # + the indexing expansion, its ratio, same bits
+    python benchmarks/gossip_message.py --flat           # flat vs tensor by tensor: seconds, operators, same bits
 
-Prints medians of ``--repeats`` messages (alternating the two expansions with ``--compare``), wall and CPU time.
+Prints medians of ``--repeats`` messages (alternating the two ways with ``--compare`` / ``--flat``), wall and CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pl_fedsparse.callbacks.gossip import Gossip
 from pl_fedsparse.functional.aggregation import weighted_average
-from pl_fedsparse.functional.sparse import pack_masks, unpack_masks
+from pl_fedsparse.functional.sparse import group_average_stored, pack_masks, unpack_masks
 from pl_fedsparse.models import ResNet18GN
 
 
@@ -56,10 +67,68 @@ def _expand_by_indexing(weights: dict, masks: dict, shapes: dict) -> dict:
     return out
 
 
-def _timed(fn):  # noqa: ANN001, ANN202
+def _timed(fn, device=None):  # noqa: ANN001, ANN202
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     w, c = time.perf_counter(), time.process_time()
     out = fn()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     return out, time.perf_counter() - w, time.process_time() - c
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operators dispatched (views included: they cost host time, not a kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(a: Any, shapes: dict, group: list) -> None:
+    """``--flat``: the message by ``group_average_stored`` against tensor by tensor, on ``--device``."""
+    device = torch.device(a.device)
+    group = [({k: v.to(device) for k, v in w.items()}, {k: p.to(device) for k, p in packed.items()})
+             for w, packed in group]
+    gossip = Gossip()
+    gossip._shapes = shapes
+
+    def by_tensor() -> dict:
+        masks = [unpack_masks(p, shapes) for _, p in group]
+        dense = [gossip._expand(w, m) for (w, _), m in zip(group, masks)]
+        return weighted_average(dense, [1.0] * len(dense), masks)
+
+    ways = {"flat (now)": lambda: group_average_stored(group, shapes), "tensor by tensor (before)": by_tensor}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in ways}
+    results: dict[str, dict] = {}
+    for r in range(a.repeats + 1):  # the first message of each way is a warm-up
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            results[name], wall, cpu = _timed(ways[name], device)
+            if r:
+                times[name].append((wall, cpu))
+    ops = {}
+    for name, fn in ways.items():
+        with _Ops() as counter:
+            fn()
+        ops[name] = counter.count
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    masked = len(group[0][1])
+    print(f"ResNet18GN ({params:,} params, {len(shapes)} tensors, {masked} masked), density {a.density}, "
+          f"{a.neighbours} neighbours + own, device={device}, threads={torch.get_num_threads()}, medians of "
+          f"{a.repeats} messages")
+    med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
+    for name in ways:
+        top = ", ".join(f"{op} {c}" for op, c in ops[name].most_common(6))
+        print(f"{name:26s} message {med[name][0]:.4f} s wall {med[name][1]:.4f} s CPU | operators "
+              f"{sum(ops[name].values())} ({top})")
+    now, before = "flat (now)", "tensor by tensor (before)"
+    same = all(torch.equal(results[now][k].view(torch.int32), results[before][k].view(torch.int32)) for k in shapes)
+    print(f"ratio before / now: message {med[before][0] / med[now][0]:.2f}x wall, {med[before][1] / med[now][1]:.2f}x "
+          f"CPU; operators {sum(ops[before].values()) / sum(ops[now].values()):.1f}x; same bits: {same}")
 
 
 def main() -> None:
@@ -69,10 +138,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--compare", action="store_true", help="also the indexing expansion (the callback's before)")
+    ap.add_argument("--flat", action="store_true", help="the flat message against tensor by tensor (+ operators)")
+    ap.add_argument("--device", default="cpu", help="with --flat: where the message is made (e.g. cuda)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     shapes, group = _stored_group(a.neighbours, a.density, 0)
+    if a.flat:
+        _flat(a, shapes, group)
+        return
     gossip = Gossip()
     gossip._shapes = shapes
     ways = {"masked_scatter (now)": gossip._expand}

@@ -54,7 +54,14 @@ from pl_fedsparse.callbacks.base import FederatedCallback, message_device
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.functional.aggregation import weighted_average
-from pl_fedsparse.functional.sparse import expand_values, pack_masks, packed_count, unpack_masks
+from pl_fedsparse.functional.accounting import message_nbytes
+from pl_fedsparse.functional.sparse import (
+    expand_values,
+    group_average_stored,
+    pack_masks,
+    packed_count,
+    unpack_masks,
+)
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -126,7 +133,7 @@ class Gossip(FederatedCallback):
                   init_args: {consensus_eval: true}                    # also report the consensus (D-PSGD)
     """
 
-    driver_only_attributes = ("_snapshot", "_decode", "_store", "_counts")  # (client_message runs in the driver)
+    driver_only_attributes = ("_snapshot", "_decode", "_store", "_counts", "_nbytes")  # (client_message runs in the driver)
     #: the consensus of the evaluation in progress (None between evaluations); not driver-only: an out-of-process
     #: executor's workers receive it with the callbacks to evaluate their clients on it
     scratch_attributes = ("_consensus",)
@@ -142,6 +149,8 @@ class Gossip(FederatedCallback):
         self._store: ClientStateStore | None = None
         # per sender, the positions each of its masks holds (this round's snapshot), counted once on the host
         self._counts: dict[int, dict[str, int]] = {}
+        # per sender, the bytes of its message this round (the ledger's, counted once)
+        self._nbytes: dict[int, int] = {}
         self._consensus: dict[str, Tensor] | None = None
 
     @override
@@ -164,7 +173,7 @@ class Gossip(FederatedCallback):
         store, key = loop.client_store, self.client_state_prefix
         self._snapshot = {j: (store.stored(j, f"{key}/weights"), store.stored(j, f"{key}/mask"))
                           for j in range(loop.num_clients)}
-        self._decode, self._store, self._counts = store.decode, store, {}
+        self._decode, self._store, self._counts, self._nbytes = store.decode, store, {}, {}
 
     def _expand(self, weights: dict[str, Tensor], masks: dict[str, Tensor]) -> dict[str, Tensor]:
         """Dense tensors from a stored model: a masked tensor stored as its values at the mask's positions is put
@@ -182,18 +191,41 @@ class Gossip(FederatedCallback):
         made on ``device`` when given (:func:`~pl_fedsparse.callbacks.base.message_device`): the stored values and
         packed masks cross to it once (the store keeps their copies there within ``trainer.device_state_budget``,
         so the sender's other neighbours read them there) and are unpacked and expanded there."""
-        weights, host_packed = self._snapshot[client_idx]
-        assert self._store is not None or device is None
-        plain, packed = self._moved(self._store, weights, self._decode(weights), host_packed, device)  # type: ignore[arg-type]
+        return self._message(client_idx, *self._stored_on(client_idx, device))
+
+    def _message(self, client_idx: int, plain: dict[str, Tensor], packed: dict[str, Tensor]) -> Message:
+        """:meth:`sender_message` from the sender's stored model already where the message is made."""
         masks = unpack_masks(packed, self._shapes) if packed else {}
         message = Message(self._expand(plain, masks), masks)
-        # the ledger's counts, read from the packed bytes on the host once per sender and round (no wait on a device)
-        counts = self._counts.get(client_idx)
-        if counts is None:
-            counts = self._counts[client_idx] = {name: packed_count(p) for name, p in host_packed.items()}
+        counts = self._packed_counts(client_idx)
         for name, m in masks.items():
             message.know_count(name, m, counts[name])
         return message
+
+    def _stored_on(self, client_idx: int, device: torch.device | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """``client_idx``'s snapshot model as stored — its values (decoded) and packed masks — on ``device``."""
+        weights, host_packed = self._snapshot[client_idx]
+        assert self._store is not None or device is None
+        return self._moved(self._store, weights, self._decode(weights), host_packed, device)  # type: ignore[arg-type]
+
+    def _packed_counts(self, client_idx: int) -> dict[str, int]:
+        """The positions each of the sender's masks holds: the ledger's counts, read from the packed bytes on the
+        host once per sender and round (no wait on a device)."""
+        counts = self._counts.get(client_idx)
+        if counts is None:
+            counts = self._counts[client_idx] = {name: packed_count(p) for name, p in self._snapshot[client_idx][1].items()}
+        return counts
+
+    def _sent_nbytes(self, client_idx: int, plain: dict[str, Tensor]) -> int:
+        """The bytes of :meth:`sender_message` for ``client_idx`` (its ``nbytes()``), from the stored model's shapes,
+        dtypes and mask counts alone (nothing expanded; once per sender and round)."""
+        nbytes = self._nbytes.get(client_idx)
+        if nbytes is None:
+            shape = lambda name, v: self._shapes.get(name, tuple(v.shape))  # noqa: E731
+            tensors = {n: torch.empty(shape(n, v), dtype=v.dtype, device="meta") for n, v in plain.items()}
+            masks = {n: torch.empty(self._shapes[n], dtype=torch.bool, device="meta") for n in self._snapshot[client_idx][1]}
+            nbytes = self._nbytes[client_idx] = message_nbytes(tensors, masks, counts=self._packed_counts(client_idx))
+        return nbytes
 
     @staticmethod
     def _moved(store: ClientStateStore, stored: dict[str, Any], plain: dict[str, Tensor], packed: dict[str, Tensor],
@@ -212,11 +244,24 @@ class Gossip(FederatedCallback):
     def client_message(self, loop: FederationView, client_idx: int) -> Message | None:
         topo, r, n = loop.topology, loop.round_idx, loop.num_clients
         device = message_device(loop)  # (None: on the host)
-        own = self.sender_message(client_idx, device)
         if topo.skips_aggregation(r, client_idx, n, loop.seed):
-            return Message(dict(own.tensors))
+            return Message(dict(self.sender_message(client_idx, device).tensors))
         neighbours = topo.neighbors(r, client_idx, range(n), loop.seed)
-        sent = [self.sender_message(j, device) for j in neighbours]
+        group = [client_idx, *neighbours]
+        if type(self).sender_message is Gossip.sender_message and type(self)._expand is Gossip._expand:
+            # the group's stored models averaged as one flat buffer each (group_average_stored: the same numbers
+            # bit for bit, a few operators per model); a subclass that changes what a sender sends, or a model
+            # the flat form does not take (still the initial dense one, mixed dtypes), is expanded tensor by tensor
+            stored = [self._stored_on(j, device) for j in group]
+            avg = group_average_stored(stored, self._shapes, [self._packed_counts(j) for j in group])
+            if avg is not None:
+                for j, (plain, _) in zip(neighbours, stored[1:]):
+                    loop.accounting.send(j, client_idx, self._sent_nbytes(j, plain))
+                return Message(avg)
+            messages = [self._message(j, *st) for j, st in zip(group, stored)]
+        else:
+            messages = [self.sender_message(j, device) for j in group]
+        own, sent = messages[0], messages[1:]
         for j, msg in zip(neighbours, sent):
             loop.accounting.send(j, client_idx, msg)
         group = [own, *sent]

@@ -23,6 +23,7 @@ __all__ = [
     "cosine_prune_rate",
     "drop_and_grow",
     "expand_values",
+    "group_average_stored",
     "pack_mask",
     "pack_masks",
     "packed_count",
@@ -295,3 +296,100 @@ def expand_values(values: Tensor, mask: Tensor, param: str = "values") -> Tensor
     check(values.dim() == 1 and values.numel() == count, param, tuple(values.shape),
           f"a 1-D tensor of {count} values (one per position the mask holds)")
     return values.new_zeros(mask.shape).masked_scatter_(mask, values)
+
+
+def group_average_stored(
+    members: Sequence[tuple[Mapping[str, Tensor], Mapping[str, Tensor]]],
+    shapes: Mapping[str, torch.Size | tuple[int, ...]],
+    counts: Sequence[Mapping[str, int]] | None = None,
+) -> dict[str, Tensor] | None:
+    """The per-coordinate average of stored sparse models (DisPFL Alg. 1 line 7), in a few operators per model.
+
+    Each member is a model as a sparse client store keeps it (:class:`~pl_fedsparse.callbacks.Gossip`): its values by
+    name — a masked tensor as its values at its mask's positions (1-D, ``t[mask]``), an unmasked one dense — and its
+    masks bit-packed (:func:`pack_masks`). The result is, bit for bit, what expanding every member
+    (:func:`expand_values`) and averaging with unit weights gives::
+
+        weighted_average([expanded_j], [1.0] * n, [unpack_masks(packed_j, shapes)])
+
+    but each member is unpacked, expanded and added as one flat buffer (its masks' bytes and its values concatenated)
+    instead of tensor by tensor: about ten operators per member instead of about ten per member *and tensor* —
+    the kernel launches that set the pace of a gossip message on a GPU (``benchmarks/gossip_message.py --ops``). The
+    arithmetic per coordinate is the same: ``num + v`` equals ``num + v·m·1`` exactly for ``m`` in {0, 1} and ``v``
+    zero off the mask, the masks' counts are small integers and the division is the same; the tensors nobody masks
+    are summed with weight ``1/n`` as there (one fused multiply-add per coordinate, on a CPU in the vectorised body
+    and the scalar tail alike: ``tests/test_gossip_flat.py`` checks tails of every length).
+
+    The flat form applies when every member stores the same names, the same masked names (each as its values at its
+    mask's positions), floating tensors of one dtype and device; otherwise it returns ``None`` and the caller
+    averages the expanded models (a client still holding the initial dense model under its first mask, or mixed
+    dtypes). A masked tensor's values are told from a dense tensor by their shape, as
+    :class:`~pl_fedsparse.callbacks.Gossip` tells them; where the shapes cannot tell (a 1-D tensor whose mask holds
+    every position), by ``counts`` — without them, such a group is declined.
+
+    Args:
+        members: ``(values, packed masks)`` per model, the receiver's own first; the result's non-floating entries
+            (integer buffers) are the first member's, as :func:`~pl_fedsparse.functional.weighted_average` takes them.
+        shapes: every tensor's dense shape by name.
+        counts: per member, the positions each of its masks holds (:func:`packed_count` of its bytes on the host,
+            known without reading a device).
+
+    Returns:
+        The average by name (floating tensors are views of one buffer per kind: masked, unmasked), or ``None``.
+
+    Example:
+        >>> a = ({"w": torch.tensor([1., 2.]), "b": torch.tensor([1.])}, pack_masks({"w": torch.tensor([1, 1, 0])}))
+        >>> b = ({"w": torch.tensor([4.]), "b": torch.tensor([3.])}, pack_masks({"w": torch.tensor([0, 0, 1])}))
+        >>> group_average_stored([a, b], {"w": (3,), "b": (1,)})
+        {'w': tensor([1., 2., 4.]), 'b': tensor([2.])}
+    """
+    first, packed0 = members[0]
+    names = list(first)
+    masked = [n for n in names if n in packed0]
+    dense = [n for n in names if n not in packed0 and first[n].is_floating_point()]
+    ref = first[masked[0]] if masked else first[dense[0]] if dense else None
+    if ref is None or not set(packed0) <= set(names):
+        return None
+    for i, (values, packed) in enumerate(members):
+        if (values.keys() != first.keys() or packed.keys() != packed0.keys()
+                or any(values[n].dtype != ref.dtype or values[n].device != ref.device for n in masked + dense)
+                or any(packed[n].device != ref.device or values[n].dim() != 1 for n in masked)):
+            return None
+        if counts is None:  # (a dense tensor has its dense shape; a 1-D one may be either: declined)
+            if any(tuple(values[n].shape) == tuple(shapes[n]) for n in masked):
+                return None
+        elif any(values[n].numel() != counts[i][n] for n in masked):
+            return None
+    acc = torch.float64 if ref.dtype == torch.float64 else torch.float32
+    out: dict[str, Tensor] = {}
+    if masked:
+        # one region per masked tensor, 8 positions per packed byte (a tensor's last byte's unused bits are 0)
+        bits_len = 8 * sum(int(packed0[n].numel()) for n in masked)
+        num = torch.zeros(bits_len, dtype=acc, device=ref.device)
+        den = torch.zeros_like(num)
+        for values, packed in members:
+            bits = unpack_mask(torch.cat([packed[n] for n in masked]), (bits_len,))
+            vals = torch.cat([values[n] for n in masked])
+            num.add_(num.new_zeros(bits_len).masked_scatter_(bits, vals.to(acc)))
+            den.add_(bits)
+        avg = torch.where(den > 0, num / den.clamp_min(torch.finfo(acc).tiny), torch.zeros_like(num)).to(ref.dtype)
+        # (each region: the tensor's positions, then its last byte's unused bits)
+        sizes = [math.prod(shapes[n]) for n in masked]
+        parts = avg.split([x for n, size in zip(masked, sizes) for x in (size, 8 * packed0[n].numel() - size)])
+        out.update({n: _shaped(part, shapes[n]) for n, part in zip(masked, parts[::2])})
+    if dense:
+        num = torch.zeros(sum(first[n].numel() for n in dense), dtype=acc, device=ref.device)
+        for values, _ in members:  # (nobody masks these: weighted_average's unmasked rule, Σ_j v_j · 1/n)
+            flat = torch.cat([values[n] if values[n].dim() == 1 else values[n].reshape(-1) for n in dense])
+            num.add_(flat.to(acc), alpha=1.0 / len(members))
+        parts = num.to(ref.dtype).split([first[n].numel() for n in dense])
+        out.update({n: _shaped(part, first[n].shape) for n, part in zip(dense, parts)})
+    for n in names:
+        if n not in out:
+            out[n] = first[n].clone()
+    return {n: out[n] for n in names}
+
+
+def _shaped(flat: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """``flat`` viewed as ``shape`` (as it is when already 1-D of that shape: no operator)."""
+    return flat if flat.dim() == len(shape) == 1 else flat.view(tuple(shape))
