@@ -67,7 +67,7 @@ def _expand_by_indexing(weights: dict, masks: dict, shapes: dict) -> dict:
     return out
 
 
-def _timed(fn, device=None):  # noqa: ANN001, ANN202
+def _timed(fn, device=None):
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     w, c = time.perf_counter(), time.process_time()
@@ -84,7 +84,7 @@ class _Ops(TorchDispatchMode):
         super().__init__()
         self.count: collections.Counter[str] = collections.Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 

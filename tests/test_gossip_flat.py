@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import tiny_datamodule, tiny_loop, tiny_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import tiny_datamodule, tiny_loop, tiny_module
 from pl_fedsparse import RandomPeers
 from pl_fedsparse.callbacks import Gossip, RandomRegrow
 from pl_fedsparse.callbacks import gossip as gossip_module

@@ -53,8 +53,8 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.base import FederatedCallback, message_device
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.accounting import message_nbytes
+from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.sparse import (
     expand_values,
     group_average_stored,
@@ -213,7 +213,8 @@ class Gossip(FederatedCallback):
         host once per sender and round (no wait on a device)."""
         counts = self._counts.get(client_idx)
         if counts is None:
-            counts = self._counts[client_idx] = {name: packed_count(p) for name, p in self._snapshot[client_idx][1].items()}
+            packed = self._snapshot[client_idx][1]
+            counts = self._counts[client_idx] = {name: packed_count(p) for name, p in packed.items()}
         return counts
 
     def _sent_nbytes(self, client_idx: int, plain: dict[str, Tensor]) -> int:
@@ -221,9 +222,11 @@ class Gossip(FederatedCallback):
         dtypes and mask counts alone (nothing expanded; once per sender and round)."""
         nbytes = self._nbytes.get(client_idx)
         if nbytes is None:
-            shape = lambda name, v: self._shapes.get(name, tuple(v.shape))  # noqa: E731
-            tensors = {n: torch.empty(shape(n, v), dtype=v.dtype, device="meta") for n, v in plain.items()}
-            masks = {n: torch.empty(self._shapes[n], dtype=torch.bool, device="meta") for n in self._snapshot[client_idx][1]}
+            # (meta tensors: the shapes and dtypes the message's tensors and masks have, with no data)
+            tensors = {n: torch.empty(self._shapes.get(n, tuple(v.shape)), dtype=v.dtype, device="meta")
+                       for n, v in plain.items()}
+            masks = {n: torch.empty(self._shapes[n], dtype=torch.bool, device="meta")
+                     for n in self._snapshot[client_idx][1]}
             nbytes = self._nbytes[client_idx] = message_nbytes(tensors, masks, counts=self._packed_counts(client_idx))
         return nbytes
 
