@@ -264,11 +264,9 @@ class Gossip(FederatedCallback):
             messages = [self._message(j, *st) for j, st in zip(group, stored)]
         else:
             messages = [self.sender_message(j, device) for j in group]
-        own, sent = messages[0], messages[1:]
-        for j, msg in zip(neighbours, sent):
+        for j, msg in zip(neighbours, messages[1:]):
             loop.accounting.send(j, client_idx, msg)
-        group = [own, *sent]
-        avg = weighted_average([m.tensors for m in group], [1.0] * len(group), [m.masks or None for m in group])
+        avg = weighted_average([m.tensors for m in messages], [1.0] * len(messages), [m.masks or None for m in messages])
         return Message(avg)
 
     @override
