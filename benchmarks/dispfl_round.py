@@ -17,11 +17,22 @@ their ratio are printed by wall time and by this process's CPU time (the issue's
         --neighbours 10 --data-root data/cifar10                        # the paper's setting on a GPU
 
 The numbers of the two sides are not compared (the plain loop draws its own batches); the work is the same.
+
+With ``--ops`` it times nothing: it counts the operators each side's rounds dispatch (on a GPU each is a kernel
+launch; views and allocations are not counted: ``stacked_ops.py``'s counter), the gossip messages' share apart,
+and the engine's reads of a device value on the host, in a device run simulated on the CPU
+(:func:`~pl_fedsparse.testing.simulated_device`: the engine takes its GPU paths, the messages made where the fits
+run). A DisPFL round on a GPU is far from launch-free on either side; the count says how many launches the engine
+adds to the plain loop's, where no GPU is:
+
+    OMP_NUM_THREADS=1 python benchmarks/dispfl_round.py --ops --model resnet18 --clients 12 --neighbours 10 \
+        --samples 256 --batch-size 128 --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import statistics
@@ -38,6 +49,7 @@ from pl_fedsparse.allocator import tune_malloc
 from pl_fedsparse.callbacks import Gossip, GradientRegrow
 from pl_fedsparse.data import FederatedDataModule
 from pl_fedsparse.models import LeNetCIFAR, ResNet18GN
+from pl_fedsparse.testing import simulated_device
 from pl_fedsparse.topology import RandomPeers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,29 +79,35 @@ class PlainDisPFL:
         new_models, new_masks = [], []
         for k in range(n):
             group = [k, *self.topology.neighbors(r, k, range(n), self.seed)]
-            own_mask = self.masks[k]
-            start = {}
-            for name, t in snapshot[k][0].items():
-                if not t.is_floating_point():
-                    start[name] = t
-                    continue
-                num, den = torch.zeros_like(t), torch.zeros_like(t)
-                for j in group:
-                    m = snapshot[j][1].get(name)
-                    w = snapshot[j][0][name]
-                    if m is None:
-                        num.add_(w)
-                        den.add_(1.0)
-                    else:
-                        mf = m.to(t.dtype)
-                        num.addcmul_(w, mf)
-                        den.add_(mf)
-                avg = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
-                start[name] = avg * own_mask[name] if name in own_mask else avg
-            model, mask = self._fit(k, r, start, own_mask, self.active[k], rate)
+            start = self.message(group, snapshot, self.masks[k])
+            model, mask = self._fit(k, r, start, self.masks[k], self.active[k], rate)
             new_models.append(model)
             new_masks.append(mask)
         self.models, self.masks = new_models, new_masks
+
+    @staticmethod
+    def message(group: list[int], snapshot: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+                own_mask: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The client's start: the per-coordinate average of its group's models, masked by its own mask."""
+        start = {}
+        for name, t in snapshot[group[0]][0].items():
+            if not t.is_floating_point():
+                start[name] = t
+                continue
+            num, den = torch.zeros_like(t), torch.zeros_like(t)
+            for j in group:
+                m = snapshot[j][1].get(name)
+                w = snapshot[j][0][name]
+                if m is None:
+                    num.add_(w)
+                    den.add_(1.0)
+                else:
+                    mf = m.to(t.dtype)
+                    num.addcmul_(w, mf)
+                    den.add_(mf)
+            avg = torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
+            start[name] = avg * own_mask[name] if name in own_mask else avg
+        return start
 
     def _fit(self, k: int, r: int, start: dict[str, torch.Tensor], mask: dict[str, torch.Tensor],
              active: dict[str, int], rate: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -145,7 +163,15 @@ def main() -> None:
     ap.add_argument("--accelerator", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--ops", action="store_true",
+                    help="count each round's operators (GPU kernel launches) instead of timing, in a device run "
+                         "simulated on the CPU")
     a = ap.parse_args()
+    with simulated_device(strict=False) if a.ops else contextlib.nullcontext():
+        _run(a)
+
+
+def _run(a: argparse.Namespace) -> None:
     tune_malloc()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -182,6 +208,10 @@ def main() -> None:
           f"density={a.density} epochs={a.epochs} samples/client={dm.num_samples(0)} batch={a.batch_size} "
           f"threads={torch.get_num_threads()} data={'cifar10' if a.data_root else 'synthetic'}"
           f"{' on ' + a.data_device if a.data_device else ''}")
+    if a.ops:
+        _count(a, plain, loop)
+        loop.reporter.release()
+        return
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "pl_fedsparse": []}
     for rep in range(a.repeats + 1):  # the first pair is a warm-up
         sides = [("plain", lambda r=rep: plain.round(r)), ("pl_fedsparse", lambda r=rep: loop.run_round(r))]
@@ -198,6 +228,44 @@ def main() -> None:
     print(f"median plain {pw:.3f} s wall / {pc:.3f} s CPU, pl_fedsparse {fw:.3f} s wall / {fc:.3f} s CPU per round")
     print(f"ratio pl_fedsparse / plain = {fw / pw:.3f} wall, {fc / pc:.3f} CPU  (target on a GPU: <= 1.1)")
     loop.reporter.release()
+
+
+def _count(a: argparse.Namespace, plain: PlainDisPFL, loop: FederatedLoop) -> None:
+    """``--ops``: each round's operators on both sides, the messages' apart, and the engine's host reads."""
+    from stacked_ops import OpCounter  # (the kernel-launch rule of the pFedGate count)
+
+    counter = OpCounter()
+    in_messages = [0]
+
+    def counted(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before = counter.ops
+            out = fn(*args, **kwargs)
+            in_messages[0] += counter.ops - before
+            return out
+        return wrapper
+
+    patches = [(PlainDisPFL, "message"), (Gossip, "client_message")]
+    saved = [getattr(cls, name) for cls, name in patches]
+    PlainDisPFL.message = staticmethod(counted(PlainDisPFL.message))  # type: ignore[method-assign]
+    Gossip.client_message = counted(Gossip.client_message)  # type: ignore[method-assign]
+    try:
+        for r in range(a.repeats + 1):
+            row = {}
+            for name, fn in (("plain", lambda: plain.round(r)), ("pl_fedsparse", lambda: loop.run_round(r))):
+                counter.ops = counter.syncs = in_messages[0] = 0
+                with counter:
+                    fn()
+                row[name] = (counter.ops, in_messages[0], counter.syncs)
+            (po, pm, _), (fo, fm, fs) = row["plain"], row["pl_fedsparse"]
+            n = a.clients
+            print(f"round {r}{' (the initial models: messages tensor by tensor)' if r == 0 else ''}: "
+                  f"plain {po:,} operators ({pm:,} in messages, {(po - pm) / n:,.0f} a client outside them)  "
+                  f"pl_fedsparse {fo:,} ({fm:,} in messages, {(fo - fm) / n:,.0f} a client outside them, {fs} host "
+                  f"reads)  ratio {fo / po:.3f}  messages {pm / max(fm, 1):.1f}x fewer", flush=True)
+    finally:
+        for (cls, name), fn in zip(patches, saved):
+            setattr(cls, name, fn)
 
 
 if __name__ == "__main__":
