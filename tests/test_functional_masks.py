@@ -220,6 +220,52 @@ def test_pack_bit_order_and_dicts():
         unpack_mask(packed, (17,))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_dicts_packed_in_one_go_are_each_mask_packed_alone(seed: int) -> None:
+    # every length's last byte (0-7 unused bits), empty and 0-dim masks, bool and 0/1 float masks
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"empty": (0,), "scalar": (), "one": (1,), **{f"n{i}": (i + 1,) for i in range(16)},
+              "conv": (4, 3, 3, 3), "fc": (10, 7)}
+    masks = {k: (torch.rand(s, generator=g) < 0.5).to(torch.float32 if seed % 2 else torch.bool)
+             for k, s in shapes.items()}
+    packed = pack_masks(masks)
+    assert list(packed) == list(masks)
+    for k, m in masks.items():
+        assert torch.equal(packed[k], pack_mask(m)[0]), k
+    # the host-side checks name the entry's shape, as unpacking one mask does
+    out = unpack_masks(packed, shapes)
+    for k, m in masks.items():
+        assert out[k].dtype == torch.bool and out[k].shape == m.shape and torch.equal(out[k], m != 0), k
+        assert torch.equal(out[k], unpack_mask(packed[k], shapes[k])), k
+    with pytest.raises(ConfigError, match="ceil"):
+        unpack_masks({**packed, "fc": packed["fc"][:-1]}, shapes)
+
+
+def test_a_dict_of_masks_packs_and_unpacks_in_a_few_operators() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(count: int) -> tuple[int, int]:
+        masks = {f"w{i}": torch.rand(6, 5) < 0.5 for i in range(count)}
+        Count.n = 0
+        with Count():
+            packed = pack_masks(masks)
+        pack_ops, Count.n = Count.n, 0
+        with Count():
+            unpack_masks(packed, {k: (6, 5) for k in masks})
+        return pack_ops, Count.n
+
+    few, many = ops(3), ops(30)
+    assert few == many and max(many) <= 10, (few, many)
+
+
 def _sort_reference(scores: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
     """The selection ``stable_top_k`` replaces: the first k of a stable sort."""
     out = torch.zeros(scores.numel(), dtype=torch.bool)

@@ -5,7 +5,8 @@
 # corrected EWA test and the prepared-inputs test among them), the runner's overhead at 32-true and bf16-mixed
 # (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, then pFedGate's
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
-# left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round) and FedSpa's rounds with its fits stacked.
+# left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked and
+# DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat).
 # Every record goes straight to $OUT, named as in README.md.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
@@ -46,6 +47,8 @@ else
     run rounds_fedspa_vec.log 90 python3 benchmarks/gpu_rounds.py run --force --only fedspa_dst --tag vec \
         --rounds 3 --eval-every 3 --seconds 80 --data-root data/cifar10 -- \
         --trainer.executor pl_fedsparse.executors.VectorizedExecutor
+    echo "[$(el)s] DisPFL's gossip message, flat and tensor by tensor"
+    run gossip_flat.txt 60 python3 benchmarks/gossip_message.py --flat --device cuda --repeats 10
     tar -czf "$O/rounds2.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
         benchmarks/gpu/rounds/dmpfl benchmarks/gpu/rounds/fedspa_dst+vec 2>/dev/null
 fi

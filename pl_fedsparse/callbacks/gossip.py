@@ -24,7 +24,12 @@ Where the average is made: on the device the fits run on, when they run in this 
 (:func:`~pl_fedsparse.callbacks.base.message_device`; the host otherwise, and always on the CPU). Each neighbour's
 stored values and packed mask then cross to the device once a round and are kept there for its other neighbours
 (the client store's device copies, ``trainer.device_state_budget``), unpacked, expanded and averaged there; the
-message reaches its fit without crossing the link again. The ledger's bytes are counted from the packed masks on
+message reaches its fit without crossing the link again. Each model of the group is added as one flat buffer — its
+masks' bytes and its values joined, unpacked, expanded and added in one go
+(:func:`~pl_fedsparse.functional.sparse.group_average_stored`: about ten operators a model instead of about ten a
+model and tensor, which on a GPU are kernel launches; the same bits) — except where a member of the group has not
+trained yet (it holds the initial dense model under its first mask: the first round), with mixed dtypes, or in a
+subclass overriding ``sender_message`` or ``_expand``, where the messages are expanded tensor by tensor. The ledger's bytes are counted from the packed masks on
 the host (:func:`~pl_fedsparse.functional.sparse.packed_count`, once per sender and round), so nothing waits for the
 device. The arithmetic is the host's, element by element (a GPU may round a fused multiply-add differently in the
 last bit); a simulated device run on the CPU gives the same numbers bit for bit (``tests/test_device_messages.py``).
