@@ -10,8 +10,19 @@ import torch
 
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional import (
-    cosine_prune_rate, drop_and_grow, erk_densities, layer_densities, mask_density, masks_from_densities, pack_mask,
-    pack_masks, prune_regrow_count, sorted_top_k, stable_top_k, unpack_mask, unpack_masks,
+    cosine_prune_rate,
+    drop_and_grow,
+    erk_densities,
+    layer_densities,
+    mask_density,
+    masks_from_densities,
+    pack_mask,
+    pack_masks,
+    prune_regrow_count,
+    sorted_top_k,
+    stable_top_k,
+    unpack_mask,
+    unpack_masks,
 )
 from pl_fedsparse.models import VGG11GN, ResNet18GN
 
