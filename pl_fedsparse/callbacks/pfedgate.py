@@ -190,7 +190,8 @@ class PFedGate(FederatedCallback):
     #: per-fit / per-evaluation state: the client's gate budget, its optimizer and pending momentum, the step
     #: schedule and statistics; the trained gate and momentum leave in client state, the statistics in the update
     scratch_attributes = ("_ctx", "_client_density", "_clip_floor", "_reentrant", "_module", "_gate_opt",
-                          "_pending_opt", "_captured", "_start", "_step_gate", "_step_model", "_skip_step", "_stats")
+                          "_pending_opt", "_pending_gate", "_captured", "_start", "_step_gate", "_step_model",
+                          "_skip_step", "_stats")
 
     def __init__(
         self, *, density: float = 0.5, client_densities: list[float] | None = None, num_splits: int = 5,
@@ -272,6 +273,9 @@ class PFedGate(FederatedCallback):
         self._module: nn.Module | None = None
         self._gate_opt: torch.optim.Optimizer | None = None
         self._pending_opt: dict[str, Tensor] = {}
+        # a fit's gate, on the working gate's device, until the fit trains in process (on_train_start loads it into
+        # the working gate) or is stacked (the vectorised form reads it: never loaded, copied or read back)
+        self._pending_gate: dict[str, Tensor] | None = None
         self._captured: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
         self._start: dict[str, Tensor] = {}
         self._step_gate = self._step_model = True
@@ -462,9 +466,11 @@ class PFedGate(FederatedCallback):
         opt = self.get_client_state(loop, client_idx, "gate_optimizer") if optimizer else {}
         both = to_device({**{f"g/{n}": v for n, v in gate.items()}, **{f"o/{n}": v for n, v in opt.items()}},
                          next(self.gate.parameters()).device)
-        self.gate.load_state_dict({n: both[f"g/{n}"] for n in gate})
-        if optimizer:
+        if optimizer:  # a fit: loaded when it trains in process (on_train_start), read as it is when stacked
+            self._pending_gate = {n: both[f"g/{n}"] for n in gate}
             self._pending_opt = {n: both[f"o/{n}"] for n in opt}
+        else:
+            self.gate.load_state_dict({n: both[f"g/{n}"] for n in gate})
         density = self.client_density(client_idx)
         self._client_density, self._clip_floor = density, self.clip_floor(density)
 
@@ -487,6 +493,9 @@ class PFedGate(FederatedCallback):
         if ctx is None:
             return
         assert self.gate is not None
+        if self._pending_gate is not None:  # the client's gate, from _load_gate
+            self.gate.load_state_dict(self._pending_gate)
+            self._pending_gate = None
         gate = self.gate.to(pl_module.device).train()
         factor = self.lr_factor(ctx.lr_round)
         self._gate_opt = torch.optim.SGD(gate.parameters(), lr=self.gate_lr * factor, momentum=self.gate_momentum,
@@ -562,7 +571,7 @@ class PFedGate(FederatedCallback):
     @override
     def on_client_fit_end(self, loop: FederationView, module: pl.LightningModule, update: ClientUpdate) -> None:
         self._uninstall()
-        ctx, self._ctx, self._gate_opt = self._ctx, None, None
+        ctx, self._ctx, self._gate_opt, self._pending_gate = self._ctx, None, None, None
         start, self._start = self._start, {}
         stats, self._stats = self._stats, {}
         if ctx is None:

@@ -92,9 +92,10 @@ class StackedPFedGate:
         if cb._ctx is None or cb.gate is None:
             self.items[index] = None  # not a fit the gate takes part in (the plain model trains)
             return
-        names = list(cb.gate.state_dict())
-        # the client's gate is in the working gate now; the next client's replaces it: copied (one copy for all)
-        state = dict(zip(names, transfer.clone_tensors(list(cb.gate.state_dict().values())), strict=True))
+        # the client's gate as on_client_fit_start brought it to the device (never loaded into the working gate: the
+        # store's copies, read only — start() stacks them); the next client's replaces it
+        assert cb._pending_gate is not None
+        state, cb._pending_gate = dict(cb._pending_gate), None
         self.items[index] = {"state": state, "opt": dict(cb._pending_opt), "density": cb._client_density,
                              "floor": cb._clip_floor}
 
