@@ -95,6 +95,8 @@ class MaskedTraining:
         self._step_masks: tuple[list[Tensor], list[Tensor]] = ([], [])
         self._frozen_dev: tuple[list[Tensor], list[Tensor]] = ([], [])
         self._on: torch.device | None = None  # where ``active`` and ``_frozen`` are (None: as given)
+        # (device, masked parameters, their masks converted to the parameters' dtype there): see _masked_params
+        self._converted: tuple[torch.device | None, list[Tensor], list[Tensor]] | None = None
 
     def begin(self, module: pl.LightningModule, trainable: dict[str, Tensor],
               frozen: dict[str, Tensor] | None = None, apply: bool = True) -> None:
@@ -103,13 +105,25 @@ class MaskedTraining:
         self._given = trainable  # (what end() hands back where it is on the host: the masks do not change in a fit)
         self._params = dict(module.named_parameters())
         self._on = None
+        self._converted = None
         if apply and self._params:
             self._move(next(iter(self._params.values())).device)
+            params, masks = self._masked_params()
             with torch.no_grad():
-                for name, mask in self.active.items():
-                    p = self._params.get(name)
-                    if p is not None:
-                        p.mul_((mask if mask.device == p.device else mask.to(p.device)).to(p.dtype))
+                if params:  # (one multi-tensor product: the same values as tensor by tensor)
+                    torch._foreach_mul_(params, masks)
+
+    def _masked_params(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The masked parameters and their masks in the parameters' dtype on their device, converted once per fit
+        and device (``begin`` and ``on_train_start`` share them while the module stays where it is)."""
+        params = [self._params[k] for k in self.active if k in self._params]
+        device = params[0].device if params else None
+        if (self._converted is None or self._converted[0] != device or len(self._converted[1]) != len(params)
+                or any(a is not b for a, b in zip(self._converted[1], params))):
+            masks = [(m if m.device == p.device else m.to(p.device)).to(p.dtype)
+                     for m, p in zip((self.active[k] for k in self.active if k in self._params), params)]
+            self._converted = (device, params, masks)
+        return params, self._converted[2]
 
     def _move(self, device: torch.device) -> None:
         """The masks and frozen values to ``device``, in one copy across the link (none when they are there)."""
@@ -119,15 +133,13 @@ class MaskedTraining:
                           **{f"f/{k}": v for k, v in self._frozen.items()}}, device)
         self.active = {k: both[f"a/{k}"] for k in self.active}
         self._frozen = {k: both[f"f/{k}"] for k in self._frozen}
-        self._on = device
+        self._on, self._converted = device, None
 
     def on_train_start(self, module: pl.LightningModule) -> None:
         # the module is on its device now: device copies of the masks, converted once per fit
         self._params = dict(module.named_parameters())
         self._move(module.device)
-        masked = [k for k in self.active if k in self._params]
-        self._step_masks = ([self._params[k] for k in masked],
-                            [self.active[k].to(self._params[k].dtype) for k in masked])
+        self._step_masks = self._masked_params()
         self._frozen_dev = ([self._params[k] for k in self._frozen],
                             [v.to(self._params[k].dtype) for k, v in self._frozen.items()])
 
@@ -147,7 +159,7 @@ class MaskedTraining:
                 torch._foreach_add_(*self._frozen_dev)
 
     def on_train_end(self) -> None:
-        self._step_masks, self._frozen_dev = ([], []), ([], [])
+        self._step_masks, self._frozen_dev, self._converted = ([], []), ([], []), None
 
     def end(self) -> dict[str, Tensor]:
         """Finish the fit; returns the trainable masks (on CPU: those given to :meth:`begin` where they were there,
