@@ -29,10 +29,11 @@ masks' bytes and its values joined, unpacked, expanded and added in one go
 (:func:`~pl_fedsparse.functional.sparse.group_average_stored`: about ten operators a model instead of about ten a
 model and tensor, which on a GPU are kernel launches; the same bits) — except where a member of the group has not
 trained yet (it holds the initial dense model under its first mask: the first round), with mixed dtypes, or in a
-subclass overriding ``sender_message`` or ``_expand``, where the messages are expanded tensor by tensor. The ledger's bytes are counted from the packed masks on
-the host (:func:`~pl_fedsparse.functional.sparse.packed_count`, once per sender and round), so nothing waits for the
-device. The arithmetic is the host's, element by element (a GPU may round a fused multiply-add differently in the
-last bit); a simulated device run on the CPU gives the same numbers bit for bit (``tests/test_device_messages.py``).
+subclass overriding ``sender_message`` or ``_expand``, where the messages are expanded tensor by tensor. The
+ledger's bytes are counted from the packed masks on the host (:func:`~pl_fedsparse.functional.sparse.packed_count`,
+once per sender and round), so nothing waits for the device. The arithmetic is the host's, element by element (a
+GPU may round a fused multiply-add differently in the last bit); a simulated device run on the CPU gives the same
+numbers bit for bit (``tests/test_device_messages.py``).
 
 Two readings of a serverless run (``consensus_eval``): every evaluation reports each client's own model — the personal
 view, ``acc_mean`` — and, with ``consensus_eval: true``, also the *consensus*: the uniform average of all clients'
@@ -138,7 +139,8 @@ class Gossip(FederatedCallback):
                   init_args: {consensus_eval: true}                    # also report the consensus (D-PSGD)
     """
 
-    driver_only_attributes = ("_snapshot", "_decode", "_store", "_counts", "_nbytes")  # (client_message runs in the driver)
+    #: (client_message runs in the driver)
+    driver_only_attributes = ("_snapshot", "_decode", "_store", "_counts", "_nbytes")
     #: the consensus of the evaluation in progress (None between evaluations); not driver-only: an out-of-process
     #: executor's workers receive it with the callbacks to evaluate their clients on it
     scratch_attributes = ("_consensus",)
@@ -271,7 +273,8 @@ class Gossip(FederatedCallback):
             messages = [self.sender_message(j, device) for j in group]
         for j, msg in zip(neighbours, messages[1:]):
             loop.accounting.send(j, client_idx, msg)
-        avg = weighted_average([m.tensors for m in messages], [1.0] * len(messages), [m.masks or None for m in messages])
+        avg = weighted_average([m.tensors for m in messages], [1.0] * len(messages),
+                               [m.masks or None for m in messages])
         return Message(avg)
 
     @override

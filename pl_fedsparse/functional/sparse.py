@@ -341,7 +341,7 @@ def group_average_stored(
 
     but each member is unpacked, expanded and added as one flat buffer (its masks' bytes and its values concatenated)
     instead of tensor by tensor: about ten operators per member instead of about ten per member *and tensor* —
-    the kernel launches that set the pace of a gossip message on a GPU (``benchmarks/gossip_message.py --ops``). The
+    the kernel launches that set the pace of a gossip message on a GPU (``benchmarks/gossip_message.py --flat``). The
     arithmetic per coordinate is the same: ``num + v`` equals ``num + v·m·1`` exactly for ``m`` in {0, 1} and ``v``
     zero off the mask, the masks' counts are small integers and the division is the same; the tensors nobody masks
     are summed with weight ``1/n`` as there (one fused multiply-add per coordinate, on a CPU in the vectorised body
