@@ -252,7 +252,7 @@ def _count(a: argparse.Namespace, plain: PlainDisPFL, loop: FederatedLoop) -> No
     try:
         for r in range(a.repeats + 1):
             row = {}
-            for name, fn in (("plain", lambda: plain.round(r)), ("pl_fedsparse", lambda: loop.run_round(r))):
+            for name, fn in (("plain", lambda r=r: plain.round(r)), ("pl_fedsparse", lambda r=r: loop.run_round(r))):
                 counter.ops = counter.syncs = in_messages[0] = 0
                 with counter:
                     fn()
