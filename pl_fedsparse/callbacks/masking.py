@@ -95,8 +95,8 @@ class MaskedTraining:
         self._step_masks: tuple[list[Tensor], list[Tensor]] = ([], [])
         self._frozen_dev: tuple[list[Tensor], list[Tensor]] = ([], [])
         self._on: torch.device | None = None  # where ``active`` and ``_frozen`` are (None: as given)
-        # (device, masked parameters, their masks converted to the parameters' dtype there): see _masked_params
-        self._converted: tuple[torch.device | None, list[Tensor], list[Tensor]] | None = None
+        # the masks in their parameters' dtype and device, by name, for one fit (see _masked_params)
+        self._converted: dict[str, Tensor] | None = None
 
     def begin(self, module: pl.LightningModule, trainable: dict[str, Tensor],
               frozen: dict[str, Tensor] | None = None, apply: bool = True) -> None:
@@ -115,15 +115,17 @@ class MaskedTraining:
 
     def _masked_params(self) -> tuple[list[Tensor], list[Tensor]]:
         """The masked parameters and their masks in the parameters' dtype on their device, converted once per fit
-        and device (``begin`` and ``on_train_start`` share them while the module stays where it is)."""
-        params = [self._params[k] for k in self.active if k in self._params]
-        device = params[0].device if params else None
-        if (self._converted is None or self._converted[0] != device or len(self._converted[1]) != len(params)
-                or any(a is not b for a, b in zip(self._converted[1], params))):
-            masks = [(m if m.device == p.device else m.to(p.device)).to(p.dtype)
-                     for m, p in zip((self.active[k] for k in self.active if k in self._params), params)]
-            self._converted = (device, params, masks)
-        return params, self._converted[2]
+        (``begin`` and ``on_train_start`` share them; a conversion is made again only where a parameter's device or
+        dtype changed in between)."""
+        names = [k for k in self.active if k in self._params]
+        params = [self._params[k] for k in names]
+        conv = self._converted
+        if conv is None or any(k not in conv or conv[k].device != p.device or conv[k].dtype != p.dtype
+                               for k, p in zip(names, params)):
+            conv = self._converted = {k: (self.active[k] if self.active[k].device == p.device
+                                          else self.active[k].to(p.device)).to(p.dtype)
+                                      for k, p in zip(names, params)}
+        return params, [conv[k] for k in names]
 
     def _move(self, device: torch.device) -> None:
         """The masks and frozen values to ``device``, in one copy across the link (none when they are there)."""

@@ -289,9 +289,22 @@ def unpack_masks(packed: Mapping[str, Tensor], shapes: Mapping[str, torch.Size |
         check(p.dtype == torch.uint8 and p.dim() == 1 and p.numel() == math.ceil(n / 8), "packed",
               f"{p.dtype} {tuple(p.shape)}",
               f"a 1-D uint8 tensor of ceil({n} / 8) = {math.ceil(n / 8)} bytes for shape {tuple(shapes[k])}")
-    bits = unpack_mask(torch.cat([p for _, p in items]), (8 * sum(p.numel() for _, p in items),))
-    parts = bits.split([x for (_, p), n in zip(items, sizes) for x in (n, 8 * p.numel() - n)])
-    return {k: part.view(tuple(shapes[k])) for (k, _), part in zip(items, parts[::2])}
+    bits = _joined_bits([p for _, p in items])
+    parts = _regions(bits, sizes, [p.numel() for _, p in items])
+    return {k: part.view(tuple(shapes[k])) for (k, _), part in zip(items, parts)}
+
+
+def _joined_bits(packed: Sequence[Tensor]) -> Tensor:
+    """The positions of :func:`pack_mask` byte strings joined, unpacked together (each mask's region its bytes' 8
+    positions a byte, its last byte's unused bits included)."""
+    joined = torch.cat(list(packed))
+    return unpack_mask(joined, (8 * joined.numel(),))
+
+
+def _regions(flat: Tensor, sizes: Sequence[int], nbytes: Sequence[int]) -> list[Tensor]:
+    """The masks' own positions in a buffer laid out as :func:`_joined_bits` (views): ``sizes[i]`` positions of each
+    ``8 * nbytes[i]``-position region."""
+    return list(flat.split([x for n, b in zip(sizes, nbytes) for x in (n, 8 * b - n)])[::2])
 
 
 def expand_values(values: Tensor, mask: Tensor, param: str = "values") -> Tensor:
@@ -391,19 +404,17 @@ def group_average_stored(
     out: dict[str, Tensor] = {}
     if masked:
         # one region per masked tensor, 8 positions per packed byte (a tensor's last byte's unused bits are 0)
-        bits_len = 8 * sum(int(packed0[n].numel()) for n in masked)
-        num = torch.zeros(bits_len, dtype=acc, device=ref.device)
+        nbytes = [packed0[n].numel() for n in masked]
+        num = torch.zeros(8 * sum(nbytes), dtype=acc, device=ref.device)
         den = torch.zeros_like(num)
         for values, packed in members:
-            bits = unpack_mask(torch.cat([packed[n] for n in masked]), (bits_len,))
+            bits = _joined_bits([packed[n] for n in masked])
             vals = torch.cat([values[n] for n in masked])
-            num.add_(num.new_zeros(bits_len).masked_scatter_(bits, vals.to(acc)))
+            num.add_(torch.zeros_like(num).masked_scatter_(bits, vals.to(acc)))
             den.add_(bits)
         avg = torch.where(den > 0, num / den.clamp_min(torch.finfo(acc).tiny), torch.zeros_like(num)).to(ref.dtype)
-        # (each region: the tensor's positions, then its last byte's unused bits)
-        sizes = [math.prod(shapes[n]) for n in masked]
-        parts = avg.split([x for n, size in zip(masked, sizes) for x in (size, 8 * packed0[n].numel() - size)])
-        out.update({n: _shaped(part, shapes[n]) for n, part in zip(masked, parts[::2])})
+        parts = _regions(avg, [math.prod(shapes[n]) for n in masked], nbytes)
+        out.update({n: _shaped(part, shapes[n]) for n, part in zip(masked, parts)})
     if dense:
         num = torch.zeros(sum(first[n].numel() for n in dense), dtype=acc, device=ref.device)
         for values, _ in members:  # (nobody masks these: weighted_average's unmasked rule, Σ_j v_j · 1/n)
