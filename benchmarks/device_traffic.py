@@ -28,13 +28,14 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   ``nonzero``/``argwhere``, ``masked_select``, ``unique`` and indexing by a bool tensor — each makes the host wait
   for the device; and, seen one level down (``TorchDispatchMode``, the operators a GPU runs), any other operator
   that reads a device value on the host: ``_local_scalar_dense`` (a 0-dim tensor used as a Python number or index,
-  ``t[i]`` with a tensor ``i``), ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``. (pFedGate's
+  ``t[i]`` with a tensor ``i``), ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``, ``equal``. (pFedGate's
   device knapsack indexed with a 0-dim tensor: 6 waits per step on an H100, 0 in this counter before it looked one
   level down.)
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
-**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow`), **eval** (one evaluation
+**readjust** (prune-and-regrow: :func:`~pl_fedsparse.functional.sparse.drop_and_grow_many`, a call per fit,
+or :func:`~pl_fedsparse.functional.sparse.drop_and_grow` where the masks are on several devices), **eval** (one evaluation
 loader's logits: :meth:`~pl_fedsparse.evaluation.Evaluator.logits`, per loader) and **message** (one client's
 message of a round: the ``client_message`` policy and every ``on_client_message``,
 ``FederatedLoop.client_message``; DisPFL's gossip average is made there, on the fits' device) and **aggregate** (the
@@ -100,9 +101,10 @@ _SYNC_NAMES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "_
                "masked_select", "unique", "unique_consecutive"}
 _TRANSFER_NAMES = {"cpu", "cuda", "pin_memory"}
 #: operators that read a device value on the host (a CUDA stream synchronisation each), seen at the dispatch level;
-#: ``repeat_interleave`` only with a tensor of repeats and no ``output_size`` (an int repeat is an expand)
+#: ``repeat_interleave`` only with a tensor of repeats and no ``output_size`` (an int repeat is an expand);
+#: ``equal`` answers a Python bool (``torch.equal`` of two device tensors reads its answer on the host)
 _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
-             "unique_consecutive", "repeat_interleave"}
+             "unique_consecutive", "repeat_interleave", "equal"}
 #: operators that launch no kernel on a GPU (allocation and metadata); every other non-view operator counts as one
 #: launch in ``ops_per_step`` / ``ops_per_fit`` (a launch-bound step's cost on a GPU is its number of operators)
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "_local_scalar_dense", "lift_fresh", "set_", "resize_",
@@ -232,7 +234,7 @@ def counting() -> Iterator[TrafficCounter]:
 
     from pl_fedsparse.loop import FederatedLoop
 
-    run_one, step, dag = InProcessExecutor.run_one, runner_mod.FitRunner._step, pr.drop_and_grow
+    run_one, step = InProcessExecutor.run_one, runner_mod.FitRunner._step
     client_message, aggregate = FederatedLoop.client_message, FederatedLoop.aggregate
 
     def client_message_(self: Any, *a: Any, **k: Any) -> Any:
@@ -266,10 +268,12 @@ def counting() -> Iterator[TrafficCounter]:
         with counter.in_phase("step"):
             return step(*a, **k)
 
-    def dag_(*a: Any, **k: Any) -> Any:
-        counter.counts[("readjust", "calls")] += 1
-        with counter.in_phase("readjust"):
-            return dag(*a, **k)
+    def readjusting(fn: Any) -> Any:
+        def readjust(*a: Any, **k: Any) -> Any:
+            counter.counts[("readjust", "calls")] += 1
+            with counter.in_phase("readjust"):
+                return fn(*a, **k)
+        return readjust
 
     def logits_(self: Any, *a: Any, **k: Any) -> Any:
         counter.counts[("eval", "loaders")] += 1
@@ -295,7 +299,8 @@ def counting() -> Iterator[TrafficCounter]:
     patch(FederatedLoop, "aggregate", aggregate_)
     patch(FederatedLoop, "call", call_)
     patch(runner_mod.FitRunner, "_step", staticmethod(step_))
-    patch(pr, "drop_and_grow", dag_)
+    patch(pr, "drop_and_grow", readjusting(pr.drop_and_grow))  # (one tensor: masks on several devices)
+    patch(pr, "drop_and_grow_many", readjusting(pr.drop_and_grow_many))  # (every tensor of a fit at once)
     patch(Evaluator, "logits", logits_)
     patch(pl.Trainer, "__init__", init_)
     patch(torch.nn.Module, "to", mover(to, "to"))

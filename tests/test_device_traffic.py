@@ -89,22 +89,21 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     from pl_fedsparse.functional import sparse
 
-    dag = sparse.drop_and_grow
+    many = sparse.drop_and_grow_many
 
-    def copying(mask: torch.Tensor, drop: torch.Tensor, grow: torch.Tensor, k: int) -> torch.Tensor:
-        return dag(mask, drop.cpu(), grow, k)
+    def copying(masks: Any, drops: Any, grows: Any, *a: Any, **k: Any) -> Any:
+        return many(masks, [d.cpu() for d in drops], grows, *a, **k)
 
-    monkeypatch.setattr(sparse, "drop_and_grow", copying)
     import pl_fedsparse.callbacks.prune_regrow as pr
 
-    monkeypatch.setattr(pr, "drop_and_grow", copying)
+    monkeypatch.setattr(pr, "drop_and_grow_many", copying)
     assert device_traffic.measure("fedspa")["readjust_transfers"] > 0
 
-    def listing(mask: torch.Tensor, drop: torch.Tensor, grow: torch.Tensor, k: int) -> torch.Tensor:
-        mask.nonzero()  # what the CPU's selection does, once per tensor
-        return dag(mask, drop, grow, k)
+    def listing(masks: Any, drops: Any, grows: Any, *a: Any, **k: Any) -> Any:
+        masks[0].nonzero()  # what the CPU's selection does, once per tensor
+        return many(masks, drops, grows, *a, **k)
 
-    monkeypatch.setattr(pr, "drop_and_grow", listing)
+    monkeypatch.setattr(pr, "drop_and_grow_many", listing)
     assert device_traffic.measure("fedspa")["readjust_syncs_per_call"] > 0
 
 

@@ -12,6 +12,7 @@ from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional import (
     cosine_prune_rate,
     drop_and_grow,
+    drop_and_grow_many,
     erk_densities,
     layer_densities,
     mask_density,
@@ -360,6 +361,129 @@ def test_drop_and_grow_on_the_device_path_gives_the_same_masks(dtype, monkeypatc
             got = drop_and_grow(mask, drop, grow, k)
             assert torch.equal(got, want), (trial, k, mask.tolist(), drop.tolist(), grow.tolist())
             assert int(got.sum()) == int(mask.sum())
+
+
+_SCORE_VALUES = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")])
+#: values apart in float64 (1 + 2⁻³⁰) or float32 (1 + 2⁻¹²) only: a joining dtype too narrow makes them ties
+_CLOSE_VALUES = torch.tensor([1.0 + 2.0 ** -30, 1.0 + 2.0 ** -12, 1.0 - 2.0 ** -30], dtype=torch.float64)
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64]
+_SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4), (40,)]
+
+
+def _readjustment_case(g: torch.Generator) -> tuple[list, list, list, list]:
+    """Masks of several shapes (0-dim and empty among them), scores of mixed dtypes in one call with ties, NaN, ±0,
+    ±inf and values one dtype tells apart and a narrower one does not, counts from below 0 to past the active
+    entries."""
+    masks, drops, grows, ks = [], [], [], []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
+        shape = _SHAPES[int(torch.randint(0, len(_SHAPES), (1,), generator=g))]
+        masks.append(torch.rand(shape, generator=g) < [0.5, 0.0, 1.0, 0.2][int(torch.randint(0, 4, (1,), generator=g))])
+        for scores in (drops, grows):
+            dtype = _DTYPES[int(torch.randint(0, len(_DTYPES), (1,), generator=g))]
+            pool = _SCORE_VALUES[:5] if dtype == torch.int64 else torch.cat([_SCORE_VALUES, _CLOSE_VALUES])
+            scores.append(pool[torch.randint(0, len(pool), shape, generator=g)].to(dtype))
+        ks.append(int(torch.randint(-1, int(masks[-1].sum()) + 3, (1,), generator=g)))
+    return masks, drops, grows, ks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_tensors_readjusted_at_once_get_each_ones_own_mask(seed: int, monkeypatch) -> None:
+    """``drop_and_grow_many`` on the device path (the tensors joined, two sorts a selection) and on the host path
+    against ``drop_and_grow`` of each tensor alone: the same masks, shapes and counts — with the counts given, and with
+    a rate (each tensor's ``prune_regrow_count``, computed where the masks are)."""
+    from pl_fedsparse.functional import sparse
+
+    g = torch.Generator().manual_seed(seed)
+    for trial in range(60):
+        masks, drops, grows, ks = _readjustment_case(g)
+        rate = [0.0, 1.0, 0.5, 0.1, 0.3, 1 / 3][trial % 6]
+        want = [drop_and_grow(*case) for case in zip(masks, drops, grows, ks)]
+        by_rate = [drop_and_grow(m, d, gr, prune_regrow_count(m, rate)) for m, d, gr in zip(masks, drops, grows)]
+        for host in (True, False):
+            monkeypatch.setattr(sparse, "HOST_SELECTION_ON_CPU", host)
+            for expected, got in ((want, drop_and_grow_many(masks, drops, grows, ks)),
+                                  (by_rate, drop_and_grow_many(masks, drops, grows, rate=rate))):
+                assert len(got) == len(expected)
+                for w, o, m in zip(expected, got, masks):
+                    assert o.shape == m.shape and torch.equal(o, w), (seed, trial, host, ks, rate)
+                    assert int(o.sum()) == int(m.sum())
+
+
+def test_counts_from_a_rate_on_the_device_path_are_pythons() -> None:
+    """``ceil(rate · nnz)`` in float64 on the masks' device equals Python's ``math.ceil`` for rates whose product
+    with a count lands next to an integer."""
+    from pl_fedsparse.functional import sparse
+
+    saved, sparse.HOST_SELECTION_ON_CPU = sparse.HOST_SELECTION_ON_CPU, False
+    try:
+        for nnz in (1, 3, 7, 10, 25, 49, 50, 100, 1000, 4097):  # (0.3 · 50, 0.6 · 25 and 0.55 · 100 in float32: 16,
+            # 16 and 55 where Python says 15, 15 and 56)
+            mask = torch.zeros(2 * nnz + 5, dtype=torch.bool)
+            mask[:nnz] = True
+            drop = grow = torch.arange(2 * nnz + 5, dtype=torch.float32)  # the first k go, the last k come
+            for rate in (0.1, 0.3, 0.7, 1 / 3, 0.29, 0.57, 0.15, 0.6, 0.55):
+                (new,) = drop_and_grow_many([mask], [drop], [grow], rate=rate)
+                k = math.ceil(rate * nnz)
+                assert int((new & ~mask).sum()) == k and torch.equal(new, drop_and_grow(mask, drop, grow, k)), (nnz, rate)
+    finally:
+        sparse.HOST_SELECTION_ON_CPU = saved
+
+
+def test_many_tensors_readjusted_at_once_in_a_few_operators(monkeypatch) -> None:
+    """On the device path a readjustment's operators do not grow with its number of tensors (about 25 a tensor,
+    one by one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pl_fedsparse.functional import sparse
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(sparse, "HOST_SELECTION_ON_CPU", False)
+
+    def ops(count: int) -> int:
+        g = torch.Generator().manual_seed(count)
+        masks = [torch.rand(6, 5, generator=g) < 0.5 for _ in range(count)]
+        scores = [torch.rand(6, 5, generator=g) for _ in range(2 * count)]
+        drop_and_grow_many(masks, scores[:count], scores[count:], rate=0.3)  # (the layout made once)
+        Count.n = 0
+        with Count():
+            drop_and_grow_many(masks, scores[:count], scores[count:], rate=0.3)
+        return Count.n
+
+    few, many = ops(2), ops(20)
+    assert few == many and many <= 40, (few, many)
+
+
+def test_drop_and_grow_many_bad_inputs() -> None:
+    mask = torch.tensor([True, False])
+    with pytest.raises(ConfigError, match="drop_and_grow_many"):
+        drop_and_grow_many([mask], [torch.zeros(2)], [], [1])
+    with pytest.raises(ConfigError, match="drop_and_grow_many.*not both"):
+        drop_and_grow_many([mask], [torch.zeros(2)], [torch.zeros(2)], [1], rate=0.5)
+    with pytest.raises(ConfigError, match="drop_and_grow_many.*not both"):
+        drop_and_grow_many([mask], [torch.zeros(2)], [torch.zeros(2)])
+    with pytest.raises(ConfigError, match="rate"):
+        drop_and_grow_many([mask], [torch.zeros(2)], [torch.zeros(2)], rate=1.5)
+    with pytest.raises(ConfigError, match=r"masks\[1\]"):
+        drop_and_grow_many([mask, mask.float()], [torch.zeros(2)] * 2, [torch.zeros(2)] * 2, [1, 1])
+    with pytest.raises(ConfigError, match=r"ks\[0\]"):
+        drop_and_grow_many([mask], [torch.zeros(2)], [torch.zeros(2)], [1.5])
+    for host in (True, False):
+        from pl_fedsparse.functional import sparse
+
+        saved, sparse.HOST_SELECTION_ON_CPU = sparse.HOST_SELECTION_ON_CPU, host
+        try:
+            with pytest.raises(ConfigError, match=r"grow_score"):
+                drop_and_grow_many([mask], [torch.zeros(2)], [torch.zeros(3)], [1])
+        finally:
+            sparse.HOST_SELECTION_ON_CPU = saved
+    assert drop_and_grow_many([], [], [], []) == [] == drop_and_grow_many([], [], [], rate=0.5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

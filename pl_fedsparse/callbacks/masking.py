@@ -20,6 +20,7 @@ precision), weights re-masked after it, an optional frozen part added back — a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -71,6 +72,15 @@ def top_masks(scores: dict[str, Tensor], densities: dict[str, float]) -> dict[st
     """Per tensor with density < 1, the top ``floor(d · n)`` positions of its scores."""
     return {k: topk_mask(scores[k], math.floor(d * scores[k].numel())) for k, d in densities.items() if d < 1.0}
 
+
+def _changed(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> list[str]:
+    """The names whose mask in ``new`` differs from ``old``'s, decided where the masks are and read in one go (one
+    wait for a device, not one per mask: ``torch.equal`` reads each answer on the host)."""
+    names = list(new)
+    if not names:
+        return []
+    differs = torch.stack([torch.ne(new[k], old[k]).any() for k in names]).tolist()
+    return [k for k, d in zip(names, differs) if d]
 
 class MaskedTraining:
     """One fit's masked training, as a reusable part: only ``trainable`` positions move.
@@ -416,7 +426,7 @@ class SparseMask(UsesMaskedTraining):
             update.extras["next_mask"] = nxt
             self.set_masks(loop, update.client_idx, nxt)
             # the next mask travels as a bitmap beside the sparse values (FedSpa Alg. 1: U_k and m_{k,t+1} up)
-            sent.update({f"next_mask/{k}": m for k, m in nxt.items() if not torch.equal(m, here[k])})
+            sent.update({f"next_mask/{k}": nxt[k] for k in _changed(nxt, here)})
         if update.message is not None:
             update.message = Message(apply_masks(update.message.tensors, here), sent)
 

@@ -28,7 +28,12 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.masking import SparseMask
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.errors import check
-from pl_fedsparse.functional.sparse import cosine_prune_rate, drop_and_grow, prune_regrow_counts
+from pl_fedsparse.functional.sparse import (
+    cosine_prune_rate,
+    drop_and_grow,
+    drop_and_grow_many,
+    prune_regrow_counts,
+)
 from pl_fedsparse.functional.transfer import to_where
 
 if TYPE_CHECKING:
@@ -73,17 +78,19 @@ def prune_regrow(masks: dict[str, Tensor], drop: dict[str, Tensor], grow: dict[s
     highest ``grow`` score (:func:`~pl_fedsparse.functional.sparse.drop_and_grow`); counts are kept exactly.
 
     Runs where the ``drop`` scores are (the trained weights' device): the scores are not copied to the host, only the
-    bool mask travels to them; the new masks are on that device."""
-    devices = {drop[name].device for name in masks}
-    if len(devices) == 1:  # every mask and grow score to the drop scores' device, in one copy
+    bool masks travel to them (in one copy, with the grow scores where those are elsewhere); there every tensor is
+    readjusted at once and the counts are taken there
+    (:func:`~pl_fedsparse.functional.sparse.drop_and_grow_many`). The new masks are on that device."""
+    names = list(masks)
+    if len({drop[name].device for name in names}) == 1:  # every mask and grow score to the drop scores' device
         moved = to_where({**{f"m/{n}": m for n, m in masks.items()}, **{f"g/{n}": grow[n] for n in masks}},
-                         drop[next(iter(masks))])
-        pairs = {n: (moved[f"m/{n}"], moved[f"g/{n}"]) for n in masks}
-    else:
-        pairs = {n: (m.to(drop[n].device), grow[n].to(drop[n].device)) for n, m in masks.items()}
-    counts = prune_regrow_counts(list(masks.values()), rate)  # (the masks as given: on the host between fits)
-    return {name: drop_and_grow(pairs[name][0], drop[name], pairs[name][1], k)
-            for name, k in zip(masks, counts)}
+                         drop[names[0]])
+        new = drop_and_grow_many([moved[f"m/{n}"] for n in names], [drop[n] for n in names],
+                                 [moved[f"g/{n}"] for n in names], rate=rate)
+        return dict(zip(names, new))
+    counts = prune_regrow_counts(list(masks.values()), rate)
+    return {n: drop_and_grow(m.to(drop[n].device), drop[n], grow[n].to(drop[n].device), k)
+            for (n, m), k in zip(masks.items(), counts)}
 
 
 def gradient_scores(loop: FederationView, update: ClientUpdate, names: list[str], batches: int) -> dict[str, Tensor]:

@@ -165,7 +165,9 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
         module.to(device)
     module.train()
     params = dict(module.named_parameters())
-    grads = {n: torch.zeros_like(params[n]) for n in names if n in params}
+    grads = {n: torch.empty_like(params[n]) for n in names if n in params}
+    if grads:  # (zeros, then each batch's gradients added: a multi-tensor operation each, not one per tensor)
+        torch._foreach_zero_(list(grads.values()))
     seen = 0
     for i, (x, y) in enumerate(batches):
         if i >= max_batches:
@@ -174,9 +176,11 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
         module.zero_grad(set_to_none=True)
         loss = training_loss(module, module(x), y)
         loss.backward()
-        for n, g in grads.items():
-            grad = params[n].grad
-            if grad is not None:
+        pairs = [(g, params[n].grad) for n, g in grads.items() if params[n].grad is not None]
+        if pairs and all(grad.layout == torch.strided for _, grad in pairs):
+            torch._foreach_add_([g for g, _ in pairs], [grad for _, grad in pairs])
+        else:  # (a sparse gradient, e.g. an embedding's: added one by one)
+            for g, grad in pairs:
                 g.add_(grad)
         seen += int(y.shape[0])
     module.zero_grad(set_to_none=True)

@@ -12,7 +12,7 @@ from pl_fedsparse.functional.pse import (
     correlation_distance, elementwise_average, error_feedback_topk, personalized_mask, topk_sparsify,
 )
 from pl_fedsparse.functional.sparse import (
-    cosine_prune_rate, drop_and_grow, pack_mask, pack_masks, prune_regrow_count, prune_regrow_counts, unpack_mask,
+    cosine_prune_rate, drop_and_grow, drop_and_grow_many, pack_mask, pack_masks, prune_regrow_count, prune_regrow_counts, unpack_mask,
     unpack_masks,
 )
 
@@ -20,7 +20,7 @@ __all__ = [
     "masked_weighted_average", "weighted_average", "message_nbytes", "sparse_nbytes", "tensor_nbytes",
     "apply_masks", "check_density", "topk_mask", "stable_top_k", "sorted_top_k", "permutation_scores", "random_mask", "uniform_densities",
     "erk_densities", "layer_densities", "masks_from_densities", "mask_density",
-    "cosine_prune_rate", "prune_regrow_count", "prune_regrow_counts", "drop_and_grow", "pack_mask", "unpack_mask", "pack_masks",
+    "cosine_prune_rate", "prune_regrow_count", "prune_regrow_counts", "drop_and_grow", "drop_and_grow_many", "pack_mask", "unpack_mask", "pack_masks",
     "unpack_masks", "adaptive_choice", "entropy", "output_cosine",
     "topk_sparsify", "error_feedback_topk", "elementwise_average", "correlation_distance", "personalized_mask",
     "ternary_nbytes", "ternarize", "structured_mask",

@@ -9,6 +9,7 @@ regrowth), so every tensor keeps its exact number of active entries.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -22,6 +23,7 @@ from pl_fedsparse.functional.masks import sortable, stable_top_k
 __all__ = [
     "cosine_prune_rate",
     "drop_and_grow",
+    "drop_and_grow_many",
     "expand_values",
     "group_average_stored",
     "pack_mask",
@@ -180,6 +182,106 @@ def _first_of_sort(scores: Tensor, excluded: Tensor, k: Tensor, *, largest: bool
     order = order[torch.sort(excluded[order].to(torch.uint8), stable=True).indices]
     take = torch.arange(s.numel(), device=s.device) < k
     return torch.zeros_like(take).scatter_(0, order, take)
+
+
+def drop_and_grow_many(masks: Sequence[Tensor], drop_scores: Sequence[Tensor], grow_scores: Sequence[Tensor],
+                       ks: Sequence[int] | None = None, *, rate: float | None = None) -> list[Tensor]:
+    """:func:`drop_and_grow` of many tensors at once: ``[drop_and_grow(m, d, g, k) for ...]``, the same masks — with
+    the counts ``ks`` given, or with ``rate``: each tensor's :func:`prune_regrow_count` (``ceil(rate · nnz)``),
+    counted where the masks are.
+
+    Off the CPU (or with :data:`HOST_SELECTION_ON_CPU` off) the tensors are ranked together: their scores are joined
+    into one flat buffer and each selection is two stable sorts of all of it — the scores, then (tensor, excluded)
+    as one integer key, which groups the entries by tensor and keeps the score order inside each group — so a
+    readjustment launches the same few kernels whatever the number of tensors (one tensor at a time, about 25
+    each). The ranks are those of :func:`_first_of_sort` within each tensor: a stable sort of the joined scores
+    keeps each tensor's entries in its own index order among equal scores, and the joining dtype (float64 where any
+    tensor's :func:`~pl_fedsparse.functional.masks.sortable` dtype is, float32 otherwise) holds every score exactly,
+    so no order changes. With ``rate`` the counts are computed there too, in float64 as Python computes them (the
+    same integers), so the host reads nothing and sends nothing. On the CPU with host selection the tensors go one
+    by one (the linear-time counting is faster there), as they do when they are on several devices.
+
+    Args:
+        masks: bool masks, any shapes, on one device.
+        drop_scores: a score per entry of each mask (same shapes).
+        grow_scores: a score per entry of each mask (same shapes).
+        ks: the number of entries each tensor drops and regrows (integers); or
+        rate: the share of each tensor's active entries to drop and regrow, in [0, 1] (exactly one of the two).
+
+    Returns:
+        The new masks, in order, as views of one flat buffer (the device path) or tensors of their own.
+
+    Example:
+        >>> m = [torch.tensor([True, True, True, False]), torch.tensor([False, True])]
+        >>> drop_and_grow_many(m, [torch.tensor([3., 1., 2., 0.]), torch.tensor([0., 1.])],
+        ...                    [torch.tensor([0., 5., 0., 9.]), torch.tensor([7., 0.])], [1, 1])
+        [tensor([ True, False,  True,  True]), tensor([ True, False])]
+    """
+    n = len(masks)
+    check((ks is None) != (rate is None), "drop_and_grow_many", "ks and rate" if ks is not None else "neither",
+          "the counts ks or a rate, not both")
+    check(rate is None or (_is_real(rate) and 0 <= rate <= 1), "rate", rate, "a number in [0, 1]")
+    check(len(drop_scores) == n and len(grow_scores) == n and (ks is None or len(ks) == n), "drop_and_grow_many",
+          (n, len(drop_scores), len(grow_scores), None if ks is None else len(ks)),
+          "as many drop scores, grow scores and counts as masks")
+    if not n:
+        return []
+    for i, m in enumerate(masks):
+        check(isinstance(m, Tensor) and m.dtype == torch.bool, f"masks[{i}]",
+              m.dtype if isinstance(m, Tensor) else type(m).__name__, "a bool tensor")
+    for i, k in enumerate(ks or []):
+        check(_is_int(k), f"ks[{i}]", k, "an integer")
+    device = masks[0].device
+    if (device.type == "cpu" and HOST_SELECTION_ON_CPU) or any(
+            t.device != device for ts in (masks, drop_scores, grow_scores) for t in ts):
+        counts = list(ks) if ks is not None else prune_regrow_counts(masks, rate)  # type: ignore[arg-type]
+        return [drop_and_grow(m, d, g, k) for m, d, g, k in zip(masks, drop_scores, grow_scores, counts)]
+    ds = [_as_scores(d, m, f"drop_scores[{i}]") for i, (d, m) in enumerate(zip(drop_scores, masks))]
+    gs = [_as_scores(g, m, f"grow_scores[{i}]") for i, (g, m) in enumerate(zip(grow_scores, masks))]
+    sizes = tuple(m.numel() for m in masks)
+    segment, rank = _segments(sizes, device)
+    new = torch.cat([m.detach().reshape(-1) for m in masks])
+    # active entries per tensor (k is clipped to them, as in drop_and_grow), never read on the host
+    active = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, segment, new.to(torch.int64))
+    if ks is None:  # prune_regrow_count: ceil(rate · nnz), in float64 as Python's float arithmetic
+        k_t = torch.ceil(active.double() * float(rate)).long()  # type: ignore[arg-type]
+    else:
+        k_t = torch.tensor(list(ks), dtype=torch.int64, device=device)
+    limit = torch.minimum(active, k_t)[segment]  # each entry's tensor's k
+    new &= ~_first_of_sorts(_joined_scores(ds), ~new, segment, rank, limit, largest=False)
+    new |= _first_of_sorts(_joined_scores(gs), new, segment, rank, limit, largest=True)
+    return [piece.view(m.shape) for piece, m in zip(new.split(sizes), masks)]
+
+
+def _joined_scores(scores: Sequence[Tensor]) -> Tensor:
+    """The flat scores joined in one dtype that holds each of them exactly (see :func:`drop_and_grow_many`)."""
+    flat = [sortable(s) for s in scores]  # (float32 or float64 each: float64 holds every float32 exactly)
+    dtype = torch.float64 if any(s.dtype == torch.float64 for s in flat) else torch.float32
+    return torch.cat([s.to(dtype) for s in flat])
+
+
+def _first_of_sorts(scores: Tensor, excluded: Tensor, segment: Tensor, rank: Tensor, limit: Tensor, *,
+                    largest: bool) -> Tensor:
+    """:func:`_first_of_sort` of every tensor joined in ``scores`` (their entries' tensor ``segment``, each entry's
+    ``rank`` in its tensor, each entry's tensor's ``limit``): after the two sorts, the entries of tensor ``i`` are
+    at its own positions, first those not excluded in score order — so the first ``k`` of a tensor are where
+    ``rank < limit``."""
+    order = torch.sort(scores, descending=largest, stable=True).indices
+    key = segment * 2 + excluded.to(segment.dtype)
+    order = order[torch.sort(key[order], stable=True).indices]
+    return torch.zeros_like(excluded).scatter_(0, order, rank < limit)
+
+
+@functools.lru_cache(maxsize=8)
+def _segments(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """For tensors of ``sizes`` entries joined flat: each entry's tensor (int32) and its index in that tensor, on
+    ``device`` — made once per layout and device (a model's masks keep their shapes from fit to fit)."""
+    counts = torch.tensor(sizes, dtype=torch.int64, device=device)
+    segment = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32, device=device), counts,
+                                      output_size=sum(sizes))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sum(sizes), dtype=torch.int64, device=device) - starts[segment]
+    return segment, rank
 
 
 _BIT_WEIGHTS = [1 << i for i in range(8)]

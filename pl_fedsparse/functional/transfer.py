@@ -124,6 +124,10 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
             moved = buf.clone()
         else:
             moved = buf.to(dev, copy=True)  # the one copy across the link
+            if ALWAYS_PACK and where is not None and dev.type == "cpu":
+                # (simulated: from "the device" to the host — what is made from the copy is host work, as on an
+                # accelerator, not device work)
+                _unplace([moved])
         for i, at in zip(idx, offsets):
             t = tensors[i]
             n = t.numel() * t.element_size()
@@ -215,8 +219,9 @@ def to_device(tensors: Mapping[str, Tensor], device: torch.device | str, *, shar
         True
     """
     if _twins:  # tensors whose copy on ``device`` was made already (moved with others, ahead of time)
-        found = {n: d for n, d in ((n, _take_twin(t, device)) for n, t in tensors.items()) if d is not None}
-        if found:
+        twins = {n: d for n, d in ((n, _twin_of(t, device)) for n, t in tensors.items()) if d is not None}
+        if twins:  # (copies of the twins made there, all in one multi-tensor copy; the twins stay as they were)
+            found = dict(zip(twins, clone_tensors(list(twins.values()))))
             mark_placed(found.values(), device)
             left = {n: t for n, t in tensors.items() if n not in found}
             rest = to_device(left, device, share=share) if left else {}
@@ -408,13 +413,6 @@ def _twin_of(t: Tensor, device: torch.device | str) -> Tensor | None:
     if hit is None or hit[0]() is not t or hit[1] != t._version or needs_copy([hit[2]], device):
         return None
     return hit[2]
-
-
-def _take_twin(t: Tensor, device: torch.device | str) -> Tensor | None:
-    """A copy, made on ``device``, of ``t``'s remembered twin there (the twin itself stays as it was, whatever is
-    done to the copy); ``None`` if there is none (or ``t`` changed in place since)."""
-    twin = _twin_of(t, device)
-    return None if twin is None else twin.clone()
 
 
 def mark_placed(tensors: Iterable[Tensor], device: torch.device | str) -> None:
