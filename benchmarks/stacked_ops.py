@@ -57,8 +57,9 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if not func.is_view and name not in _NO_KERNEL:
             self.ops += 1
-        if name in _SYNC_OPS and not (name == "repeat_interleave" and not isinstance(
-                args[1] if len(args) > 1 else args[0], torch.Tensor)):
+        if name in _SYNC_OPS and not (name == "repeat_interleave" and (not isinstance(
+                args[1] if len(args) > 1 else args[0], torch.Tensor) or (kwargs or {}).get("output_size") is not None)):
+            # (repeat_interleave waits only for a tensor of repeats without its output_size: device_traffic's rule)
             leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if any(transfer.placed_on(t) is not None for t in leaves):  # a value on "the device" read on the host
                 self.syncs += 1

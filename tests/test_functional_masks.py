@@ -537,3 +537,57 @@ def test_unpack_blocks_names_the_parameter_of_a_wrong_count() -> None:
     t = make_block_table([("w", (2, 3), True)], num_splits=3)
     with pytest.raises(ConfigError, match=r"^values\['w'\]=\(3,\) is invalid: expected a 1-D tensor of 4 values"):
         unpack_blocks({"w": torch.ones(3)}, torch.tensor([True, False, True]), t)
+
+
+def test_apply_masks_joined_is_each_product_alone() -> None:
+    """The masks joined and converted once, one multi-tensor product: the same values (signs of zeros, NaN and
+    infinities kept) as ``v * mask.to(v.dtype)`` tensor by tensor, for every floating dtype; unmasked tensors handed
+    back as they are; mixed dtypes, a tensor that needs its gradient and a mask of another shape one by one."""
+    from pl_fedsparse.functional import apply_masks
+
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        special = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), float("-inf"), -1.5])
+        tensors = {"a": torch.randn(3, 4, generator=g).to(dtype), "b": torch.randn(5, generator=g).to(dtype),
+                   "c": special.to(dtype), "d": torch.randn(2, 2, 2, generator=g).to(dtype)}
+        masks = {"a": torch.rand(3, 4, generator=g) < 0.5, "c": torch.tensor([True, True, False, False, True, False]),
+                 "d": torch.rand(2, 2, 2, generator=g) < 0.5}
+        variants = [(tensors, masks), ({**tensors, "d": tensors["d"].double()}, masks),
+                    ({**tensors, "a": tensors["a"].clone().requires_grad_()}, masks)]
+        for ts, ms in variants:
+            got = apply_masks(ts, ms)
+            assert got["b"] is ts["b"] and list(got) == list(ts)
+            for k in ms:
+                want = ts[k] * ms[k].to(ts[k].dtype)
+                assert got[k].dtype == want.dtype and got[k].shape == want.shape
+                assert torch.equal(torch.isnan(got[k]), torch.isnan(want))
+                assert torch.equal(torch.nan_to_num(got[k].detach(), nan=0.0), torch.nan_to_num(want.detach(), nan=0.0))
+                assert torch.equal(torch.signbit(got[k]), torch.signbit(want)), (dtype, k)
+    a = torch.ones(2, 3, requires_grad=True)
+    apply_masks({"a": a, "b": torch.ones(2)}, {"a": torch.tensor([True, False, True]), "b": torch.tensor([True, False])})[
+        "a"].sum().backward()  # (a mask broadcast over rows and a tensor that needs its gradient: one by one)
+    assert a.grad is not None and a.grad.tolist() == [[1.0, 0.0, 1.0]] * 2
+
+
+def test_apply_masks_costs_the_same_operators_for_any_number_of_tensors() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pl_fedsparse.functional import apply_masks
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(count: int) -> int:
+        tensors = {f"w{i}": torch.randn(4, 3) for i in range(count)}
+        masks = {k: torch.rand(4, 3) < 0.5 for k in tensors}
+        Count.n = 0
+        with Count():
+            apply_masks(tensors, masks)
+        return Count.n
+
+    assert ops(3) == ops(30) <= 4

@@ -11,7 +11,7 @@ al. 2022) also uses. Mask *updates* (prune and regrow) and bit packing live in :
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -71,7 +71,26 @@ def apply_masks(tensors: Mapping[str, Tensor], masks: Mapping[str, Tensor]) -> d
         >>> apply_masks({"w": torch.ones(3), "b": torch.ones(1)}, {"w": torch.tensor([True, False, True])})["w"]
         tensor([1., 0., 1.])
     """
+    names = [k for k in tensors if k in masks]
+    values = [tensors[k] for k in names]
+    bits = [masks[k] for k in names]
+    if len(names) > 1 and _one_kind(values, bits):
+        # (one conversion of every mask, joined, and one multi-tensor product: a few launches on a device, where a
+        # conversion and a product each were two a tensor; the same products)
+        flat = torch.cat([m.reshape(-1) for m in bits]).to(values[0].dtype)
+        shaped = [part.view(v.shape) for part, v in zip(flat.split([m.numel() for m in bits]), values)]
+        products = dict(zip(names, torch._foreach_mul(values, shaped)))
+        return {k: products.get(k, v) for k, v in tensors.items()}
     return {k: (v * _on(masks[k], v)) if k in masks else v for k, v in tensors.items()}
+
+
+def _one_kind(values: Sequence[Tensor], masks: Sequence[Tensor]) -> bool:
+    """Whether ``values`` share a floating dtype and, with ``masks`` (bool, each its value's shape), one device."""
+    first = values[0]
+    return (first.is_floating_point() and all(
+        v.dtype == first.dtype and v.device == first.device and v.layout == torch.strided and not v.requires_grad
+        and m.dtype == torch.bool and m.device == first.device and m.shape == v.shape
+        for v, m in zip(values, masks)))
 
 
 def _on(mask: Tensor, like: Tensor) -> Tensor:
