@@ -23,7 +23,9 @@ launch; views and allocations are not counted: ``stacked_ops.py``'s counter), th
 and the engine's reads of a device value on the host, in a device run simulated on the CPU
 (:func:`~pl_fedsparse.testing.simulated_device`: the engine takes its GPU paths, the messages made where the fits
 run). A DisPFL round on a GPU is far from launch-free on either side; the count says how many launches the engine
-adds to the plain loop's, where no GPU is:
+adds to the plain loop's, where no GPU is. Every operator counted is an upper bound of the launches (a GPU run does
+some of them on the host); those outside the messages that read or write a tensor on "the device" are printed apart,
+a lower bound (``stacked_ops.OpCounter``):
 
     OMP_NUM_THREADS=1 python benchmarks/dispfl_round.py --ops --model resnet18 --clients 12 --neighbours 10 \
         --samples 256 --batch-size 128 --repeats 2
@@ -235,13 +237,14 @@ def _count(a: argparse.Namespace, plain: PlainDisPFL, loop: FederatedLoop) -> No
     from stacked_ops import OpCounter  # (the kernel-launch rule of the pFedGate count)
 
     counter = OpCounter()
-    in_messages = [0]
+    in_messages = [0, 0]  # (all operators, those on the device)
 
     def counted(fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            before = counter.ops
+            before = counter.ops, counter.device_ops
             out = fn(*args, **kwargs)
-            in_messages[0] += counter.ops - before
+            in_messages[0] += counter.ops - before[0]
+            in_messages[1] += counter.device_ops - before[1]
             return out
         return wrapper
 
@@ -253,16 +256,17 @@ def _count(a: argparse.Namespace, plain: PlainDisPFL, loop: FederatedLoop) -> No
         for r in range(a.repeats + 1):
             row = {}
             for name, fn in (("plain", lambda r=r: plain.round(r)), ("pl_fedsparse", lambda r=r: loop.run_round(r))):
-                counter.ops = counter.syncs = in_messages[0] = 0
+                counter.ops = counter.device_ops = counter.syncs = in_messages[0] = in_messages[1] = 0
                 with counter:
                     fn()
-                row[name] = (counter.ops, in_messages[0], counter.syncs)
-            (po, pm, _), (fo, fm, fs) = row["plain"], row["pl_fedsparse"]
+                row[name] = (counter.ops, in_messages[0], counter.syncs, counter.device_ops - in_messages[1])
+            (po, pm, _, pd), (fo, fm, fs, fd) = row["plain"], row["pl_fedsparse"]
             n = a.clients
             print(f"round {r}{' (the initial models: messages tensor by tensor)' if r == 0 else ''}: "
                   f"plain {po:,} operators ({pm:,} in messages, {(po - pm) / n:,.0f} a client outside them)  "
                   f"pl_fedsparse {fo:,} ({fm:,} in messages, {(fo - fm) / n:,.0f} a client outside them, {fs} host "
-                  f"reads)  ratio {fo / po:.3f}  messages {pm / max(fm, 1):.1f}x fewer", flush=True)
+                  f"reads)  ratio {fo / po:.3f}  messages {pm / max(fm, 1):.1f}x fewer  |  outside the messages, "
+                  f"on the device: plain {pd / n:,.0f} a client, pl_fedsparse {fd / n:,.0f}", flush=True)
     finally:
         for (cls, name), fn in zip(patches, saved):
             setattr(cls, name, fn)

@@ -47,23 +47,34 @@ EXECUTORS = {"in_process": None, "vectorized": "pl_fedsparse.executors.Vectorize
 
 
 class OpCounter(TorchDispatchMode):
-    """Every dispatched operator that launches a kernel on a GPU, and those that make the host wait."""
+    """Every dispatched operator that launches a kernel on a GPU (``ops``), those of them that read or write a tensor
+    on "the device" of a simulated device run (``device_ops``), and those that make the host wait (``syncs``).
+
+    ``ops`` also counts what a GPU run does on the host (e.g. a fit's state split into tensors of its own after its
+    one copy out): an upper bound of the launches. ``device_ops`` leaves out an operator that makes a tensor from no
+    tensor where its ``device=`` names the device (the simulation places it only after the operator returns): a
+    lower bound. The launches lie between the two."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = self.syncs = 0
+        self.ops = self.device_ops = self.syncs = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in _NO_KERNEL:
-            self.ops += 1
         if name in _SYNC_OPS and not (name == "repeat_interleave" and (not isinstance(
                 args[1] if len(args) > 1 else args[0], torch.Tensor) or (kwargs or {}).get("output_size") is not None)):
             # (repeat_interleave waits only for a tensor of repeats without its output_size: device_traffic's rule)
             leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if any(transfer.placed_on(t) is not None for t in leaves):  # a value on "the device" read on the host
                 self.syncs += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and name not in _NO_KERNEL:
+            self.ops += 1
+            # (what the operator wrote is placed by now: the simulation's tracker sits below this mode)
+            if any(transfer.placed_on(t) is not None for t in tree_leaves((args, kwargs, out))
+                   if isinstance(t, torch.Tensor)):
+                self.device_ops += 1
+        return out
 
 
 def count_round(executor: str | None, clients: int) -> dict[str, Any]:
@@ -94,7 +105,8 @@ def count_round(executor: str | None, clients: int) -> dict[str, Any]:
                     counter = OpCounter()
                     with counter:
                         out = real_fits(requests)
-                    counted.update(ops=counter.ops, syncs=counter.syncs, fits=len(requests))
+                    counted.update(ops=counter.ops, device_ops=counter.device_ops, syncs=counter.syncs,
+                                   fits=len(requests))
                     return out
 
                 ex.run = fits  # type: ignore[method-assign]
@@ -123,7 +135,8 @@ def main() -> None:
         ref, vec = res["in_process"], res["vectorized"]
         print(f"pFedGate round, {k} clients ({ref['fits']} fits, {ref['client_steps']} client steps):")
         for n, r in res.items():
-            print(f"  {n:<11} {r['ops']:>9,} operators ({r['ops'] / r['fits']:,.1f} a fit)   {r['syncs']} syncs")
+            print(f"  {n:<11} {r['ops']:>9,} operators ({r['ops'] / r['fits']:,.1f} a fit)   {r['syncs']} syncs   "
+                  f"{r['device_ops']:,} of them on the device")
         print(f"  operators in process / stacked: {ref['ops'] / vec['ops']:.1f}x   "
               f"final accuracy {ref['acc']:.6f} / {vec['acc']:.6f}", flush=True)
         results.append({"clients": k, **res})

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import plain_dense_gradient, plain_masked_epoch, tiny_datamodule, tiny_loop, tiny_module
 
@@ -63,3 +64,29 @@ def test_two_dispfl_rounds_equal_a_plain_implementation(tmp_path: Path) -> None:
         assert all(torch.equal(cb.masks(loop, k)[n], masks[k][n]) for n in masks[k]), k
         for n, v in loop.personal_state(k).items():
             torch.testing.assert_close(v, models[k][n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_round_benchmark_counts_each_sides_operators(tmp_path: Path) -> None:
+    """``benchmarks/dispfl_round.py --ops`` runs both sides in a simulated device run and prints, per round, every
+    operator (an upper bound of the launches) and those on the device outside the messages (a lower bound): the
+    device count is at most the whole count on each side, and the engine's messages are fewer after round 0."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "dispfl_round.py"), "--ops", "--model", "lenet",
+                          "--clients", "3", "--neighbours", "2", "--samples", "32", "--batch-size", "16",
+                          "--repeats", "1", "--threads", "1"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"^round (\d).*?plain ([\d,]+) operators \(([\d,]+) in messages, ([\d,]+) a client outside "
+                      r"them\)  pl_fedsparse ([\d,]+) \(([\d,]+) in messages, ([\d,]+) a client outside them, (\d+) "
+                      r"host reads\).*on the device: plain ([\d,]+) a client, pl_fedsparse ([\d,]+)$", out.stdout,
+                      re.M)
+    assert [r[0] for r in rows] == ["0", "1"], out.stdout
+    for row in rows:
+        n = [int(x.replace(",", "")) for x in row]
+        assert n[8] <= n[3] and n[9] <= n[6] and n[7] == 0, row
+    assert int(rows[1][5].replace(",", "")) < int(rows[1][2].replace(",", "")), rows[1]
