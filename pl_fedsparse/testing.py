@@ -195,4 +195,4 @@ def _clear_device_caches() -> None:
     gate.block_span_tensors.cache_clear()
     gate._device_groups.cache_clear()
     gate._device_capacities.cache_clear()
-    sparse._segments.cache_clear()
+    sparse.segment_layout.cache_clear()

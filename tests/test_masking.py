@@ -96,3 +96,30 @@ def test_the_sort_free_initial_masks_are_the_sorted_ones(tmp_path: Path, distrib
         assert fast.keys() == slow.keys() and fast
         assert all(torch.equal(fast[n], slow[n]) for n in fast), k
     loop.reporter.release()
+
+
+def test_only_the_masks_a_readjustment_changed_are_sent_again() -> None:
+    """``SparseMask.on_client_fit_end`` sends a next mask (``next_mask/<name>``) only where the readjustment changed
+    it; which ones changed is decided where the masks are and read on the host once (``_changed``), not once a mask:
+    planted, comparing each by ``torch.equal`` would read once a mask."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pl_fedsparse.callbacks.masking import _changed
+
+    old = {"a": torch.tensor([True, False, True]), "b": torch.tensor([[True, False], [False, True]]),
+           "c": torch.zeros(0, dtype=torch.bool), "d": torch.tensor(True)}
+    new = {"a": torch.tensor([True, True, False]), "b": old["b"].clone(), "c": old["c"].clone(),
+           "d": torch.tensor(False)}
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "equal", "is_nonzero"):
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        got = _changed(new, old)
+    assert got == ["a", "d"] and _changed({}, {}) == []
+    assert Reads.n == 0  # (the answers read by one ``tolist``, which dispatches no read; no ``equal`` a mask)

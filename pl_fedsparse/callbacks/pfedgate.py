@@ -121,6 +121,7 @@ from pl_fedsparse.functional.gate import (
 from pl_fedsparse.functional.gate_sliced import sliced_forward
 from pl_fedsparse.functional.gate_upload import index_wise_average, pack_blocks, unpack_blocks
 from pl_fedsparse.functional.pse import elementwise_average
+from pl_fedsparse.functional.sparse import segment_layout
 from pl_fedsparse.functional.transfer import clone_tensors, to_device, to_where
 from pl_fedsparse.models.gate import GatingLayer, adapted_forward
 from pl_fedsparse.streams import register_stream
@@ -597,8 +598,10 @@ class PFedGate(FederatedCallback):
         update.metrics["gate_upload_ratio"] = (sizes * union).sum().double() / table.numel  # type: ignore[assignment]
         # FLOPs at the achieved per-batch density: per tensor, a mask of its batch-averaged kept share
         limits = torch.round(stats["kept"].double() / n)
-        update.masks = {name: torch.arange(math.prod(shape), device=union.device).view(shape) < limits[i]
-                        for i, (name, shape) in enumerate(zip(table.names, table.shapes))}
+        numels = tuple(math.prod(shape) for shape in table.shapes)
+        segment, rank = segment_layout(numels, union.device)  # (every tensor's mask at once: the first limits[i])
+        kept = (rank < limits[segment]).split(numels)
+        update.masks = {name: part.view(shape) for name, shape, part in zip(table.names, table.shapes, kept)}
         fwd, train = self.gate_flops  # the gate's own compute: a forward on every batch, a backward when it trains
         loop.accounting.charge_flops(k, n * fwd + stats.get("gate_trained", 0) * (train - fwd), update)
         if ctx.kind != "train" or update.message is None:

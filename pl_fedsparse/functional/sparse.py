@@ -31,6 +31,7 @@ __all__ = [
     "packed_count",
     "prune_regrow_count",
     "prune_regrow_counts",
+    "segment_layout",
     "unpack_mask",
     "unpack_masks",
 ]
@@ -239,7 +240,7 @@ def drop_and_grow_many(masks: Sequence[Tensor], drop_scores: Sequence[Tensor], g
     ds = [_as_scores(d, m, f"drop_scores[{i}]") for i, (d, m) in enumerate(zip(drop_scores, masks))]
     gs = [_as_scores(g, m, f"grow_scores[{i}]") for i, (g, m) in enumerate(zip(grow_scores, masks))]
     sizes = tuple(m.numel() for m in masks)
-    segment, rank = _segments(sizes, device)
+    segment, rank = segment_layout(sizes, device)
     new = torch.cat([m.detach().reshape(-1) for m in masks])
     # active entries per tensor (k is clipped to them, as in drop_and_grow), never read on the host
     active = torch.zeros(n, dtype=torch.int64, device=device).index_add_(0, segment, new.to(torch.int64))
@@ -272,10 +273,18 @@ def _first_of_sorts(scores: Tensor, excluded: Tensor, segment: Tensor, rank: Ten
     return torch.zeros_like(excluded).scatter_(0, order, rank < limit)
 
 
-@functools.lru_cache(maxsize=8)
-def _segments(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    """For tensors of ``sizes`` entries joined flat: each entry's tensor (int32) and its index in that tensor, on
-    ``device`` — made once per layout and device (a model's masks keep their shapes from fit to fit)."""
+@functools.lru_cache(maxsize=16)
+def segment_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """For tensors of ``sizes`` entries joined flat, on ``device``: each entry's tensor (int32) and its index in that
+    tensor (int64) — made once per layout and device (a model's tensors keep their shapes from fit to fit), so that
+    a per-tensor rule over joined tensors is a gather and a comparison (``rank < limits[segment]``: the first
+    ``limits[i]`` entries of every tensor ``i``), not an operator or two a tensor.
+
+    Example:
+        >>> segment, rank = segment_layout((2, 3), torch.device("cpu"))
+        >>> segment.tolist(), rank.tolist()
+        ([0, 0, 1, 1, 1], [0, 1, 0, 1, 2])
+    """
     counts = torch.tensor(sizes, dtype=torch.int64, device=device)
     segment = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32, device=device), counts,
                                       output_size=sum(sizes))
