@@ -22,6 +22,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from pl_fedsparse.functional.transfer import clone_tensors
+
 __all__ = ["STACKED_GRADIENT_TOLERANCE", "ElementwiseOptim", "adam_step", "clip_per_client", "exact_linear", "rows_like",
            "sgd_step", "stacked_gradient_error"]
 
@@ -339,30 +341,63 @@ def _lr_rows(values: list[float], like: Tensor) -> float | Tensor:
 
 def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,
               lrs: dict[str, list[float]], steps: Tensor) -> None:
-    """``torch.optim.SGD``'s update (single-tensor form) on stacked tensors: weight decay, momentum (the first step
-    takes the gradient as the buffer), dampening, Nesterov."""
+    """``torch.optim.SGD``'s update on stacked tensors: weight decay, momentum (the first step takes the gradient as
+    the buffer), dampening, Nesterov.
+
+    The tensors that share their hyper-parameters and one learning rate for every row are updated together by
+    multi-tensor operations (``torch._foreach_*``: what ``torch.optim.SGD`` does by default on a GPU, a few launches
+    for them all; on the CPU the same operations tensor by tensor, so the same numbers as the single-tensor form);
+    a tensor with a learning rate per row, or with rows whose momentum buffer starts now, goes alone."""
     with torch.no_grad():
+        groups: dict[tuple[Any, ...], list[str]] = {}
         for n, p in P.items():
-            momentum, dampening, nesterov, wd = optim.hyper[n]
-            g = G[n]
-            if wd != 0:
-                g = g.add(p, alpha=wd)
-            if momentum != 0:
-                buf = state[n].get("momentum_buffer")
-                fresh = state[n].get("fresh")  # rows with no buffer yet among rows with one (a continued fit's)
-                if buf is None:
-                    buf = state[n]["momentum_buffer"] = torch.clone(g).detach()
-                elif fresh is not None:
-                    buf.copy_(torch.where(rows_like(fresh, buf), g, buf.mul(momentum).add_(g, alpha=1 - dampening)))
-                    fresh.zero_()
-                else:
-                    buf.mul_(momentum).add_(g, alpha=1 - dampening)
-                g = g.add(buf, alpha=momentum) if nesterov else buf
             lr = _lr_rows(lrs[n], p)
-            if isinstance(lr, float):
-                p.add_(g, alpha=-lr)
+            fresh = state[n].get("fresh")
+            if isinstance(lr, float) and fresh is None:
+                key = (optim.hyper[n], lr, state[n].get("momentum_buffer") is not None, p.device, p.dtype)
+                groups.setdefault(key, []).append(n)
             else:
-                p.sub_(g * lr)
+                _sgd_one(n, p, G[n], state[n], optim.hyper[n], lr)
+        for (hyper, lr, has_buffer, _, _), names in groups.items():
+            momentum, dampening, nesterov, wd = hyper
+            params = [P[n] for n in names]
+            grads = [G[n] for n in names]
+            if wd != 0:
+                grads = torch._foreach_add(grads, params, alpha=wd)
+            if momentum != 0:
+                if not has_buffer:
+                    bufs = clone_tensors(grads)
+                    for n, b in zip(names, bufs):
+                        state[n]["momentum_buffer"] = b
+                else:
+                    bufs = [state[n]["momentum_buffer"] for n in names]
+                    torch._foreach_mul_(bufs, momentum)
+                    torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+                grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
+            torch._foreach_add_(params, grads, alpha=-lr)
+
+
+def _sgd_one(n: str, p: Tensor, g: Tensor, state: dict[str, Tensor], hyper: tuple[Any, ...],
+             lr: float | Tensor) -> None:
+    """:func:`sgd_step` of one stacked tensor (single-tensor form)."""
+    momentum, dampening, nesterov, wd = hyper
+    if wd != 0:
+        g = g.add(p, alpha=wd)
+    if momentum != 0:
+        buf = state.get("momentum_buffer")
+        fresh = state.get("fresh")  # rows with no buffer yet among rows with one (a continued fit's)
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.clone(g).detach()
+        elif fresh is not None:
+            buf.copy_(torch.where(rows_like(fresh, buf), g, buf.mul(momentum).add_(g, alpha=1 - dampening)))
+            fresh.zero_()
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        g = g.add(buf, alpha=momentum) if nesterov else buf
+    if isinstance(lr, float):
+        p.add_(g, alpha=-lr)
+    else:
+        p.sub_(g * lr)
 
 
 def adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,

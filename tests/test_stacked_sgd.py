@@ -1,0 +1,73 @@
+"""``executors.stacked.sgd_step``: torch.optim.SGD's update on stacked tensors (one row a client), the tensors that
+share their hyper-parameters updated by multi-tensor operations — each row the same bits as the client's own
+``torch.optim.SGD`` (single-tensor form) over several steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pl_fedsparse.executors.stacked import ElementwiseOptim, _sgd_one, rows_like, sgd_step
+
+_SHAPES = {"a": (3, 4), "b": (5,), "c": (2, 2, 3), "d": ()}
+
+
+@pytest.mark.parametrize("momentum,dampening,nesterov,wd", [(0.0, 0.0, False, 0.0), (0.9, 0.0, False, 5e-4),
+                                                            (0.5, 0.1, False, 0.0), (0.9, 0.0, True, 1e-3)])
+def test_each_row_is_its_clients_own_sgd(momentum: float, dampening: float, nesterov: bool, wd: float) -> None:
+    rows, steps = 3, 4
+    g = torch.Generator().manual_seed(1)
+    start = {n: torch.randn(rows, *s, generator=g) for n, s in _SHAPES.items()}
+    grads = [{n: torch.randn(rows, *s, generator=g) for n, s in _SHAPES.items()} for _ in range(steps)]
+    lrs = {n: [0.1] * rows for n in _SHAPES}
+    lrs["b"] = [0.1, 0.05, 0.2]  # (a learning rate per row: that tensor goes alone)
+    hyper = {n: (momentum, dampening, nesterov, wd) for n in _SHAPES}
+    hyper["c"] = (0.0, 0.0, False, 0.0)  # (other hyper-parameters: a group of its own)
+    optim = ElementwiseOptim("sgd", {n: 0.1 for n in _SHAPES}, hyper)
+    P = {n: t.clone() for n, t in start.items()}
+    state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in _SHAPES}
+    for G in grads:
+        sgd_step(P, {n: t.clone() for n, t in G.items()}, state, optim, lrs, torch.zeros(rows))
+    for r in range(rows):
+        params = {n: torch.nn.Parameter(start[n][r].clone()) for n in _SHAPES}
+        opts = [torch.optim.SGD([params[n]], lr=lrs[n][r], momentum=hyper[n][0], dampening=hyper[n][1],
+                                nesterov=hyper[n][2], weight_decay=hyper[n][3], foreach=False) for n in _SHAPES]
+        for G in grads:
+            for n in _SHAPES:
+                params[n].grad = G[n][r].clone()
+            for o in opts:
+                o.step()
+        for n in _SHAPES:
+            if n != "b":
+                assert torch.equal(P[n][r], params[n].detach()), (n, r)
+    # a learning rate per row: the single-tensor form's own product (``p - g·lr``), as before the grouping
+    p, st = start["b"].clone(), {}
+    for G in grads:
+        _sgd_one("b", p, G["b"].clone(), st, hyper["b"], rows_like(torch.tensor(lrs["b"]), p))
+    assert torch.equal(P["b"], p)
+
+
+def test_a_step_costs_the_same_operators_for_any_number_of_tensors() -> None:
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(count: int) -> int:
+        names = [f"w{i}" for i in range(count)]
+        P = {n: torch.randn(2, 4) for n in names}
+        optim = ElementwiseOptim("sgd", {n: 0.1 for n in names}, {n: (0.9, 0.0, False, 5e-4) for n in names})
+        state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+        lrs = {n: [0.1, 0.1] for n in names}
+        sgd_step(P, {n: torch.randn(2, 4) for n in names}, state, optim, lrs, torch.zeros(2))  # (buffers made)
+        G, steps = {n: torch.randn(2, 4) for n in names}, torch.zeros(2)
+        Count.n = 0
+        with Count():
+            sgd_step(P, G, state, optim, lrs, steps)
+        return Count.n
+
+    assert ops(3) == ops(30) <= 6
