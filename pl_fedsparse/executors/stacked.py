@@ -357,7 +357,7 @@ def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[s
                 key = (optim.hyper[n], lr, state[n].get("momentum_buffer") is not None, p.device, p.dtype)
                 groups.setdefault(key, []).append(n)
             else:
-                _sgd_one(n, p, G[n], state[n], optim.hyper[n], lr)
+                _sgd_one(n, p, G[n], state[n], optim.hyper[n], lr if isinstance(lr, float) else lrs[n])
         for (hyper, lr, has_buffer, _, _), names in groups.items():
             momentum, dampening, nesterov, wd = hyper
             params = [P[n] for n in names]
@@ -378,8 +378,10 @@ def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[s
 
 
 def _sgd_one(n: str, p: Tensor, g: Tensor, state: dict[str, Tensor], hyper: tuple[Any, ...],
-             lr: float | Tensor) -> None:
-    """:func:`sgd_step` of one stacked tensor (single-tensor form)."""
+             lr: float | list[float]) -> None:
+    """:func:`sgd_step` of one stacked tensor (single-tensor form); with a learning rate per row, each row's step
+    is its own ``add_(g, alpha=-lr)``, as ``torch.optim.SGD`` takes it (a product by a tensor of rates rounds
+    differently)."""
     momentum, dampening, nesterov, wd = hyper
     if wd != 0:
         g = g.add(p, alpha=wd)
@@ -397,7 +399,8 @@ def _sgd_one(n: str, p: Tensor, g: Tensor, state: dict[str, Tensor], hyper: tupl
     if isinstance(lr, float):
         p.add_(g, alpha=-lr)
     else:
-        p.sub_(g * lr)
+        for row, rate in enumerate(lr):
+            p[row].add_(g[row], alpha=-rate)
 
 
 def adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,
