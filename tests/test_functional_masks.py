@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.functional import (
@@ -253,26 +254,27 @@ def test_dicts_packed_in_one_go_are_each_mask_packed_alone(seed: int) -> None:
         unpack_masks({**packed, "fc": packed["fc"][:-1]}, shapes)
 
 
+class _Operators(TorchDispatchMode):
+    """The operators dispatched inside it (views aside): ``with _Operators() as c: ...; c.n``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_dict_of_masks_packs_and_unpacks_in_a_few_operators() -> None:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not func.is_view:
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
     def ops(count: int) -> tuple[int, int]:
         masks = {f"w{i}": torch.rand(6, 5) < 0.5 for i in range(count)}
-        Count.n = 0
-        with Count():
+        with _Operators() as packing:
             packed = pack_masks(masks)
-        pack_ops, Count.n = Count.n, 0
-        with Count():
+        with _Operators() as unpacking:
             unpack_masks(packed, {k: (6, 5) for k in masks})
-        return pack_ops, Count.n
+        return packing.n, unpacking.n
 
     few, many = ops(3), ops(30)
     assert few == many and max(many) <= 10, (few, many)
@@ -432,17 +434,7 @@ def test_counts_from_a_rate_on_the_device_path_are_pythons() -> None:
 def test_many_tensors_readjusted_at_once_in_a_few_operators(monkeypatch) -> None:
     """On the device path a readjustment's operators do not grow with its number of tensors (about 25 a tensor,
     one by one)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from pl_fedsparse.functional import sparse
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not func.is_view:
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(sparse, "HOST_SELECTION_ON_CPU", False)
 
@@ -451,10 +443,9 @@ def test_many_tensors_readjusted_at_once_in_a_few_operators(monkeypatch) -> None
         masks = [torch.rand(6, 5, generator=g) < 0.5 for _ in range(count)]
         scores = [torch.rand(6, 5, generator=g) for _ in range(2 * count)]
         drop_and_grow_many(masks, scores[:count], scores[count:], rate=0.3)  # (the layout made once)
-        Count.n = 0
-        with Count():
+        with _Operators() as counted:
             drop_and_grow_many(masks, scores[:count], scores[count:], rate=0.3)
-        return Count.n
+        return counted.n
 
     few, many = ops(2), ops(20)
     assert few == many and many <= 40, (few, many)
@@ -570,24 +561,13 @@ def test_apply_masks_joined_is_each_product_alone() -> None:
 
 
 def test_apply_masks_costs_the_same_operators_for_any_number_of_tensors() -> None:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from pl_fedsparse.functional import apply_masks
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if not func.is_view:
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
 
     def ops(count: int) -> int:
         tensors = {f"w{i}": torch.randn(4, 3) for i in range(count)}
         masks = {k: torch.rand(4, 3) < 0.5 for k in tensors}
-        Count.n = 0
-        with Count():
+        with _Operators() as counted:
             apply_masks(tensors, masks)
-        return Count.n
+        return counted.n
 
     assert ops(3) == ops(30) <= 4
