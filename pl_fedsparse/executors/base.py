@@ -176,7 +176,7 @@ def local_gradients(module: pl.LightningModule, batches: Iterable[Any], names: I
         module.zero_grad(set_to_none=True)
         loss = training_loss(module, module(x), y)
         loss.backward()
-        pairs = [(g, params[n].grad) for n, g in grads.items() if params[n].grad is not None]
+        pairs = [(g, grad) for n, g in grads.items() for grad in (params[n].grad,) if grad is not None]
         if pairs and all(grad.layout == torch.strided for _, grad in pairs):
             torch._foreach_add_([g for g, _ in pairs], [grad for _, grad in pairs])
         else:  # (a sparse gradient, e.g. an embedding's: added one by one)

@@ -361,20 +361,20 @@ def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[s
         for (hyper, lr, has_buffer, _, _), names in groups.items():
             momentum, dampening, nesterov, wd = hyper
             params = [P[n] for n in names]
-            grads = [G[n] for n in names]
+            grads: Sequence[Tensor] = [G[n] for n in names]
             if wd != 0:
-                grads = torch._foreach_add(grads, params, alpha=wd)
+                grads = torch._foreach_add(list(grads), params, alpha=wd)
             if momentum != 0:
                 if not has_buffer:
-                    bufs = clone_tensors(grads)
+                    bufs = clone_tensors(list(grads))
                     for n, b in zip(names, bufs):
                         state[n]["momentum_buffer"] = b
                 else:
                     bufs = [state[n]["momentum_buffer"] for n in names]
                     torch._foreach_mul_(bufs, momentum)
-                    torch._foreach_add_(bufs, grads, alpha=1 - dampening)
-                grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
-            torch._foreach_add_(params, grads, alpha=-lr)
+                    torch._foreach_add_(bufs, list(grads), alpha=1 - dampening)
+                grads = torch._foreach_add(list(grads), bufs, alpha=momentum) if nesterov else bufs
+            torch._foreach_add_(params, list(grads), alpha=-lr)
 
 
 def _sgd_one(n: str, p: Tensor, g: Tensor, state: dict[str, Tensor], hyper: tuple[Any, ...],

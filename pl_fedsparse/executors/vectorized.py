@@ -300,7 +300,8 @@ class VectorizedExecutor(ClientExecutor):
             epochs = None if steps else (ctx.epochs or loop.local_epochs)
             item["stream"] = ClientStream(loader, epochs, steps)
             item["snapshot"] = CallbackSnapshot(callbacks)
-            rows, sources = [], []
+            row_views: list[Tensor] = []
+            sources: list[Tensor] = []
             with torch.no_grad():  # the start weights (after on_client_fit_start) into the stacked rows
                 for name, t in (request.start if direct else module.state_dict()).items():
                     if name not in stacked:
@@ -308,9 +309,9 @@ class VectorizedExecutor(ClientExecutor):
                     if direct:  # the request's own tensors: copied below, one copy per run of rows sharing them
                         pending.setdefault(name, []).append((len(started), t))
                     else:  # the working module's: the next client's start overwrites them
-                        rows.append(stacked[name][len(started)])
+                        row_views.append(stacked[name][len(started)])
                         sources.append(t)
-            transfer.copy_into(rows, sources)  # (one multi-tensor copy a client, not one a tensor)
+            transfer.copy_into(row_views, sources)  # (one multi-tensor copy a client, not one a tensor)
             started.append(item)
         with torch.no_grad():
             for name, rows in pending.items():
