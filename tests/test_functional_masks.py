@@ -411,6 +411,27 @@ def test_many_tensors_readjusted_at_once_get_each_ones_own_mask(seed: int, monke
                     assert int(o.sum()) == int(m.sum())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_many_tensors_readjusted_at_once_on_a_gpu_get_the_cpus_masks() -> None:
+    """On a GPU (CUDA's stable sorts, its float64 counts), the joined readjustment gives the masks the CPU's counting
+    gives tensor by tensor."""
+    _joined_on_device_equals_host(torch.device("cuda"))
+
+
+def _joined_on_device_equals_host(device: torch.device) -> None:
+    g = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        masks, drops, grows, ks = _readjustment_case(g)
+        rate = [0.0, 1.0, 0.5, 0.3, 0.55, 1 / 3][trial % 6]
+        want = [drop_and_grow(*case) for case in zip(masks, drops, grows, ks)]
+        by_rate = [drop_and_grow(m, d, gr, prune_regrow_count(m, rate)) for m, d, gr in zip(masks, drops, grows)]
+        there = [[t.to(device) for t in ts] for ts in (masks, drops, grows)]
+        for expected, got in ((want, drop_and_grow_many(*there, ks)), (by_rate, drop_and_grow_many(*there, rate=rate))):
+            for w, o in zip(expected, got):
+                assert o.device.type == device.type and torch.equal(o.cpu(), w), (trial, ks, rate)
+
+
 def test_counts_from_a_rate_on_the_device_path_are_pythons() -> None:
     """``ceil(rate · nnz)`` in float64 on the masks' device equals Python's ``math.ceil`` for rates whose product
     with a count lands next to an integer."""
