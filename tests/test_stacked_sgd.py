@@ -65,3 +65,26 @@ def test_a_step_costs_the_same_operators_for_any_number_of_tensors() -> None:
         return Count.n
 
     assert ops(3) == ops(30) <= 6
+
+
+def test_rows_whose_momentum_starts_now_take_the_gradient_as_their_buffer() -> None:
+    """A continued fit's rows (``"fresh"`` False) keep their momentum; a row that has none yet (``"fresh"`` True)
+    starts it from its gradient — each row equal to its client's own ``torch.optim.SGD``, with a buffer or without."""
+    g = torch.Generator().manual_seed(4)
+    start, kept = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    grads = [torch.randn(3, 5, generator=g) for _ in range(3)]
+    hyper = (0.9, 0.0, False, 1e-3)
+    P = {"w": start.clone()}
+    state = {"w": {"momentum_buffer": kept.clone(), "fresh": torch.tensor([False, True, False])}}
+    optim = ElementwiseOptim("sgd", {"w": 0.1}, {"w": hyper})
+    for G in grads:
+        sgd_step(P, {"w": G.clone()}, state, optim, {"w": [0.1] * 3}, torch.zeros(3))
+    for r in range(3):
+        w = torch.nn.Parameter(start[r].clone())
+        opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, weight_decay=1e-3, foreach=False)
+        if r != 1:
+            opt.state[w]["momentum_buffer"] = kept[r].clone()
+        for G in grads:
+            w.grad = G[r].clone()
+            opt.step()
+        assert torch.equal(P["w"][r], w.detach()), r

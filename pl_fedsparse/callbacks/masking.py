@@ -82,6 +82,7 @@ def _changed(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> list[str]:
     differs = torch.stack([torch.ne(new[k], old[k]).any() for k in names]).tolist()
     return [k for k, d in zip(names, differs) if d]
 
+
 class MaskedTraining:
     """One fit's masked training, as a reusable part: only ``trainable`` positions move.
 

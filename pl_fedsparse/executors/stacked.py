@@ -344,61 +344,51 @@ def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[s
     """``torch.optim.SGD``'s update on stacked tensors: weight decay, momentum (the first step takes the gradient as
     the buffer), dampening, Nesterov.
 
-    The tensors that share their hyper-parameters and one learning rate for every row are updated together by
+    The tensors that share their hyper-parameters, learning rates and momentum state are updated together by
     multi-tensor operations (``torch._foreach_*``: what ``torch.optim.SGD`` does by default on a GPU, a few launches
-    for them all; on the CPU the same operations tensor by tensor, so the same numbers as the single-tensor form);
-    a tensor with a learning rate per row, or with rows whose momentum buffer starts now, goes alone."""
+    for them all; on the CPU the same operations tensor by tensor, so the same numbers as the single-tensor form).
+    With a learning rate per row each row takes its own ``add_(g, alpha=-lr)``, as ``torch.optim.SGD`` takes it (a
+    product by a tensor of rates would round differently)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for n, p in P.items():
+        rates = tuple(lrs[n])
+        lr = rates[0] if all(r == rates[0] for r in rates) else rates
+        st = state[n]
+        fresh = (n,) if st.get("fresh") is not None else ()  # (rows whose buffer starts now: a tensor on its own)
+        key = (optim.hyper[n], lr, st.get("momentum_buffer") is not None, fresh, p.device, p.dtype)
+        groups.setdefault(key, []).append(n)
     with torch.no_grad():
-        groups: dict[tuple[Any, ...], list[str]] = {}
-        for n, p in P.items():
-            lr = _lr_rows(lrs[n], p)
-            fresh = state[n].get("fresh")
-            if isinstance(lr, float) and fresh is None:
-                key = (optim.hyper[n], lr, state[n].get("momentum_buffer") is not None, p.device, p.dtype)
-                groups.setdefault(key, []).append(n)
-            else:
-                _sgd_one(n, p, G[n], state[n], optim.hyper[n], lr if isinstance(lr, float) else lrs[n])
-        for (hyper, lr, has_buffer, _, _), names in groups.items():
-            momentum, dampening, nesterov, wd = hyper
-            params = [P[n] for n in names]
-            grads: Sequence[Tensor] = [G[n] for n in names]
-            if wd != 0:
-                grads = torch._foreach_add(list(grads), params, alpha=wd)
-            if momentum != 0:
-                if not has_buffer:
-                    bufs = clone_tensors(list(grads))
-                    for n, b in zip(names, bufs):
-                        state[n]["momentum_buffer"] = b
-                else:
-                    bufs = [state[n]["momentum_buffer"] for n in names]
-                    torch._foreach_mul_(bufs, momentum)
-                    torch._foreach_add_(bufs, list(grads), alpha=1 - dampening)
-                grads = torch._foreach_add(list(grads), bufs, alpha=momentum) if nesterov else bufs
-            torch._foreach_add_(params, list(grads), alpha=-lr)
+        for (hyper, lr, has_buffer, _, _, _), names in groups.items():
+            _sgd_group([P[n] for n in names], [G[n] for n in names], [state[n] for n in names], hyper, lr,
+                       has_buffer)
 
 
-def _sgd_one(n: str, p: Tensor, g: Tensor, state: dict[str, Tensor], hyper: tuple[Any, ...],
-             lr: float | list[float]) -> None:
-    """:func:`sgd_step` of one stacked tensor (single-tensor form); with a learning rate per row, each row's step
-    is its own ``add_(g, alpha=-lr)``, as ``torch.optim.SGD`` takes it (a product by a tensor of rates rounds
-    differently)."""
+def _sgd_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], hyper: tuple[Any, ...],
+               lr: float | tuple[float, ...], has_buffer: bool) -> None:
+    """:func:`sgd_step` of tensors sharing hyper-parameters, learning rate(s) and momentum state."""
     momentum, dampening, nesterov, wd = hyper
     if wd != 0:
-        g = g.add(p, alpha=wd)
+        grads = list(torch._foreach_add(grads, params, alpha=wd))
     if momentum != 0:
-        buf = state.get("momentum_buffer")
-        fresh = state.get("fresh")  # rows with no buffer yet among rows with one (a continued fit's)
-        if buf is None:
-            buf = state["momentum_buffer"] = torch.clone(g).detach()
-        elif fresh is not None:
-            buf.copy_(torch.where(rows_like(fresh, buf), g, buf.mul(momentum).add_(g, alpha=1 - dampening)))
-            fresh.zero_()
+        if not has_buffer:
+            bufs = clone_tensors(grads)
+            for st, b in zip(states, bufs):
+                st["momentum_buffer"] = b
         else:
-            buf.mul_(momentum).add_(g, alpha=1 - dampening)
-        g = g.add(buf, alpha=momentum) if nesterov else buf
-    if isinstance(lr, float):
-        p.add_(g, alpha=-lr)
-    else:
+            bufs = [st["momentum_buffer"] for st in states]
+            if states[0].get("fresh") is not None:  # (one tensor: its fresh rows take the gradient, the others the
+                # usual update)
+                for b, g, st in zip(bufs, grads, states):
+                    b.copy_(torch.where(rows_like(st["fresh"], b), g, b.mul(momentum).add_(g, alpha=1 - dampening)))
+                    st["fresh"].zero_()
+            else:
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, grads, alpha=1 - dampening)
+        grads = list(torch._foreach_add(grads, bufs, alpha=momentum)) if nesterov else bufs
+    if not isinstance(lr, tuple):
+        torch._foreach_add_(params, grads, alpha=-lr)
+        return
+    for p, g in zip(params, grads):
         for row, rate in enumerate(lr):
             p[row].add_(g[row], alpha=-rate)
 

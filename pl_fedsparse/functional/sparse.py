@@ -122,8 +122,9 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
     equal scores the entry with the lower flat (row-major) index is dropped / grown first. NaN scores rank above
     every number (``torch.sort``'s convention): never dropped first, always grown first.
 
-    Off the CPU the same masks are found by stable sorts of all entries (:func:`_first_of_sort`), so that the host
-    never waits for the device: ``k`` is known on the host and the number of active entries is not read there.
+    Off the CPU the same masks are found by stable sorts of all entries (:func:`drop_and_grow_many`'s device path,
+    for this one tensor), so that the host never waits for the device: the number of active entries is not read
+    there.
 
     Args:
         mask: the bool mask of one tensor.
@@ -149,13 +150,9 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
     check(_is_int(k), "k", k, "an integer")
     ds = _as_scores(drop_score, mask, "drop_score")
     gs = _as_scores(grow_score, mask, "grow_score")
+    if mask.device.type != "cpu" or not HOST_SELECTION_ON_CPU:
+        return drop_and_grow_many([mask], [drop_score], [grow_score], [k])[0]
     new = mask.detach().reshape(-1).clone()
-    if new.device.type != "cpu" or not HOST_SELECTION_ON_CPU:
-        if k > 0:  # (k is known on the host; the number of active entries is not read there)
-            k_t = torch.clamp(new.sum(), max=k)
-            new &= ~_first_of_sort(ds, ~new, k_t, largest=False)
-            new |= _first_of_sort(gs, new, k_t, largest=True)
-        return new.view(mask.shape)
     active = new.nonzero().squeeze(1)
     k = max(0, min(k, active.numel()))
     if k == 0:
@@ -168,21 +165,9 @@ def drop_and_grow(mask: Tensor, drop_score: Tensor, grow_score: Tensor, k: int) 
 
 #: on the CPU, :func:`drop_and_grow` selects among the active (inactive) entries it lists with ``nonzero``, by
 #: :func:`~pl_fedsparse.functional.masks.stable_top_k`'s linear-time counting (faster there); off the CPU it ranks
-#: all entries with stable sorts (:func:`_first_of_sort`) and reads nothing on the host, the same masks. ``False``
+#: all entries with stable sorts (:func:`_first_of_sorts`) and reads nothing on the host, the same masks. ``False``
 #: takes the device path on the CPU too (the device-traffic counter and the tests do, to count and check it)
 HOST_SELECTION_ON_CPU = True
-
-
-def _first_of_sort(scores: Tensor, excluded: Tensor, k: Tensor, *, largest: bool) -> Tensor:
-    """A bool tensor, True at the first ``k`` (a 0-dim tensor, at most the number of entries not ``excluded``) of a
-    stable sort of ``scores`` (``descending=largest``) restricted to the entries not ``excluded`` — the entries
-    :func:`~pl_fedsparse.functional.masks.stable_top_k` takes among those, by two stable sorts on the scores' device
-    (the scores, then excluded-last: a stable sort keeps the first order within each part)."""
-    s = sortable(scores)
-    order = torch.sort(s, descending=largest, stable=True).indices
-    order = order[torch.sort(excluded[order].to(torch.uint8), stable=True).indices]
-    take = torch.arange(s.numel(), device=s.device) < k
-    return torch.zeros_like(take).scatter_(0, order, take)
 
 
 def drop_and_grow_many(masks: Sequence[Tensor], drop_scores: Sequence[Tensor], grow_scores: Sequence[Tensor],
@@ -195,8 +180,9 @@ def drop_and_grow_many(masks: Sequence[Tensor], drop_scores: Sequence[Tensor], g
     into one flat buffer and each selection is two stable sorts of all of it — the scores, then (tensor, excluded)
     as one integer key, which groups the entries by tensor and keeps the score order inside each group — so a
     readjustment launches the same few kernels whatever the number of tensors (one tensor at a time, about 25
-    each). The ranks are those of :func:`_first_of_sort` within each tensor: a stable sort of the joined scores
-    keeps each tensor's entries in its own index order among equal scores, and the joining dtype (float64 where any
+    each). Within each tensor the selection is the first ``k`` of a stable sort of its own scores among the entries
+    not excluded (what :func:`~pl_fedsparse.functional.masks.stable_top_k` takes there): a stable sort of the joined
+    scores keeps each tensor's entries in its own index order among equal scores, and the joining dtype (float64 where any
     tensor's :func:`~pl_fedsparse.functional.masks.sortable` dtype is, float32 otherwise) holds every score exactly,
     so no order changes. With ``rate`` the counts are computed there too, in float64 as Python computes them (the
     same integers), so the host reads nothing and sends nothing. On the CPU with host selection the tensors go one
@@ -263,10 +249,11 @@ def _joined_scores(scores: Sequence[Tensor]) -> Tensor:
 
 def _first_of_sorts(scores: Tensor, excluded: Tensor, segment: Tensor, rank: Tensor, limit: Tensor, *,
                     largest: bool) -> Tensor:
-    """:func:`_first_of_sort` of every tensor joined in ``scores`` (their entries' tensor ``segment``, each entry's
-    ``rank`` in its tensor, each entry's tensor's ``limit``): after the two sorts, the entries of tensor ``i`` are
-    at its own positions, first those not excluded in score order — so the first ``k`` of a tensor are where
-    ``rank < limit``."""
+    """True at the first ``limit`` entries of a stable sort of each joined tensor's ``scores`` (``descending=largest``)
+    among its entries not ``excluded`` (``segment``: each entry's tensor; ``rank``: its index there; ``limit``: its
+    tensor's count, at most the entries not excluded). Two stable sorts: the scores, then (tensor, excluded) as one
+    key — after them the entries of tensor ``i`` are at its own positions, those not excluded first in score order,
+    so the first ``k`` of a tensor are where ``rank < limit``."""
     order = torch.sort(scores, descending=largest, stable=True).indices
     key = segment * 2 + excluded.to(segment.dtype)
     order = order[torch.sort(key[order], stable=True).indices]
