@@ -395,34 +395,59 @@ def _sgd_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str,
 
 def adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,
                lrs: dict[str, list[float]], steps: Tensor) -> None:
-    """``torch.optim.Adam``'s update (single-tensor form, no AMSGrad) on stacked tensors, with each client's own
-    step count for the bias corrections."""
+    """``torch.optim.Adam``'s update (no AMSGrad) on stacked tensors, with each client's own step count for the bias
+    corrections (Kingma & Ba, Algorithm 1).
+
+    As :func:`sgd_step`, the tensors that share their hyper-parameters and learning rate are updated together by
+    multi-tensor operations — ``torch.optim.Adam``'s own ``foreach`` form, the same per-element arithmetic as its
+    single-tensor form (on the CPU the same operations tensor by tensor, the same bits). Where the rows' step counts
+    or learning rates differ, each tensor takes ``torch.optim.Adam``'s host arithmetic per row (Python floats, one
+    copy to the device for the group) in its kernels' order of operations.
+
+    Args:
+        steps: ``[K]`` int64 on the host: each row's step count *including* this step."""
+    counts = [int(c) for c in steps.tolist()]  # (a host tensor: no wait on a device)
+    uniform = all(c == counts[0] for c in counts)
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for n, p in P.items():
+        rates = tuple(lrs[n])
+        lr = rates[0] if uniform and all(r == rates[0] for r in rates) else rates
+        key = (optim.hyper[n], lr, "exp_avg" in state[n], p.device, p.dtype)
+        groups.setdefault(key, []).append(n)
     with torch.no_grad():
-        for n, p in P.items():
-            beta1, beta2, eps, wd = optim.hyper[n]
-            g = G[n]
-            if wd != 0:
-                g = g.add(p, alpha=wd)
-            s = state[n]
-            if "exp_avg" not in s:
-                s["exp_avg"] = torch.zeros_like(p)
-                s["exp_avg_sq"] = torch.zeros_like(p)
-            exp_avg, exp_avg_sq = s["exp_avg"], s["exp_avg_sq"]
-            exp_avg.lerp_(g, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            counts = steps.tolist()
-            lr = _lr_rows(lrs[n], p)
-            if isinstance(lr, float) and all(c == counts[0] for c in counts):
-                step = counts[0]
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                step_size = lr / bias_correction1
-                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-step_size)
-            else:  # torch.optim.Adam's host arithmetic per row (Python floats), then its kernels' order of operations
-                bc2 = [(1 - beta2**c) ** 0.5 for c in counts]
-                neg_step = [-r / (1 - beta1**c) for r, c in zip(lrs[n], counts, strict=True)]
-                host = torch.tensor([bc2, neg_step], dtype=p.dtype)  # (one copy to the rows' device)
-                rows = host.to(p.device)
-                denom = (exp_avg_sq.sqrt() / rows_like(rows[0], p)).add_(eps)
-                p.add_(rows_like(rows[1], p) * exp_avg / denom)  # addcdiv_: self + value * t1 / t2
+        for (hyper, lr, _, _, _), names in groups.items():
+            _adam_group([P[n] for n in names], [G[n] for n in names], [state[n] for n in names], hyper, lr, counts)
+
+
+def _adam_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], hyper: tuple[Any, ...],
+                lr: float | tuple[float, ...], counts: list[int]) -> None:
+    """:func:`adam_step` of tensors sharing hyper-parameters, learning rate(s) and whether their moments exist."""
+    beta1, beta2, eps, wd = hyper
+    if wd != 0:
+        grads = list(torch._foreach_add(grads, params, alpha=wd))
+    if "exp_avg" not in states[0]:
+        fresh = [torch.empty_like(p) for p in params] + [torch.empty_like(p) for p in params]
+        torch._foreach_zero_(fresh)
+        for st, m, v in zip(states, fresh[:len(params)], fresh[len(params):], strict=True):
+            st["exp_avg"], st["exp_avg_sq"] = m, v
+    exp_avgs = [st["exp_avg"] for st in states]
+    exp_avg_sqs = [st["exp_avg_sq"] for st in states]
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    if not isinstance(lr, tuple):  # one step count and one learning rate for every row
+        step = counts[0]
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, bias_correction2_sqrt)
+        torch._foreach_add_(denoms, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-step_size)
+        return
+    # torch.optim.Adam's host arithmetic per row (Python floats), then its kernels' order of operations
+    bc2 = [(1 - beta2**c) ** 0.5 for c in counts]
+    neg_step = [-r / (1 - beta1**c) for r, c in zip(lr, counts, strict=True)]
+    rows = torch.tensor([bc2, neg_step], dtype=params[0].dtype).to(params[0].device)  # (one copy for the group)
+    for p, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
+        denom = (exp_avg_sq.sqrt() / rows_like(rows[0], p)).add_(eps)
+        p.add_(rows_like(rows[1], p) * exp_avg / denom)  # addcdiv_: self + value * t1 / t2
