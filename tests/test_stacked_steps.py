@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import count_operators
 
 from pl_fedsparse.executors.stacked import ElementwiseOptim, adam_step, sgd_step
 
 _SHAPES = {"a": (3, 4), "b": (5,), "c": (2, 2, 3), "d": ()}
-
-
-class _Operators(TorchDispatchMode):
-    """The operators dispatched inside it (views and allocations aside): ``with _Operators() as c: ...; c.n``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like", "empty_strided"):
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("momentum,dampening,nesterov,wd", [(0.0, 0.0, False, 0.0), (0.9, 0.0, False, 5e-4),
@@ -64,9 +51,7 @@ def test_a_step_costs_the_same_operators_for_any_number_of_tensors() -> None:
         lrs = {n: [0.1, 0.1] for n in names}
         sgd_step(P, {n: torch.randn(2, 4) for n in names}, state, optim, lrs, torch.zeros(2))  # (buffers made)
         G, steps = {n: torch.randn(2, 4) for n in names}, torch.zeros(2)
-        with _Operators() as counted:
-            sgd_step(P, G, state, optim, lrs, steps)
-        return counted.n
+        return count_operators(lambda: sgd_step(P, G, state, optim, lrs, steps))
 
     assert ops(3) == ops(30) <= 6
 
@@ -147,11 +132,9 @@ def test_an_adam_step_costs_the_same_operators_for_any_number_of_tensors() -> No
         state: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
         lrs = {n: [0.01, 0.01] for n in names}
         G, H = {n: torch.randn(2, 4) for n in names}, {n: torch.randn(2, 4) for n in names}
-        with _Operators() as first:  # (the moments made: one fill for them all)
-            adam_step(P, H, state, optim, lrs, torch.tensor([1, 1]))
-        with _Operators() as counted:
-            adam_step(P, G, state, optim, lrs, torch.tensor([2, 2]))
-        assert first.n == counted.n + 1
-        return counted.n
+        first = count_operators(lambda: adam_step(P, H, state, optim, lrs, torch.tensor([1, 1])))
+        counted = count_operators(lambda: adam_step(P, G, state, optim, lrs, torch.tensor([2, 2])))
+        assert first == counted + 1  # (the moments made: one fill for them all)
+        return counted
 
     assert ops(3) == ops(30) <= 8

@@ -119,6 +119,26 @@ def test_the_papers_models_give_the_in_process_run(tmp_path: Path, backbone: lis
     assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", argv, True), relative=True)
 
 
+@pytest.mark.parametrize("backbone", [PAPER_BACKBONES[0], PAPER_BACKBONES[3]], ids=["VGG11GN", "LeNetCIFAR"])
+@pytest.mark.slow
+def test_grouped_convolutions_give_the_in_process_run_to_float_tolerance(tmp_path: Path,
+                                                                         backbone: list[str]) -> None:
+    """``convolutions: grouped`` (one grouped convolution for every client: other rounding than a client's own)
+    still gives the in-process run to 1e-5 of the value over two FedAvg rounds."""
+    argv = ["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *_images32(),
+            "--model.backbone", *backbone, "--model.lr", "0.01", "--trainer.local_epochs", "1",
+            "--trainer.eval_every", "1", "--trainer.num_rounds", "2"]
+    executor = '{"class_path": "pl_fedsparse.executors.VectorizedExecutor", "init_args": {"convolutions": "grouped"}}'
+    grouped = [*argv, "--trainer.executor", executor]
+    assert_same_run(_cli_run(tmp_path / "ref", argv, False), _cli_run(tmp_path / "vec", grouped, False), relative=True)
+
+
+def test_convolutions_must_be_per_client_or_grouped() -> None:
+    with pytest.raises(ConfigError, match=r"VectorizedExecutor.convolutions='each' is invalid: expected one of "
+                                          r"per_client, grouped"):
+        VectorizedExecutor(convolutions="each")  # type: ignore[arg-type]
+
+
 @pytest.mark.slow
 def test_fedspa_on_vgg11_gives_the_in_process_run(tmp_path: Path) -> None:
     """FedSpa's own setting in miniature: masked VGG11-GN with prune-and-regrow — stacked masks, GroupNorm and top-k

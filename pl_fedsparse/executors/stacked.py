@@ -4,9 +4,11 @@
   :func:`adam_step`, ``torch.optim.SGD``'s and ``torch.optim.Adam``'s single-tensor updates applied to stacked
   tensors (each client with its own learning rate and step count);
 * :func:`clip_per_client` — each client's total gradient norm clipped, as Lightning clips one model's;
-* :func:`exact_linear` — linear, 2-D convolution and GroupNorm layers whose ``vmap`` rule computes every client's
-  result with the same kernel the client would use alone (so that stacked and one-by-one fits agree to the last bit
-  where the arithmetic allows; and ``vmap``'s own GroupNorm backward rule is wrong in some compositions);
+* :func:`exact_linear` — linear, 2-D convolution and GroupNorm layers whose ``vmap`` rule gives every client the
+  result of the kernel the client would use alone (so that stacked and one-by-one fits agree to the last bit where
+  the arithmetic allows; and ``vmap``'s own GroupNorm backward rule is wrong in some compositions): linear layers
+  as one batched product, GroupNorm as one kernel over the clients folded into the channels, convolutions one client
+  at a time (or, optionally, one grouped convolution: to rounding);
 * :func:`stacked_gradient_error` — how far stacked gradients are from each client's own (the executor's check).
 
 Used by :class:`~pl_fedsparse.executors.vectorized.VectorizedExecutor`; no Lightning, no executor state.
@@ -185,13 +187,34 @@ def _gn_sizes(x: Tensor) -> tuple[int, int, int]:
     return n, c, x.numel() // (n * c) if n * c else 0
 
 
+def _batched(t: Tensor, d: int | None, n: int) -> Tensor:
+    """``t`` with its client dimension (``d``; ``None``: the same for every client) in front, ``n`` clients."""
+    return t.movedim(d, 0) if d is not None else t.expand(n, *t.shape)
+
+
+def _fold(t: Tensor, d: int | None, n: int) -> Tensor:
+    """``[K, N, C, ...]`` (client dimension ``d``) as one batch ``[N, K·C, ...]``: every client's channels side by
+    side, each sample's clients in order (a copy)."""
+    t = _batched(t, d, n)
+    return t.movedim(0, 1).reshape(t.shape[1], n * t.shape[2], *t.shape[3:]).contiguous()
+
+
+def _fold_rows(t: Tensor | None, d: int | None, n: int) -> Tensor | None:
+    """A per-channel ``[K, C]`` affine parameter (client dimension ``d``) as ``[K·C]``, matching :func:`_fold`."""
+    return None if t is None else _batched(t, d, n).reshape(-1)
+
+
 class _StackedGroupNorm(torch.autograd.Function):
-    """``F.group_norm`` whose batching rule normalises each client alone (forward and backward).
+    """``F.group_norm`` whose batching rule gives each client the bits of its own (forward and backward).
 
     ``vmap``'s own rule for the backward (``native_group_norm_backward``) goes wrong where the incoming gradient's
     client dimension is not in front (it reads the gradient before moving that dimension: fixed upstream in
-    pytorch/pytorch#176272): measured here for ResNet18-GN, stacked gradients up to 3e-3 off a client's own, where
-    this rule gives the client's own bits."""
+    pytorch/pytorch#176272): measured here for ResNet18-GN, stacked gradients up to 3e-3 off a client's own. This
+    rule folds the ``K`` clients into the channels instead — ``[K, N, C, ...]`` as ``[N, K·C, ...]`` with ``K·G``
+    groups and the clients' affine parameters side by side — so one kernel normalises every client: each (sample,
+    group) is the same elements in the same order as the client's own call, its statistics reduced alike and its
+    channels scaled by its own weights (bit-identical on the CPU for every dtype, shape and thread count tested:
+    ``tests/test_stacked_layers.py``), where a loop over the clients would launch ``K`` kernels and stack them."""
 
     @staticmethod
     def forward(x: Tensor, num_groups: int, w: Tensor | None, b: Tensor | None,  # type: ignore[override]
@@ -216,9 +239,15 @@ class _StackedGroupNorm(torch.autograd.Function):
         return gx, None, gw, gb, None
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
-        per = [_StackedGroupNorm.forward(*a) for a in _per_client(info.batch_size, in_dims, args)]
-        return tuple(torch.stack([p[i] for p in per]) for i in range(3)), (0, 0, 0)
+    def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, num_groups: int, w: Tensor | None,
+             b: Tensor | None, eps: float) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+        k = info.batch_size
+        xf = _fold(x, in_dims[0], k)
+        n, c, hw = _gn_sizes(xf)
+        y, mean, rstd = torch.ops.aten.native_group_norm(xf, _fold_rows(w, in_dims[2], k), _fold_rows(b, in_dims[3], k),
+                                                         n, c, hw, k * int(num_groups), eps)
+        # (the clients back in a dimension of their own: dimension 1 of the folded outputs, no copy)
+        return ((y.view(n, k, c // k, *y.shape[2:]), mean.view(n, k, -1), rstd.view(n, k, -1)), (1, 1, 1))
 
 
 class _GroupNormGrad(torch.autograd.Function):
@@ -237,8 +266,23 @@ class _GroupNormGrad(torch.autograd.Function):
         pass
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        return _grads_per_client(_GroupNormGrad.forward, info.batch_size, in_dims, args)
+    def vmap(info: Any, in_dims: tuple[int | None, ...], go: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+             w: Tensor | None, groups: int, need: tuple[bool, bool, bool]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """:class:`_StackedGroupNorm`'s folding: one kernel for every client's gradients, each client's bits."""
+        k = info.batch_size
+        gof, xf = _fold(go, in_dims[0], k), _fold(x, in_dims[1], k)
+        n, c, hw = _gn_sizes(xf)
+
+        def stats(t: Tensor, d: int | None) -> Tensor:  # [K, N, G] -> [N, K·G]
+            t = _batched(t, d, k)
+            return t.movedim(0, 1).reshape(n, -1).contiguous()
+
+        gx, gw, gb = torch.ops.aten.native_group_norm_backward(gof, xf, stats(mean, in_dims[2]), stats(rstd, in_dims[3]),
+                                                               _fold_rows(w, in_dims[4], k), n, c, hw, k * int(groups),
+                                                               list(need))
+        outs = (None if gx is None else gx.view(n, k, c // k, *gx.shape[2:]),
+                None if gw is None else gw.view(k, -1), None if gb is None else gb.view(k, -1))
+        return outs, (None if gx is None else 1, None if gw is None else 0, None if gb is None else 0)
 
 
 def _stacked_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -283,15 +327,21 @@ def full_fp32() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def exact_linear(enabled: bool) -> Iterator[None]:
+def exact_linear(enabled: bool, *, grouped_convolutions: bool = False) -> Iterator[None]:
     """``torch.nn.functional.linear``, ``conv2d`` and ``group_norm`` are :func:`_stacked_linear`,
     :func:`_stacked_conv2d` and :func:`_stacked_group_norm` for the duration (what ``nn.Linear``, ``nn.Conv2d`` and
-    ``nn.GroupNorm`` call)."""
+    ``nn.GroupNorm`` call).
+
+    Args:
+        grouped_convolutions: leave ``conv2d`` to ``vmap``'s own rule — every client's convolution as one grouped
+            convolution (one kernel a layer, forward and backward, where :func:`_stacked_conv2d` runs one a client),
+            which rounds differently from a client's own convolution."""
     if not enabled:
         yield
         return
     setattr(torch.nn.functional, "linear", _stacked_linear)  # noqa: B010 (a module attribute, on purpose)
-    setattr(torch.nn.functional, "conv2d", _stacked_conv2d)  # noqa: B010
+    if not grouped_convolutions:
+        setattr(torch.nn.functional, "conv2d", _stacked_conv2d)  # noqa: B010
     setattr(torch.nn.functional, "group_norm", _stacked_group_norm)  # noqa: B010
     try:
         yield

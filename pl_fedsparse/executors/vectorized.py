@@ -33,9 +33,11 @@ stacked tensors. Everything a fit is made of stays per client:
   :func:`~pl_fedsparse.executors.stacked.full_fp32`): a ``torch.func``
   batching rule that disagrees with its layer would otherwise pass a fast wrong answer off as the in-process run.
   ``vmap``'s own GroupNorm backward rule does (torch 2.14.1: ResNet18-GN's gradients up to 3e-3 off), so in full
-  precision linear, 2-D convolution and GroupNorm layers run each client's own kernel
-  (:func:`~pl_fedsparse.executors.stacked.exact_linear`); the papers' VGG11-GN, ResNet18-GN, LeNet-CIFAR, McMahan
-  CNN and FEMNIST CNN then train stacked to rounding;
+  precision linear, 2-D convolution and GroupNorm layers give each client the bits of its own kernel
+  (:func:`~pl_fedsparse.executors.stacked.exact_linear`: linear layers as one batched product, GroupNorm as one
+  kernel with the clients folded into the channels, convolutions one client at a time — or, with
+  ``convolutions="grouped"``, one grouped convolution, to rounding); the papers' VGG11-GN, ResNet18-GN, LeNet-CIFAR,
+  McMahan CNN and FEMNIST CNN then train stacked to rounding;
 * **faults**: a client whose loss or weights become non-finite is rolled back and left out, the others of its group
   are unaffected (the maths of one client never reads another's); an exception inside a stacked step re-runs that
   group's clients one by one in process, so a failing client is contained as before.
@@ -114,6 +116,13 @@ class VectorizedExecutor(ClientExecutor):
         unsupported: what to do with fits a callback cannot vectorise (it has in-fit hooks and no
             ``vectorized_fit``): ``"error"`` refuses the run when the federation starts, naming the callback;
             ``"sequential"`` runs those fits one by one in process (every fit, when such a callback is configured).
+        convolutions: how a 2-D convolution runs over the stacked clients. ``"per_client"`` (default): each
+            client's own convolution, forward and backward — every weight the bits of the in-process fit, at one
+            kernel per client and layer. ``"grouped"``: one grouped convolution for all the clients (``vmap``'s own
+            rule), one kernel per layer whatever the number of clients — for a GPU, where a round's launches are
+            what it waits for; it rounds differently from a client's own convolution, so a run equals the
+            in-process run to float tolerance only (and, where a top-k selection turns a last-bit difference into
+            another mask, not even that); on this project's 2-core CPU it was slower for LeNet-CIFAR.
 
     Example (YAML)::
 
@@ -122,13 +131,16 @@ class VectorizedExecutor(ClientExecutor):
     """
 
     def __init__(self, *, max_group_size: int | None = None,
-                 unsupported: Literal["error", "sequential"] = "error") -> None:
+                 unsupported: Literal["error", "sequential"] = "error",
+                 convolutions: Literal["per_client", "grouped"] = "per_client") -> None:
         check(max_group_size is None or (isinstance(max_group_size, int) and not isinstance(max_group_size, bool)
                                          and max_group_size >= 1),
               "VectorizedExecutor.max_group_size", max_group_size, "an int >= 1 or null")
         check(unsupported in ("error", "sequential"), "VectorizedExecutor.unsupported", unsupported,
               "one of error, sequential")
-        self.max_group_size, self.unsupported = max_group_size, unsupported
+        check(convolutions in ("per_client", "grouped"), "VectorizedExecutor.convolutions", convolutions,
+              "one of per_client, grouped")
+        self.max_group_size, self.unsupported, self.convolutions = max_group_size, unsupported, convolutions
         self.loop: FederationView | None = None
         self.sequential = InProcessExecutor()
         self.hooks: list[tuple[Any, VectorizedFitHooks]] = []
@@ -448,7 +460,7 @@ class VectorizedExecutor(ClientExecutor):
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
                 sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
                 rows = [live[q] for q in positions]
-                with exact_linear(not autocast):
+                with exact_linear(not autocast, grouped_convolutions=self.convolutions == "grouped"):
                     if not self._gradients_checked and not autocast:  # once: the first stacked step
                         # (the module's own batching rules, also where a callback computes the gradients itself)
                         _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys, grad_fn)
