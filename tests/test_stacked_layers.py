@@ -36,8 +36,9 @@ def _alone(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, grou
 
 
 def _stacked(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, groups: int, go: torch.Tensor,
-             dims: tuple[Any, ...]) -> list[torch.Tensor]:
-    """Every client's output and gradients under ``vmap`` (``dims``: the clients' dimension of x, w, b, go)."""
+             dims: tuple[Any, ...], grouped: bool = False) -> list[torch.Tensor]:
+    """Every client's output and gradients under ``vmap`` (``dims``: the clients' dimension of x, w, b, go;
+    ``grouped``: as beside grouped convolutions, the outputs left with the clients beside the channels)."""
     def one(xk: torch.Tensor, wk: torch.Tensor | None, bk: torch.Tensor | None, gk: torch.Tensor) -> list[Any]:
         def f(xx: torch.Tensor, ww: torch.Tensor | None, bb: torch.Tensor | None) -> torch.Tensor:
             return F.group_norm(xx, groups, ww, bb, 1e-5)
@@ -47,20 +48,36 @@ def _stacked(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, gr
         grads = vjp(gk)
         return [y, *(grads[i] for i in argnums)]
 
-    with exact_linear(True):
+    with exact_linear(True, grouped_convolutions=grouped):
         return torch.func.vmap(one, in_dims=dims)(x, w, b, go)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("case", _CASES)
 @pytest.mark.parametrize("layout", ["per client", "shared weights", "no affine", "clients in dim 1"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["beside per-client convolutions", "beside grouped ones"])
 def test_each_client_gets_the_bits_of_its_own_group_norm(case: tuple[Any, ...], dtype: torch.dtype,
-                                                           layout: str) -> None:
+                                                           layout: str, grouped: bool) -> None:
+    _compare(case, dtype, layout, torch.device("cpu"), grouped)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", _CASES)
+def test_on_cuda_each_client_gets_the_bits_of_its_own_group_norm(case: tuple[Any, ...], dtype: torch.dtype) -> None:
+    """On CUDA too (its GroupNorm kernels reduce each (sample, group) alike whatever the rows beside it)."""
+    _compare(case, dtype, "per client", torch.device("cuda"))
+    _compare(case, dtype, "per client", torch.device("cuda"), grouped=True)
+
+
+def _compare(case: tuple[Any, ...], dtype: torch.dtype, layout: str, device: torch.device,
+             grouped: bool = False) -> None:
     k, n, c, spatial, groups = case
     g = torch.Generator().manual_seed(k * 100 + c)
-    x = (torch.randn(k, n, c, *spatial, generator=g) * 3 + 1).to(dtype)
-    go = torch.randn(k, n, c, *spatial, generator=g).to(dtype)
-    w, b = torch.randn(k, c, generator=g).to(dtype), torch.randn(k, c, generator=g).to(dtype)
+    x = (torch.randn(k, n, c, *spatial, generator=g) * 3 + 1).to(device, dtype)
+    go = torch.randn(k, n, c, *spatial, generator=g).to(device, dtype)
+    w, b = torch.randn(k, c, generator=g).to(device, dtype), torch.randn(k, c, generator=g).to(device, dtype)
     dims: tuple[Any, ...] = (0, 0, 0, 0)
     if layout == "shared weights":
         w, b, dims = w[0], b[0], (0, None, None, 0)
@@ -69,7 +86,7 @@ def test_each_client_gets_the_bits_of_its_own_group_norm(case: tuple[Any, ...], 
         dims = (0, None, None, 0)
     elif layout == "clients in dim 1":
         x, go, dims = x.movedim(0, 1).contiguous(), go.movedim(0, 1).contiguous(), (1, 0, 0, 1)
-    got = _stacked(x, w, b, groups, go, dims)
+    got = _stacked(x, w, b, groups, go, dims, grouped)
     for i in range(k):
         xi = x.select(dims[0], i)
         gi = go.select(dims[3], i)

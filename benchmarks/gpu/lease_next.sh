@@ -6,7 +6,8 @@
 # (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, then pFedGate's
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
 # left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked and
-# DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat).
+# DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat), then a stacked step's
+# convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's convolutions option).
 # Every record goes straight to $OUT, named as in README.md.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
@@ -49,6 +50,9 @@ else
         --trainer.executor pl_fedsparse.executors.VectorizedExecutor
     echo "[$(el)s] DisPFL's gossip message, flat and tensor by tensor"
     run gossip_flat.txt 60 python3 benchmarks/gossip_message.py --flat --device cuda --repeats 10
+    echo "[$(el)s] a stacked step's convolutions, per client and grouped"
+    run stacked_layers.txt 45 python3 benchmarks/stacked_layers.py --device cuda --models VGG11-GN LeNet-CIFAR \
+        --clients 10 50 --batch 32 --repeats 10
     tar -czf "$O/rounds2.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
         benchmarks/gpu/rounds/dmpfl benchmarks/gpu/rounds/fedspa_dst+vec 2>/dev/null
 fi

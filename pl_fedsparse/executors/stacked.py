@@ -199,6 +199,15 @@ def _fold(t: Tensor, d: int | None, n: int) -> Tensor:
     return t.movedim(0, 1).reshape(t.shape[1], n * t.shape[2], *t.shape[3:]).contiguous()
 
 
+def _unfold(t: Tensor, n: int, front: bool) -> Tensor:
+    """:func:`_fold`'s inverse: ``[N, K·C, ...]`` as ``[K, N, C, ...]`` (``front``: contiguous, a copy — what a
+    per-client convolution reads where it lies, where from a strided slice a GPU convolution would copy it first, a
+    launch a client) or, without a copy, as ``[N, K, C, ...]`` (the clients in dimension 1: what a grouped
+    convolution reads as it is)."""
+    t = t.view(t.shape[0], n, t.shape[1] // n, *t.shape[2:])
+    return t.movedim(1, 0).contiguous() if front else t
+
+
 def _fold_rows(t: Tensor | None, d: int | None, n: int) -> Tensor | None:
     """A per-channel ``[K, C]`` affine parameter (client dimension ``d``) as ``[K·C]``, matching :func:`_fold`."""
     return None if t is None else _batched(t, d, n).reshape(-1)
@@ -218,36 +227,35 @@ class _StackedGroupNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(x: Tensor, num_groups: int, w: Tensor | None, b: Tensor | None,  # type: ignore[override]
-                eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                eps: float, front: bool) -> tuple[Tensor, Tensor, Tensor]:
         n, c, hw = _gn_sizes(x)
         return torch.ops.aten.native_group_norm(x.contiguous(), w, b, n, c, hw, num_groups, eps)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, num_groups, w, b, _ = inputs
+        x, num_groups, w, b, _, front = inputs
         _, mean, rstd = output
         ctx.save_for_backward(x, w, mean, rstd)
-        ctx.conf = (int(num_groups), w is not None, b is not None)
+        ctx.conf = (int(num_groups), w is not None, b is not None, bool(front))
         ctx.mark_non_differentiable(mean, rstd)
 
     @staticmethod
     def backward(ctx: Any, go: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
         x, w, mean, rstd = ctx.saved_tensors
-        groups, has_w, has_b = ctx.conf
+        groups, has_w, has_b, front = ctx.conf
         need = (ctx.needs_input_grad[0], has_w and ctx.needs_input_grad[2], has_b and ctx.needs_input_grad[3])
-        gx, gw, gb = _GroupNormGrad.apply(go, x, mean, rstd, w, groups, need)
-        return gx, None, gw, gb, None
+        gx, gw, gb = _GroupNormGrad.apply(go, x, mean, rstd, w, groups, need, front)
+        return gx, None, gw, gb, None, None
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, num_groups: int, w: Tensor | None,
-             b: Tensor | None, eps: float) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
+             b: Tensor | None, eps: float, front: bool) -> tuple[tuple[Tensor, ...], tuple[int, ...]]:
         k = info.batch_size
         xf = _fold(x, in_dims[0], k)
         n, c, hw = _gn_sizes(xf)
         y, mean, rstd = torch.ops.aten.native_group_norm(xf, _fold_rows(w, in_dims[2], k), _fold_rows(b, in_dims[3], k),
                                                          n, c, hw, k * int(num_groups), eps)
-        # (the clients back in a dimension of their own: dimension 1 of the folded outputs, no copy)
-        return ((y.view(n, k, c // k, *y.shape[2:]), mean.view(n, k, -1), rstd.view(n, k, -1)), (1, 1, 1))
+        return (_unfold(y, k, front), mean.view(n, k, -1), rstd.view(n, k, -1)), (0 if front else 1, 1, 1)
 
 
 class _GroupNormGrad(torch.autograd.Function):
@@ -256,7 +264,7 @@ class _GroupNormGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(go: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, groups: int,  # type: ignore[override]
-                need: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+                need: tuple[bool, bool, bool], front: bool) -> tuple[Any, ...]:
         n, c, hw = _gn_sizes(x)
         return torch.ops.aten.native_group_norm_backward(go.contiguous(), x.contiguous(), mean, rstd, w, n, c, hw,
                                                          groups, list(need))
@@ -267,7 +275,8 @@ class _GroupNormGrad(torch.autograd.Function):
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[int | None, ...], go: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
-             w: Tensor | None, groups: int, need: tuple[bool, bool, bool]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+             w: Tensor | None, groups: int, need: tuple[bool, bool, bool], front: bool
+             ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """:class:`_StackedGroupNorm`'s folding: one kernel for every client's gradients, each client's bits."""
         k = info.batch_size
         gof, xf = _fold(go, in_dims[0], k), _fold(x, in_dims[1], k)
@@ -280,14 +289,21 @@ class _GroupNormGrad(torch.autograd.Function):
         gx, gw, gb = torch.ops.aten.native_group_norm_backward(gof, xf, stats(mean, in_dims[2]), stats(rstd, in_dims[3]),
                                                                _fold_rows(w, in_dims[4], k), n, c, hw, k * int(groups),
                                                                list(need))
-        outs = (None if gx is None else gx.view(n, k, c // k, *gx.shape[2:]),
-                None if gw is None else gw.view(k, -1), None if gb is None else gb.view(k, -1))
-        return outs, (None if gx is None else 1, None if gw is None else 0, None if gb is None else 0)
+        outs = (None if gx is None else _unfold(gx, k, front), None if gw is None else gw.view(k, -1),
+                None if gb is None else gb.view(k, -1))
+        return outs, (None if gx is None else 0 if front else 1, None if gw is None else 0, None if gb is None else 0)
 
 
 def _stacked_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                         eps: float = 1e-5) -> Tensor:
-    return _StackedGroupNorm.apply(x, num_groups, weight, bias, eps)[0]
+    return _StackedGroupNorm.apply(x, num_groups, weight, bias, eps, True)[0]
+
+
+def _folded_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+                       eps: float = 1e-5) -> Tensor:
+    """:func:`_stacked_group_norm` whose outputs keep the clients beside the channels (``[N, K, C, ...]``): what a
+    grouped convolution reads without a copy (``convolutions: grouped``)."""
+    return _StackedGroupNorm.apply(x, num_groups, weight, bias, eps, False)[0]
 
 
 #: the CUDA back ends whose float32 arithmetic may run in TF32 (10-bit mantissa): cuDNN's convolutions do by
@@ -342,7 +358,8 @@ def exact_linear(enabled: bool, *, grouped_convolutions: bool = False) -> Iterat
     setattr(torch.nn.functional, "linear", _stacked_linear)  # noqa: B010 (a module attribute, on purpose)
     if not grouped_convolutions:
         setattr(torch.nn.functional, "conv2d", _stacked_conv2d)  # noqa: B010
-    setattr(torch.nn.functional, "group_norm", _stacked_group_norm)  # noqa: B010
+    setattr(torch.nn.functional, "group_norm",  # noqa: B010
+            _folded_group_norm if grouped_convolutions else _stacked_group_norm)
     try:
         yield
     finally:
