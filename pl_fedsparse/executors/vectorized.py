@@ -122,7 +122,7 @@ class VectorizedExecutor(ClientExecutor):
             rule), one kernel per layer whatever the number of clients — for a GPU, where a round's launches are
             what it waits for; it rounds differently from a client's own convolution, so a run equals the
             in-process run to float tolerance only (and, where a top-k selection turns a last-bit difference into
-            another mask, not even that); on this project's 2-core CPU it was slower for LeNet-CIFAR.
+            another mask, not even that); not measured on a GPU yet.
 
     Example (YAML)::
 
