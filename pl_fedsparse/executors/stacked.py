@@ -399,13 +399,6 @@ def clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:
         g.mul_(rows_like(coef, g))
 
 
-def _lr_rows(values: list[float], like: Tensor) -> float | Tensor:
-    """One learning rate for all rows (a float: the exact op torch.optim uses) or one per row."""
-    if all(v == values[0] for v in values):
-        return values[0]
-    return rows_like(torch.tensor(values, dtype=like.dtype, device=like.device), like)
-
-
 def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,
               lrs: dict[str, list[float]], steps: Tensor) -> None:
     """``torch.optim.SGD``'s update on stacked tensors: weight decay, momentum (the first step takes the gradient as
