@@ -134,3 +134,27 @@ def test_masks_are_stored_bit_packed(tmp_path: Path) -> None:
     for name, m in masks.items():
         assert packed[name].dtype == torch.uint8 and packed[name].numel() == (m.numel() + 7) // 8
     assert apply_masks({n: torch.ones(m.shape) for n, m in masks.items()}, masks)
+
+
+def test_drop_scores_are_every_abs_weight_at_once_unless_drop_score_is_overridden() -> None:
+    """The default drop score |w| of every masked tensor is taken by one multi-tensor ``abs`` (the same values as
+    tensor by tensor, operators independent of the number of tensors); a subclass overriding ``drop_score`` still
+    gets its own score for each tensor."""
+    from conftest import count_operators
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(3, 4, generator=g) for i in range(12)}
+    update = ClientUpdate(0, 0, 1, state, metrics={})
+    cb = RandomRegrow(density=0.5)
+    names = list(state)
+    got = cb.drop_scores(None, update, names)  # type: ignore[arg-type]
+    assert all(torch.equal(got[n], state[n].abs()) for n in names)
+    assert count_operators(lambda: cb.drop_scores(None, update, names[:2])) == \
+        count_operators(lambda: cb.drop_scores(None, update, names))  # type: ignore[arg-type]
+
+    class Squared(RandomRegrow):
+        def drop_score(self, loop: Any, update: ClientUpdate, name: str, weight: torch.Tensor) -> torch.Tensor:
+            return weight * weight
+
+    mine = Squared(density=0.5).drop_scores(None, update, names)  # type: ignore[arg-type]
+    assert all(torch.equal(mine[n], state[n] * state[n]) for n in names)

@@ -123,3 +123,31 @@ def test_only_the_masks_a_readjustment_changed_are_sent_again() -> None:
         got = _changed(new, old)
     assert got == ["a", "d"] and _changed({}, {}) == []
     assert Reads.n == 0  # (the answers read by one ``tolist``, which dispatches no read; no ``equal`` a mask)
+
+
+def test_which_masks_changed_costs_the_same_operators_for_any_number_of_masks() -> None:
+    """The masks are compared joined (one comparison, the differences counted per mask), so the operators do not
+    grow with the masks; masks of other shapes, dtypes or devices than their old ones are compared one by one, with
+    the same answers. Planted: a comparison per mask fails the count."""
+    from conftest import count_operators
+
+    from pl_fedsparse.callbacks.masking import _changed
+
+    g = torch.Generator().manual_seed(0)
+
+    def masks(n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        old = {f"m{i}": torch.rand(4, 3, generator=g) < 0.5 for i in range(n)}
+        new = {k: v.clone() for k, v in old.items()}
+        for k in list(new)[::3]:
+            new[k][1, 2] = ~new[k][1, 2]
+        return new, old
+
+    new, old = masks(9)
+    assert _changed(new, old) == ["m0", "m3", "m6"]
+    mixed_old = {**old, "m1": old["m1"].float()}  # (another dtype: one by one, the same answer)
+    assert _changed(new, mixed_old) == ["m0", "m3", "m6"]
+    wide = {**new, "m2": torch.ones(1, 3, dtype=torch.bool)}  # (a broadcast shape: as torch.ne broadcasts)
+    assert _changed(wide, {**old, "m2": torch.ones(4, 3, dtype=torch.bool)}) == ["m0", "m3", "m6"]
+    a, b = masks(3)
+    c, d = masks(30)
+    assert count_operators(lambda: _changed(a, b)) == count_operators(lambda: _changed(c, d))

@@ -131,7 +131,12 @@ def test_entries_moved_ahead_reach_the_device_without_another_copy(monkeypatch: 
         transfer._placed.clear()
 
 
-def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    from pl_fedsparse.executors import base
+
+    if path == "device":  # (the device path's operations, run on the CPU)
+        monkeypatch.setattr(base.transfer, "on_a_device", lambda tensors: True)
     good, nan = torch.ones(2), torch.tensor([1.0, float("nan")])
     u = ClientUpdate(0, 0, 1, {"a": good, "b": nan, "c": nan.clone()}, metrics={"train_loss": 0.5})
     assert find_fault(u) == ("nonfinite_weights", "b")
@@ -152,6 +157,27 @@ def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: p
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: waits.append(1) or real_bool(t))
     find_fault(ClientUpdate(0, 0, 1, {f"w{i}": torch.ones(3) for i in range(20)}, metrics={}))
     assert len(waits) == 1
+    monkeypatch.setattr(torch.Tensor, "__bool__", real_bool)
+    from conftest import count_operators
+
+    def ops(n: int) -> int:  # (the same operators for 3 tensors or 30)
+        update = ClientUpdate(0, 0, 1, {f"w{i}": torch.ones(3) for i in range(n)}, metrics={})
+        return count_operators(lambda: find_fault(update))
+
+    assert ops(3) == ops(30)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_the_fault_check_on_cuda_names_the_first_bad_tensor() -> None:
+    big = torch.tensor([65504.0, -65504.0], dtype=torch.float16, device="cuda")
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            t = torch.zeros(5, dtype=dtype, device="cuda")
+            t[3] = bad
+            state = {"empty": torch.empty(0, device="cuda"), "big": big, "bad": t, "later": t.clone()}
+            assert find_fault(ClientUpdate(0, 0, 1, state, metrics={})) == ("nonfinite_weights", "bad"), (bad, dtype)
+    assert find_fault(ClientUpdate(0, 0, 1, {"big": big}, metrics={})) == (None, None)
 
 
 @pytest.mark.slow
@@ -349,3 +375,23 @@ def test_clones_and_copies_of_many_tensors_are_one_operator() -> None:
     assert ops(lambda: _load_into(module.state_dict(keep_vars=True), state)) == 1
     assert all(torch.equal(module.state_dict()[k], v) for k, v in state.items())
     assert all(p.requires_grad and p.grad_fn is None for p in module.parameters())
+
+
+def test_abs_tensors_is_one_multi_tensor_abs_with_the_values_of_each() -> None:
+    """Dense tensors on one device: one ``_foreach_abs`` (any number of tensors), the values of ``t.abs()`` — signed
+    zeros, infinities and NaN included; sparse tensors one by one."""
+    from conftest import count_operators
+
+    from pl_fedsparse.functional.transfer import abs_tensors
+
+    ts = [torch.tensor([-0.0, 0.0, -float("inf"), float("nan"), -2.5]), torch.tensor(-3, dtype=torch.int64),
+          torch.tensor([[-1.0, 2.0]], dtype=torch.float16)]
+    got = abs_tensors(ts)
+    assert all(torch.equal(a, t.abs()) or (a.isnan() == t.abs().isnan()).all() for a, t in zip(got, ts))
+    assert torch.equal(got[0].signbit(), torch.zeros(5, dtype=torch.bool))
+    many = [torch.randn(3) for _ in range(20)]
+    assert count_operators(lambda: abs_tensors(many[:2])) == count_operators(lambda: abs_tensors(many)) == 1
+    sparse = torch.tensor([[0.0, -1.0]]).to_sparse()
+    out = abs_tensors([torch.tensor([-1.0]), sparse])
+    assert out[1].is_sparse and torch.equal(out[1].to_dense(), torch.tensor([[0.0, 1.0]]))
+    assert abs_tensors([]) == []

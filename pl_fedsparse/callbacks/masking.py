@@ -35,7 +35,7 @@ from pl_fedsparse.errors import check
 from pl_fedsparse.executors.runner import ignores_batch_outputs
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.masks import apply_masks, check_density, layer_densities, permutation_scores, topk_mask
-from pl_fedsparse.functional.sparse import pack_masks, packed_count, unpack_masks
+from pl_fedsparse.functional.sparse import pack_masks, packed_count, segment_layout, unpack_masks
 from pl_fedsparse.functional.transfer import to_device, to_host, to_where
 
 if TYPE_CHECKING:
@@ -79,7 +79,17 @@ def _changed(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> list[str]:
     names = list(new)
     if not names:
         return []
-    differs = torch.stack([torch.ne(new[k], old[k]).any() for k in names]).tolist()
+    a, b = [new[k] for k in names], [old[k] for k in names]
+    first = a[0]
+    if len(names) > 1 and all(x.shape == y.shape and x.dtype == y.dtype == first.dtype and x.device == y.device ==
+                              first.device and x.layout == y.layout == torch.strided for x, y in zip(a, b)):
+        # joined: one comparison of all the masks, its differences counted per mask (segment_layout: cached)
+        segment, _ = segment_layout(tuple(x.numel() for x in a), first.device)
+        diff = torch.cat([x.reshape(-1) for x in a]) != torch.cat([y.reshape(-1) for y in b])
+        counts = torch.zeros(len(names), dtype=torch.int64, device=first.device).index_add_(0, segment, diff.long())
+        differs = counts.tolist()
+    else:  # (shapes that broadcast, mixed dtypes or devices: mask by mask, still one read)
+        differs = torch.stack([torch.ne(x, y).any() for x, y in zip(a, b)]).tolist()
     return [k for k, d in zip(names, differs) if d]
 
 

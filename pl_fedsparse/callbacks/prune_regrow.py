@@ -34,7 +34,7 @@ from pl_fedsparse.functional.sparse import (
     drop_and_grow_many,
     prune_regrow_counts,
 )
-from pl_fedsparse.functional.transfer import to_where
+from pl_fedsparse.functional.transfer import abs_tensors, to_where
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -98,7 +98,7 @@ def gradient_scores(loop: FederationView, update: ClientUpdate, names: list[str]
     the ``grow`` stream of (round, client); its FLOPs are charged to the client (``loop.local_gradients``)."""
     grads = loop.local_gradients(update.client_idx, names, keys=(update.round_idx, update.client_idx),
                                  batches=batches, stream="grow", update=update)
-    return {name: g.abs() for name, g in grads.items()}
+    return dict(zip(grads, abs_tensors(list(grads.values())), strict=True))
 
 
 class MaskPruneRegrow(SparseMask):
@@ -137,6 +137,15 @@ class MaskPruneRegrow(SparseMask):
         """Score of keeping each entry; the lowest active ones are dropped (default |w|, all papers)."""
         return weight.abs()
 
+    def drop_scores(self, loop: FederationView, update: ClientUpdate, names: list[str]) -> dict[str, Tensor]:
+        """:meth:`drop_score` of every tensor ``names`` of the trained weights. Where a subclass keeps the default
+        |w| (no override of :meth:`drop_score`), every |w| at once (:func:`~pl_fedsparse.functional.transfer.abs_tensors`:
+        one multi-tensor operation on a GPU, where it was a launch a tensor); otherwise the override, tensor by
+        tensor."""
+        if type(self).drop_score is MaskPruneRegrow.drop_score:
+            return dict(zip(names, abs_tensors([update.state[n] for n in names]), strict=True))
+        return {name: self.drop_score(loop, update, name, update.state[name]) for name in names}
+
     def grow_scores(self, loop: FederationView, module: pl.LightningModule,
                     update: ClientUpdate) -> dict[str, Tensor]:
         """Score of regrowing each entry of every masked tensor; the highest inactive ones are grown."""
@@ -150,7 +159,7 @@ class MaskPruneRegrow(SparseMask):
         if update.kind != "train" or rate <= 0 or not masks:
             return None
         grow = self.grow_scores(loop, module, update)
-        drop = {name: self.drop_score(loop, update, name, update.state[name]) for name in masks}
+        drop = self.drop_scores(loop, update, list(masks))
         return prune_regrow(masks, drop, grow, rate)
 
 

@@ -30,8 +30,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "clear_twins", "clone_tensors", "copy_tensors",
-           "copy_into", "mark_placed",
+__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "abs_tensors", "clear_twins", "clone_tensors",
+           "copy_tensors", "copy_into", "mark_placed",
            "is_on", "needs_copy", "on_a_device", "placed_on", "remember_twin", "tensors_in", "to_device", "to_host",
            "to_where", "twins_on"]
 
@@ -196,6 +196,23 @@ def clone_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     with torch.no_grad():
         torch._foreach_copy_(out, src)
     return out
+
+
+def abs_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``t.abs()`` of every tensor (new tensors, no autograd): one multi-tensor ``torch._foreach_abs`` where they are
+    dense and on one device (a launch or a few on a GPU for them all), one by one otherwise (sparse tensors, several
+    devices). The same values either way (``abs`` is exact).
+
+    Example:
+        >>> [t.tolist() for t in abs_tensors([torch.tensor([-1.5, 2.0]), torch.tensor(-3)])]
+        [[1.5, 2.0], 3]
+    """
+    if not tensors:
+        return []
+    src = [t.detach() for t in tensors]
+    if all(t.layout == torch.strided and t.device == src[0].device for t in src):
+        return list(torch._foreach_abs(src))
+    return [t.abs() for t in src]
 
 
 def copy_into(targets: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
