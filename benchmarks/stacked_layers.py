@@ -23,29 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from stacked_ops import OpCounter  # (the kernel-launch rule of the other counts: device_traffic's)
 
 from pl_fedsparse.executors.stacked import exact_linear
 from pl_fedsparse.models import VGG11GN, LeNetCIFAR, ResNet18GN
 
 MODELS: dict[str, Any] = {"VGG11-GN": VGG11GN, "ResNet18-GN": ResNet18GN, "LeNet-CIFAR": LeNetCIFAR}
-_NO_KERNEL = ("empty", "empty_like", "empty_strided")
-
-
-class Operators(TorchDispatchMode):
-    """The operators dispatched inside it that launch a kernel on a GPU (views and allocations aside)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def step_fn(model: torch.nn.Module, k: int, batch: int, device: torch.device, grouped: bool) -> Any:
@@ -91,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
             first: tuple[int, int] | None = None
             for k in args.clients:
                 run = step_fn(model, k, args.batch, device, mode == "grouped")
-                with Operators() as counted:
+                with OpCounter() as counter:
                     run()
+                counted = counter.ops
                 sync()
                 times = []
                 for _ in range(args.repeats):
@@ -101,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
                     sync()
                     times.append(time.perf_counter() - t0)
                 if first is None:
-                    first = (k, counted.n)
+                    first = (k, counted)
                     more = ""
                 else:
-                    more = f", {(counted.n - first[1]) / (k - first[0]):.1f} a client more than K={first[0]}"
-                print(f"{name} K={k} {mode}: {counted.n} operators{more}, "
+                    more = f", {(counted - first[1]) / (k - first[0]):.1f} a client more than K={first[0]}"
+                print(f"{name} K={k} {mode}: {counted} operators{more}, "
                       f"{1e3 * statistics.median(times):.1f} ms a step (median of {args.repeats})", flush=True)
 
 

@@ -143,15 +143,7 @@ def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: p
     u = ClientUpdate(0, 0, 1, {"a": good}, message=Message({"a": good, "up": nan}), metrics={"train_loss": 0.5})
     assert find_fault(u) == ("nonfinite_upload", "up")
     assert find_fault(ClientUpdate(0, 0, 1, {"a": good}, message=Message({"a": good}), metrics={})) == (None, None)
-    # every kind of non-finite value, in every float dtype; empty tensors and the largest finite halves pass
-    big = torch.tensor([65504.0, -65504.0], dtype=torch.float16)
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            t = torch.zeros(5, dtype=dtype)
-            t[3] = bad
-            state = {"empty": torch.empty(0), "big": big, "ok": good, "bad": t, "later": t.clone()}
-            assert find_fault(ClientUpdate(0, 0, 1, state, metrics={})) == ("nonfinite_weights", "bad"), (bad, dtype)
-    assert find_fault(ClientUpdate(0, 0, 1, {"e": torch.empty(0), "big": big}, metrics={})) == (None, None)
+    _every_nonfinite_kind(torch.device("cpu"))
     waits = []
     real_bool = torch.Tensor.__bool__
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: waits.append(1) or real_bool(t))
@@ -170,14 +162,22 @@ def test_the_fault_check_names_the_first_bad_tensor_with_one_wait(monkeypatch: p
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.gpu
 def test_the_fault_check_on_cuda_names_the_first_bad_tensor() -> None:
-    big = torch.tensor([65504.0, -65504.0], dtype=torch.float16, device="cuda")
+    _every_nonfinite_kind(torch.device("cuda"))
+
+
+def _every_nonfinite_kind(device: torch.device) -> None:
+    """Every kind of non-finite value, in every float dtype, is found; empty tensors and the largest finite halves
+    pass."""
+    big = torch.tensor([65504.0, -65504.0], dtype=torch.float16, device=device)
     for bad in (float("nan"), float("inf"), float("-inf")):
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            t = torch.zeros(5, dtype=dtype, device="cuda")
+            t = torch.zeros(5, dtype=dtype, device=device)
             t[3] = bad
-            state = {"empty": torch.empty(0, device="cuda"), "big": big, "bad": t, "later": t.clone()}
+            state = {"empty": torch.empty(0, device=device), "big": big, "ok": torch.ones(2, device=device), "bad": t,
+                     "later": t.clone()}
             assert find_fault(ClientUpdate(0, 0, 1, state, metrics={})) == ("nonfinite_weights", "bad"), (bad, dtype)
-    assert find_fault(ClientUpdate(0, 0, 1, {"big": big}, metrics={})) == (None, None)
+    assert find_fault(ClientUpdate(0, 0, 1, {"e": torch.empty(0, device=device), "big": big}, metrics={})) == \
+        (None, None)
 
 
 @pytest.mark.slow

@@ -51,6 +51,11 @@ def rows_like(live: Tensor, like: Tensor) -> Tensor:
     return live.view(-1, *([1] * (like.dim() - 1)))
 
 
+def _batched(t: Tensor, d: int | None, n: int) -> Tensor:
+    """``t`` with its client dimension (``d``; ``None``: the same for every client) in front, ``n`` clients."""
+    return t.movedim(d, 0) if d is not None else t.expand(n, *t.shape)
+
+
 _LINEAR = torch.nn.functional.linear
 
 
@@ -85,16 +90,12 @@ class _StackedLinear(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple[int | None, ...], x: Tensor, w: Tensor, b: Tensor | None
              ) -> tuple[Tensor, int]:
         n = info.batch_size
-
-        def batched(t: Tensor, d: int | None) -> Tensor:
-            return t.movedim(d, 0) if d is not None else t.expand(n, *t.shape)
-
-        x, w = batched(x, in_dims[0]), batched(w, in_dims[1])
+        x, w = _batched(x, in_dims[0], n), _batched(w, in_dims[1], n)
         x3 = x.reshape(n, -1, x.shape[-1])
         if b is None:
             out = torch.bmm(x3, w.transpose(1, 2))
         else:
-            out = torch.baddbmm(batched(b, in_dims[2]).unsqueeze(1), x3, w.transpose(1, 2))
+            out = torch.baddbmm(_batched(b, in_dims[2], n).unsqueeze(1), x3, w.transpose(1, 2))
         return out.reshape(*x.shape[:-1], w.shape[1]), 0
 
 
@@ -187,14 +188,9 @@ def _gn_sizes(x: Tensor) -> tuple[int, int, int]:
     return n, c, x.numel() // (n * c) if n * c else 0
 
 
-def _batched(t: Tensor, d: int | None, n: int) -> Tensor:
-    """``t`` with its client dimension (``d``; ``None``: the same for every client) in front, ``n`` clients."""
-    return t.movedim(d, 0) if d is not None else t.expand(n, *t.shape)
-
-
 def _fold(t: Tensor, d: int | None, n: int) -> Tensor:
-    """``[K, N, C, ...]`` (client dimension ``d``) as one batch ``[N, K·C, ...]``: every client's channels side by
-    side, each sample's clients in order (a copy)."""
+    """``[K, N, C, ...]`` (client dimension ``d``) as one batch ``[N, K·C, ...]``: every client's channels (or
+    groups) side by side, each sample's clients in order (a copy)."""
     t = _batched(t, d, n)
     return t.movedim(0, 1).reshape(t.shape[1], n * t.shape[2], *t.shape[3:]).contiguous()
 
@@ -281,14 +277,10 @@ class _GroupNormGrad(torch.autograd.Function):
         k = info.batch_size
         gof, xf = _fold(go, in_dims[0], k), _fold(x, in_dims[1], k)
         n, c, hw = _gn_sizes(xf)
-
-        def stats(t: Tensor, d: int | None) -> Tensor:  # [K, N, G] -> [N, K·G]
-            t = _batched(t, d, k)
-            return t.movedim(0, 1).reshape(n, -1).contiguous()
-
-        gx, gw, gb = torch.ops.aten.native_group_norm_backward(gof, xf, stats(mean, in_dims[2]), stats(rstd, in_dims[3]),
-                                                               _fold_rows(w, in_dims[4], k), n, c, hw, k * int(groups),
-                                                               list(need))
+        # (the statistics [K, N, G] folded as the channels are: [N, K·G])
+        mean_f, rstd_f = _fold(mean, in_dims[2], k), _fold(rstd, in_dims[3], k)
+        gx, gw, gb = torch.ops.aten.native_group_norm_backward(gof, xf, mean_f, rstd_f, _fold_rows(w, in_dims[4], k),
+                                                               n, c, hw, k * int(groups), list(need))
         outs = (None if gx is None else _unfold(gx, k, front), None if gw is None else gw.view(k, -1),
                 None if gb is None else gb.view(k, -1))
         return outs, (None if gx is None else 0 if front else 1, None if gw is None else 0, None if gb is None else 0)
