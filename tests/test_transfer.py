@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from pl_fedsparse.callbacks import FederatedCallback
 from pl_fedsparse.client import ClientStateStore, ClientUpdate, Message
 from pl_fedsparse.context import FitContext, fit_scope
+from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors.base import find_fault
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.testing import simulated_device
@@ -395,3 +397,111 @@ def test_abs_tensors_is_one_multi_tensor_abs_with_the_values_of_each() -> None:
     out = abs_tensors([torch.tensor([-1.0]), sparse])
     assert out[1].is_sparse and torch.equal(out[1].to_dense(), torch.tensor([[0.0, 1.0]]))
     assert abs_tensors([]) == []
+
+
+# ---- pinned staging (trainer.pin_memory) --------------------------------------------------------------------------
+class _StagingProbe(FederatedCallback):
+    """Records whether the copies across the host link are staged in pinned memory inside the fit."""
+
+    scratch_attributes = ("seen",)  # a probe for the test, not state a resume needs
+
+    def __init__(self) -> None:
+        self.seen: bool | None = None
+
+    def on_federation_start(self, loop: Any) -> None:
+        self.seen = transfer.PIN_MEMORY
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_pin_memory_holds_during_the_fit_only(tmp_path: Path, pinned: bool) -> None:
+    """``trainer.pin_memory`` is what the fit's copies see, and the process default is back after the fit — also
+    after a fit that fails."""
+    from conftest import tiny_datamodule, tiny_loop, tiny_module
+
+    assert transfer.PIN_MEMORY
+    probe = _StagingProbe()
+    tiny_loop(tmp_path / "a", num_rounds=1, pin_memory=pinned, callbacks=[probe]).fit(tiny_module(), tiny_datamodule())
+    assert probe.seen is pinned and transfer.PIN_MEMORY
+    broken = tiny_loop(tmp_path / "b", num_rounds=1, pin_memory=pinned)
+    broken.run_round = lambda r: 1 / 0  # type: ignore[method-assign,assignment,return-value]
+    with pytest.raises(ZeroDivisionError):
+        broken.fit(tiny_module(), tiny_datamodule())
+    assert transfer.PIN_MEMORY
+
+
+def test_pin_memory_must_be_a_bool(tmp_path: Path) -> None:
+    from conftest import tiny_loop
+
+    with pytest.raises(ConfigError, match=r"trainer.pin_memory.*'yes'.*true or false"):
+        tiny_loop(tmp_path, pin_memory="yes")
+
+
+def test_pinned_staging_only_between_the_host_and_a_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda, mps = torch.device("cpu"), torch.device("cuda", 0), torch.device("mps")
+    monkeypatch.setattr(transfer, "_PINNING_FAILED", False)
+    assert transfer._stages_pinned(cpu, cuda) and transfer._stages_pinned(cuda, cpu)
+    assert not any(transfer._stages_pinned(a, b) for a, b in ((cpu, cpu), (cuda, cuda), (cpu, mps), (mps, cpu)))
+    with transfer.host_staging(False):
+        assert not transfer._stages_pinned(cpu, cuda)
+    assert transfer._stages_pinned(cpu, cuda)
+    monkeypatch.setattr(transfer, "_PINNING_FAILED", True)
+    assert not transfer._stages_pinned(cpu, cuda)
+
+
+def test_without_pinned_memory_the_copies_go_pageable_after_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Where page-locked memory cannot be had (a locked-memory limit; no driver), the first attempt warns in one line
+    and the process stages in pageable memory from then on — nothing fails, and no attempt is made again."""
+    real_empty, attempts = torch.empty, []
+
+    def empty(*args: Any, **kw: Any) -> torch.Tensor:
+        if kw.get("pin_memory"):
+            attempts.append(args)
+            raise RuntimeError("cudaHostAlloc failed: out of memory\n(a second line)")
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(transfer, "_PINNING_FAILED", False)
+    monkeypatch.setattr(transfer.torch, "empty", empty)
+    with caplog.at_level("WARNING", logger=transfer.__name__):
+        assert transfer._pinned_bytes(64) is None and transfer._pinned_bytes(64) is None
+    assert len(attempts) == 1
+    warned = [r.getMessage() for r in caplog.records if "pin_memory" in r.getMessage()]
+    assert len(warned) == 1 and "cudaHostAlloc failed: out of memory" in warned[0] and "second line" not in warned[0]
+    assert not transfer._stages_pinned(torch.device("cpu"), torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pinned_or_pageable_staging_keeps_every_bit_on_cuda(pinned: bool) -> None:
+    """The same bytes either way; staged in pinned memory, what comes back to the host (as views of the buffer, the
+    update the server aggregates) is page-locked, and pageable otherwise."""
+    ts = _mixed()
+    with transfer.host_staging(pinned):
+        on = transfer.copy_tensors(ts, "cuda", share=True)
+        back = transfer.copy_tensors(on, "cpu", share=True)
+        kept = transfer.copy_tensors(on, "cpu")  # (tensors of their own: a client's stored state, pageable)
+    for a, b, c in zip(ts, back, kept):
+        assert a.dtype == b.dtype == c.dtype and a.shape == b.shape == c.shape
+        bits = [t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1) for t in (a, b, c)]
+        assert torch.equal(bits[0], bits[1]) and torch.equal(bits[0], bits[2])
+    assert all(b.is_pinned() is pinned for b in back)
+    assert not any(c.is_pinned() for c in kept)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pinned_copy_to_cuda_does_not_wait_for_the_device_and_keeps_its_bytes() -> None:
+    """Staged in pinned memory, a copy to the GPU is queued behind the work already there instead of waiting for it
+    (a pageable copy waits for the stream: the host stalls at every fit's start); and a staging buffer freed at once
+    is not handed out again before its copy ran (twenty copies queued behind a busy stream keep their values)."""
+    stream = torch.cuda.current_stream()
+    for pinned in (False, True):
+        torch.cuda.synchronize()
+        with transfer.host_staging(pinned):
+            torch.cuda._sleep(200_000_000)  # (about 0.1 s of a busy device)
+            outs = [transfer.copy_tensors([torch.full((1000,), float(i))], "cuda")[0] for i in range(20)]
+            waited = stream.query()
+        torch.cuda.synchronize()
+        assert waited is not pinned, "a pinned copy waited for the device" if pinned else "the stream was idle"
+        assert all(torch.equal(o.cpu(), torch.full((1000,), float(i))) for i, o in enumerate(outs))

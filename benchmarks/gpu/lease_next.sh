@@ -7,7 +7,8 @@
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
 # left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked and
 # DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat), then a stacked step's
-# convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's convolutions option).
+# convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's convolutions option); before it,
+# a fit's state across the host link staged in pinned memory against pageable (host_link.py: trainer.pin_memory).
 # Every record goes straight to $OUT, named as in README.md.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
@@ -50,6 +51,8 @@ else
         --trainer.executor pl_fedsparse.executors.VectorizedExecutor
     echo "[$(el)s] DisPFL's gossip message, flat and tensor by tensor"
     run gossip_flat.txt 60 python3 benchmarks/gossip_message.py --flat --device cuda --repeats 10
+    echo "[$(el)s] a fit's state across the host link, pinned and pageable"
+    run host_link.txt 40 python3 benchmarks/host_link.py --repeats 10
     echo "[$(el)s] a stacked step's convolutions, per client and grouped"
     run stacked_layers.txt 45 python3 benchmarks/stacked_layers.py --device cuda --models VGG11-GN LeNet-CIFAR \
         --clients 10 50 --batch 32 --repeats 10

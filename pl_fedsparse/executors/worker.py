@@ -21,6 +21,7 @@ from pl_fedsparse.executors.base import FitRequest
 from pl_fedsparse.executors.in_process import InProcessExecutor
 from pl_fedsparse.executors.vectorized import VectorizedExecutor
 from pl_fedsparse.executors.wire import _pack_update, _WireRequest
+from pl_fedsparse.functional import transfer
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -103,6 +104,7 @@ class FitWorker:
         loop.evaluator = Evaluator(loop, *eval_batch)
         loop._owners = {}
         apply_flush_denormal(getattr(loop, "flush_denormal", False))  # (the driver's trainer.flush_denormal)
+        transfer.PIN_MEMORY = bool(getattr(loop, "pin_memory", True))  # (the driver's trainer.pin_memory)
         loop.run_dir = None  # a fit writes nothing (no logger, no checkpoints)
         self.loop = loop
         self.executor: InProcessExecutor | VectorizedExecutor = VectorizedExecutor() if vectorize else InProcessExecutor()

@@ -7,6 +7,14 @@ on the source device (one concatenation of the tensors' bytes there: a kernel la
 tensor), the buffer crosses once, and each tensor is read back as a view of it
 (``Tensor.view(dtype)`` then its shape). Values are bit for bit the tensors' own: only bytes move.
 
+Between the host and a CUDA device the buffer is staged in page-locked ("pinned") host memory
+(``trainer.pin_memory``, on by default; :func:`host_staging`): a copy to the device is queued without holding the host
+up — it goes on launching the fit's kernels while the copy runs, and torch's pinned-memory allocator keeps the
+buffer from reuse until the copy is done — and a copy to the host goes straight into page-locked memory (no staging
+through a driver buffer), waited for once before it is read. Pageable memory is used where pinning fails (a locked
+memory limit: one warning, then pageable copies). The client states the federation keeps stay in pageable memory:
+locking a whole federation's state would take gigabytes the system could no longer page.
+
 The tensors that come back share that one buffer's storage. :func:`copy_tensors` hands out such views (``share=True``:
 cheapest, for values used and dropped together, e.g. an update the server aggregates) or, by default, tensors with
 storages of their own (a host-side copy each: a value kept long, e.g. a client's state, must not keep the whole
@@ -21,8 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "abs_tensors", "clear_twins", "clone_tensors",
-           "copy_tensors", "copy_into", "mark_placed",
+           "copy_tensors", "copy_into", "host_staging", "mark_placed",
            "is_on", "needs_copy", "on_a_device", "placed_on", "remember_twin", "tensors_in", "to_device", "to_host",
            "to_where", "twins_on"]
 
@@ -41,6 +51,15 @@ ALIGN = 64
 #: take the device path on the CPU too (``force`` everywhere): what tests and the device-traffic counter set to see,
 #: on a machine without an accelerator, the copies a device run makes
 ALWAYS_PACK = False
+
+#: stage the copies between the host and a CUDA device in pinned host memory (see the module docstring;
+#: ``trainer.pin_memory`` sets it for a federation through :func:`host_staging`)
+PIN_MEMORY = True
+
+#: set when pinned host memory could not be had once: the copies of this process use pageable memory from then on
+_PINNING_FAILED = False
+
+_log = logging.getLogger(__name__)
 
 
 _SCALARS = (int, float, complex, str, bytes, bool, type(None))
@@ -117,13 +136,14 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
             offsets.append(total)
             nbytes = tensors[i].numel() * tensors[i].element_size()
             total += -(-nbytes // ALIGN) * ALIGN
-        buf = _pack(tensors, idx, offsets, total, source, where)
+        pin = _stages_pinned(source, dev)
+        buf = _pack(tensors, idx, offsets, total, source, where, pin=pin and source.type == "cpu")
         if ALWAYS_PACK and where is None and len(by_source) > 1 and dev.type == "cpu":
             # (simulated: host tensors copied to the host beside device tensors — a host copy, as on an
             # accelerator, where they are a group of their own; not a crossing)
             moved = buf.clone()
         else:
-            moved = buf.to(dev, copy=True)  # the one copy across the link
+            moved = _cross(buf, dev, pin)  # the one copy across the link
             if ALWAYS_PACK and where is not None and dev.type == "cpu":
                 # (simulated: from "the device" to the host — what is made from the copy is host work, as on an
                 # accelerator, not device work)
@@ -148,10 +168,11 @@ _GAPS: dict[torch.device, Tensor] = {}
 
 
 def _pack(tensors: Sequence[Tensor], idx: Sequence[int], offsets: Sequence[int], total: int,
-          source: torch.device, where: str | None = None) -> Tensor:
+          source: torch.device, where: str | None = None, *, pin: bool = False) -> Tensor:
     """The ``total``-byte buffer on ``source`` holding ``tensors[i]``'s bytes at ``offsets`` (for ``i`` in ``idx``),
     written by one concatenation of the tensors' bytes (views, no copy of their own) and of gap fillers (``where``:
-    the simulated device the tensors are placed on, where the fillers are placed too)."""
+    the simulated device the tensors are placed on, where the fillers are placed too); in pinned host memory where
+    ``pin`` asks and it can be had."""
     gap = _GAPS.get(source)
     if gap is None:
         gap = _GAPS[source] = torch.zeros(ALIGN, dtype=torch.uint8, device=source)
@@ -172,10 +193,67 @@ def _pack(tensors: Sequence[Tensor], idx: Sequence[int], offsets: Sequence[int],
         pieces.append(gap[:total - filled])
         if where is not None:
             _remember(_placed, pieces[-1:], where)
-    buf = torch.empty(total, dtype=torch.uint8, device=source)
+    buf = _pinned_bytes(total) if pin else None
+    if buf is None:
+        buf = torch.empty(total, dtype=torch.uint8, device=source)
     if pieces:
         torch.cat(pieces, out=buf)
     return buf
+
+
+def _stages_pinned(source: torch.device, dev: torch.device) -> bool:
+    """Whether a copy from ``source`` to ``dev`` is staged in pinned host memory: one side the host, the other a CUDA
+    device, :data:`PIN_MEMORY` on (and pinning not found impossible in this process)."""
+    return PIN_MEMORY and not _PINNING_FAILED and {source.type, dev.type} == {"cpu", "cuda"}
+
+
+def _pinned_bytes(n: int) -> Tensor | None:
+    """``n`` bytes of pinned host memory, or ``None`` (with one warning a process) where it cannot be had."""
+    global _PINNING_FAILED
+    if _PINNING_FAILED:
+        return None
+    try:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as err:
+        _PINNING_FAILED = True
+        _log.warning("trainer.pin_memory: pinned host memory could not be had (%s); the copies across the host link "
+                     "use pageable memory from here on", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+
+
+def _cross(buf: Tensor, dev: torch.device, pin: bool) -> Tensor:
+    """``buf`` copied to ``dev``: the one copy across the link. Staged in pinned host memory (``pin``): to the
+    device queued without a wait (``non_blocking``: the host goes on while it runs; torch's pinned-memory allocator
+    keeps ``buf`` from reuse until it is done), to the host straight into pinned memory and waited for once — the
+    host reads it next, as after a blocking copy."""
+    if pin and dev.type == "cuda" and buf.is_pinned():
+        return buf.to(dev, non_blocking=True)
+    if pin and dev.type == "cpu":
+        out = _pinned_bytes(buf.numel())
+        if out is not None:
+            out.copy_(buf, non_blocking=True)
+            torch.cuda.current_stream(buf.device).synchronize()
+            return out
+    return buf.to(dev, copy=True)
+
+
+@contextlib.contextmanager
+def host_staging(pinned: bool) -> Iterator[None]:
+    """Within the block, stage the copies between the host and a CUDA device in pinned host memory (``pinned``) or
+    in pageable memory; :data:`PIN_MEMORY` is put back after it. The federation runs its ``fit``, ``validate`` and
+    ``test`` under ``host_staging(trainer.pin_memory)``. The same bytes either way: only the copies' speed differs.
+
+    Example:
+        >>> with host_staging(False):
+        ...     copy_tensors([torch.ones(2)], "cpu", force=True)[0].tolist()
+        [1.0, 1.0]
+    """
+    global PIN_MEMORY
+    before, PIN_MEMORY = PIN_MEMORY, bool(pinned)
+    try:
+        yield
+    finally:
+        PIN_MEMORY = before
 
 
 def clone_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
