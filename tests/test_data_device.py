@@ -88,3 +88,63 @@ def test_data_device_values() -> None:
     assert FederatedDataModule().device == "auto"
     with pytest.raises(ConfigError, match=r"data.device='nonsense' is invalid: expected auto"):
         FederatedDataModule(device="nonsense")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("how", ["plain", "augment", "prepared", "features"])
+def test_a_fits_loader_on_cuda_never_waits_for_the_device(how: str) -> None:
+    """A loader made per fit over data on the GPU — its client's indices, each epoch's batch order and augmentation
+    draws crossing from the host — makes no synchronising call (``torch.cuda.set_sync_debug_mode``: a copy from
+    pageable memory would be one), and its batches are the CPU loader's (the labels bit for bit, the inputs to float
+    rounding)."""
+    from pl_fedsparse.data.loaders import AUGMENT_PAD, TensorBatchLoader, prepare_inputs
+
+    g = torch.Generator().manual_seed(0)
+    if how == "features":
+        images, stats = torch.randn(300, 6, generator=g), ([0.1] * 6, [2.0] * 6)
+    else:
+        images, stats = torch.randint(0, 256, (300, 3, 8, 8), dtype=torch.uint8, generator=g), ([0.5] * 3, [0.25] * 3)
+    labels, indices = torch.randint(0, 10, (300,), generator=g), torch.randperm(300, generator=g)[:100]
+
+    def batches(device: str, strict: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = images.to(device), labels.to(device)
+        prepared = prepare_inputs(x, *stats, pad=AUGMENT_PAD) if how == "prepared" else None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if strict and device == "cuda" else 0)
+        try:
+            loader = TensorBatchLoader(x, y, 16, shuffle=True, generator_seed=3, mean=stats[0], std=stats[1],
+                                       augment=how in ("augment", "prepared"), indices=indices, prepared=prepared)
+            out = [b for _ in range(2) for b in loader]
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return [(a.cpu(), b.cpu()) for a, b in out]
+
+    batches("cuda", strict=False)  # (the normalisation's constants made once and cached, as for every later fit)
+    on_gpu, on_cpu = batches("cuda"), batches("cpu")
+    assert len(on_gpu) == len(on_cpu) == 14
+    for (a, b), (c, d) in zip(on_gpu, on_cpu):
+        assert torch.equal(b, d) and torch.allclose(a, c, rtol=0, atol=1e-6)
+
+
+def test_what_a_fits_loader_makes_on_the_host_crosses_through_the_pinned_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU too: the client's indices, each epoch's batch order and its augmentation draws go through
+    ``transfer.send`` (on a GPU: pinned and without a wait; the test above checks that on CUDA), not ``Tensor.to``."""
+    from pl_fedsparse.data import loaders
+    from pl_fedsparse.functional import transfer
+
+    sent: list[tuple[int, ...]] = []
+    real = transfer.send
+
+    def send(t: torch.Tensor, device: Any) -> torch.Tensor:
+        sent.append(tuple(t.shape))
+        return real(t, device)
+
+    monkeypatch.setattr(transfer, "send", send)
+    images = torch.randint(0, 256, (50, 3, 8, 8), dtype=torch.uint8)
+    loader = loaders.TensorBatchLoader(images, torch.zeros(50, dtype=torch.long), 8, shuffle=True, generator_seed=0,
+                                       mean=[0.5] * 3, std=[0.25] * 3, augment=True, indices=torch.arange(20))
+    assert sent == [(20,)]
+    for _ in range(2):
+        list(loader)
+    assert sent == [(20,)] + [(20,), (2, 20), (20,)] * 2  # (indices; per epoch: the order, the offsets, the flips)

@@ -55,14 +55,16 @@ def normalize(images: torch.Tensor, mean: Sequence[float] | None = None,
         x = images.float()
         if mean is None or std is None:
             return x
-        m, s = _feature_stats(mean, std, x.ndim, x.device)
+        m, s = _feature_stats(tuple(mean), tuple(std), x.ndim, x.device)
         return (x - m) / s
     return images.long()
 
 
-def _feature_stats(mean: Sequence[float], std: Sequence[float], ndim: int,
+@functools.lru_cache(maxsize=64)
+def _feature_stats(mean: tuple[float, ...], std: tuple[float, ...], ndim: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mean``/``std`` (one value, or one per entry of dimension 1) shaped to broadcast over a ``[B, ...]`` batch."""
+    """``mean``/``std`` (one value, or one per entry of dimension 1) shaped to broadcast over a ``[B, ...]`` batch.
+    Cached as :func:`_affine` (made on a GPU from host values, each would wait for the device; only ever read)."""
     shape = (1, -1) + (1,) * max(ndim - 2, 0) if len(mean) > 1 else (1,)
     m = torch.as_tensor(tuple(mean), dtype=torch.float32, device=device).view(shape)
     s = torch.as_tensor(tuple(std), dtype=torch.float32, device=device).view(shape)
@@ -77,6 +79,11 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
     m = torch.as_tensor(tuple(mean), dtype=torch.float32, device=device).view(1, -1, 1, 1)
     s = torch.as_tensor(tuple(std), dtype=torch.float32, device=device).view(1, -1, 1, 1)
     return 1.0 / (255.0 * s), -m / s
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal(a, b)``, without reading the device where both are the one cached tensor (:func:`_affine`)."""
+    return a is b or torch.equal(a, b)
 
 
 @functools.lru_cache(maxsize=16)
@@ -242,7 +249,7 @@ class TensorBatchLoader:
         if device is not None:
             images, labels = images.to(device), labels.to(device)
         self.images, self.labels = images, labels
-        self.indices = None if indices is None else _as_index_tensor(indices).to(images.device)
+        self.indices = None if indices is None else transfer.send(_as_index_tensor(indices), images.device)
         self.batch_size, self.shuffle, self.augment, self.drop_last = batch_size, bool(shuffle), bool(augment), \
             bool(drop_last)
         self.generator_seed = int(torch.randint(0, 2**62, (1,)).item()) if generator_seed is None else generator_seed
@@ -323,7 +330,8 @@ class TensorBatchLoader:
         for b in sizes:
             offsets.append(torch.randint(0, 2 * pad + 1, (2, b), generator=gen))
             flips.append(torch.rand(b, generator=gen) < 0.5)
-        return torch.cat(offsets, dim=1).to(self.device), torch.cat(flips).to(self.device)
+        # (sent without a wait for the device: staged in pinned memory on a GPU)
+        return transfer.send(torch.cat(offsets, dim=1), self.device), transfer.send(torch.cat(flips), self.device)
 
     def _crop_indices(self, gen: torch.Generator, sizes: list[int], pad: int = AUGMENT_PAD
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -346,7 +354,7 @@ class TensorBatchLoader:
         self.epoch += 1
         n = self.num_samples
         order = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
-        order = order.to(self.device)
+        order = transfer.send(order, self.device)
         if self.indices is not None:
             order = self.indices[order]
         return gen, [order[b * self.batch_size:(b + 1) * self.batch_size] for b in range(len(self))]
@@ -369,7 +377,7 @@ class TensorBatchLoader:
         :meth:`inputs` of several loaders' rows can be gathered at once)."""
         return (isinstance(other, TensorBatchLoader) and other.images is self.images and other.labels is self.labels
                 and other.kind == self.kind and other._normalize_features == self._normalize_features
-                and torch.equal(other._scale, self._scale) and torch.equal(other._shift, self._shift))
+                and _same(other._scale, self._scale) and _same(other._shift, self._shift))
 
     def _augment(self, x: torch.Tensor, gen: torch.Generator, pad: int = 4,
                  draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -377,8 +385,8 @@ class TensorBatchLoader:
         flips drawn from ``gen`` now, or given as ``draws``, already on the batch's device)."""
         b, c, h, w = x.shape
         if draws is None:
-            offsets = torch.randint(0, 2 * pad + 1, (2, b), generator=gen).to(x.device)
-            flip = (torch.rand(b, generator=gen) < 0.5).to(x.device)
+            offsets = transfer.send(torch.randint(0, 2 * pad + 1, (2, b), generator=gen), x.device)
+            flip = transfer.send(torch.rand(b, generator=gen) < 0.5, x.device)
         else:
             offsets, flip = draws
         padded = torch.nn.functional.pad(x, (pad, pad, pad, pad))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "abs_tensors", "clear_twins", "clone_tensors",
-           "copy_tensors", "copy_into", "host_staging", "mark_placed",
+           "copy_tensors", "copy_into", "host_staging", "mark_placed", "send",
            "is_on", "needs_copy", "on_a_device", "placed_on", "remember_twin", "tensors_in", "to_device", "to_host",
            "to_where", "twins_on"]
 
@@ -207,18 +207,24 @@ def _stages_pinned(source: torch.device, dev: torch.device) -> bool:
     return PIN_MEMORY and not _PINNING_FAILED and {source.type, dev.type} == {"cpu", "cuda"}
 
 
-def _pinned_bytes(n: int) -> Tensor | None:
-    """``n`` bytes of pinned host memory, or ``None`` (with one warning a process) where it cannot be had."""
+def _pinned(make: Callable[[], Tensor]) -> Tensor | None:
+    """``make()`` (a tensor in pinned host memory), or ``None`` — with one warning a process, and no attempt after
+    it — where pinned memory cannot be had."""
     global _PINNING_FAILED
     if _PINNING_FAILED:
         return None
     try:
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return make()
     except RuntimeError as err:
         _PINNING_FAILED = True
         _log.warning("trainer.pin_memory: pinned host memory could not be had (%s); the copies across the host link "
                      "use pageable memory from here on", str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None
+
+
+def _pinned_bytes(n: int) -> Tensor | None:
+    """``n`` bytes of pinned host memory, or ``None`` where it cannot be had (:func:`_pinned`)."""
+    return _pinned(lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True))
 
 
 def _cross(buf: Tensor, dev: torch.device, pin: bool) -> Tensor:
@@ -235,6 +241,24 @@ def _cross(buf: Tensor, dev: torch.device, pin: bool) -> Tensor:
             torch.cuda.current_stream(buf.device).synchronize()
             return out
     return buf.to(dev, copy=True)
+
+
+def send(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t.to(device)`` without holding the host up where it crosses to a CUDA device: staged in pinned memory and
+    copied ``non_blocking`` (:data:`PIN_MEMORY`; a copy from pageable memory makes PyTorch wait for everything queued
+    on the stream). For the small host-made tensors a fit sends on its own — an epoch's batch order and augmentation
+    draws, a client's sample indices. Elsewhere (on the CPU, staging off or unavailable) it is ``t.to(device)``.
+
+    Example:
+        >>> send(torch.arange(3), "cpu").tolist()
+        [0, 1, 2]
+    """
+    dev = torch.device(device)
+    if t.device.type == "cpu" and _stages_pinned(t.device, dev):
+        staged = _pinned(t.pin_memory)
+        if staged is not None:
+            return staged.to(dev, non_blocking=True)
+    return t.to(dev)
 
 
 @contextlib.contextmanager
