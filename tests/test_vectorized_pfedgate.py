@@ -121,18 +121,23 @@ def test_batches_of_different_sizes_stack_as_each_clients_own(separate: bool) ->
     weights = torch.randn(K, table.num_blocks)
     leaves = [t for n, t in state.items() if n in names]
     grads = torch.autograd.grad((imp * weights).sum() + (w * weights).sum(), leaves)
+    # (to float32 rounding of the gate's Linear over d_X = 3,072 inputs: a batched product against a client's own
+    # addmm, whose blocking — and so rounding — depends on the CPU's vector width; over a client's 3 samples the
+    # batch variance shows it at ~2e-6 on an AVX-512 machine. A statistic over the padded rows is off by ~1e-1)
+    tol = 1e-5
     for k, n_k in enumerate(sizes):
         gate = copy.deepcopy(gates[k]).train(n_k >= 2)
         i1, w1 = gate(x[k, :n_k], s_min=0.2)
-        torch.testing.assert_close(imp[k], i1, rtol=0, atol=1e-6)
-        torch.testing.assert_close(w[k], w1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(imp[k], i1, rtol=0, atol=tol)
+        torch.testing.assert_close(w[k], w1, rtol=0, atol=tol)
         for n, b in gate.state_dict().items():
-            torch.testing.assert_close(state[n][k].detach().double(), b.double(), rtol=1e-6, atol=1e-6, msg=n)
+            torch.testing.assert_close(state[n][k].detach().double(), b.double(), rtol=tol, atol=tol, msg=n)
         ref = torch.autograd.grad((i1 * weights[k]).sum() + (w1 * weights[k]).sum(), list(gate.parameters()),
                                   allow_unused=True)
         for n, g, r in zip(names, grads, ref, strict=True):
             r = torch.zeros_like(g[k]) if r is None else r
-            torch.testing.assert_close(g[k], r, rtol=1e-4, atol=1e-6, msg=n)
+            # (an entry summed with cancellation rounds at the scale of the tensor's largest, not of its own value)
+            torch.testing.assert_close(g[k], r, rtol=1e-4, atol=max(1e-6, tol * float(r.abs().max())), msg=n)
 
 
 def test_stacked_selection_is_each_clients_own_knapsack_on_many_draws() -> None:
