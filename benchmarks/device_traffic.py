@@ -30,7 +30,9 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   that reads a device value on the host: ``_local_scalar_dense`` (a 0-dim tensor used as a Python number or index,
   ``t[i]`` with a tensor ``i``), ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``, ``equal``. (pFedGate's
   device knapsack indexed with a 0-dim tensor: 6 waits per step on an H100, 0 in this counter before it looked one
-  level down.)
+  level down.) ``torch.tensor(data, device=...)`` and ``torch.as_tensor(..., device=...)`` count as a transfer and a
+  synchronising call: on a GPU the values cross from pageable host memory, after which PyTorch waits for the stream
+  (``transfer.send`` / ``transfer.host_tensor`` send them from pinned memory without the wait: a transfer only).
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and
@@ -76,6 +78,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pl_fedsparse.functional import transfer
 
 #: name -> (config, extra arguments); the CIFAR-10 CPU configs run on the synthetic task (benchmarks/parity.py's way)
 _SYNTH = ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients", "6", "--data.max_train_samples",
@@ -119,6 +124,10 @@ def _is_device(x: Any) -> bool:
     return isinstance(x, (torch.device, str)) and str(x).split(":")[0] in ("cpu", "cuda", "mps", "meta")
 
 
+#: the code of ``transfer.send`` and ``transfer.host_tensor``: a move they make is counted as their caller's (the
+#: data's own moves stay apart)
+_SEND_CODES = (transfer.send.__code__, transfer.host_tensor.__code__)
+
 #: phases whose synchronising calls on host tensors are not counted (they wait for nothing on a GPU)
 _HOST_AWARE = ("message", "aggregate")
 
@@ -160,10 +169,15 @@ class TrafficCounter(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        caller = sys._getframe(1).f_code.co_filename
+        frame = sys._getframe(1)
+        sent = frame.f_code in _SEND_CODES  # (transfer.send: a small host-made value, queued without a wait)
+        while frame.f_code in _SEND_CODES and frame.f_back is not None:  # (counted as its caller's)
+            frame = frame.f_back
+        caller = frame.f_code.co_filename
         if _TORCH_DIR in caller:  # torch's own housekeeping (e.g. clip_grad_norm_'s per-device grouping): not ours
             return func(*args, **kwargs)
-        moves = "data_transfers" if _DATA_DIR in caller else "transfers"  # (the data's own moves, counted apart)
+        # (the data's own moves counted apart; the engine's sends of small host-made values too: no wait, no state)
+        moves = "data_transfers" if _DATA_DIR in caller else "sends" if sent else "transfers"
         counted = True
         if name in _SYNC_NAMES and self.phase[-1] in _HOST_AWARE and _on_the_host(args):
             pass  # (a host tensor's value read on the host: no wait, see "message" in the docstring)
@@ -175,6 +189,10 @@ class TrafficCounter(TorchFunctionMode):
                 self._count("syncs", name)
         elif name == "to" and (any(_is_device(a) for a in args[1:]) or _is_device(kwargs.get("device"))):
             self._count(moves, "to(device)")
+        elif name in ("tensor", "as_tensor") and _is_device(kwargs.get("device")):
+            # made from host values on a device: a copy from pageable memory, after which PyTorch waits for the stream
+            self._count(moves, f"{name}(device=)")
+            self._count("syncs", f"{name}(device=)")
         elif name in ("__getitem__", "__setitem__") and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             counted = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
@@ -344,13 +362,14 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
     fits = max(1, c.counts[("fit", "fits")])
     steps = max(1, c.counts[("step", "steps")])
     per = {}
-    for kind in ("trainers", "module_moves", "transfers", "data_transfers", "syncs"):
+    for kind in ("trainers", "module_moves", "transfers", "data_transfers", "sends", "syncs"):
         inside_fit = sum(v for (ph, k), v in c.counts.items() if k == kind and ph in ("fit", "step", "readjust"))
         per[f"{kind}_per_fit"] = round(inside_fit / fits, 2)
     per["syncs_per_step"] = round(c.counts[("step", "syncs")] / steps, 3)
     per["ops_per_step"] = round(c.counts[("step", "ops")] / steps, 1)
     per["ops_per_fit_outside_steps"] = round((c.counts[("fit", "ops")] + c.counts[("readjust", "ops")]) / fits, 1)
     per["transfers_per_step"] = round(c.counts[("step", "transfers")] / steps, 3)
+    per["sends_per_step"] = round(c.counts[("step", "sends")] / steps, 3)
     per["readjust_transfers"] = c.counts[("readjust", "transfers")]
     loaders = max(1, c.counts[("eval", "loaders")])
     per["eval_transfers_per_loader"] = round(c.counts[("eval", "transfers")] / loaders, 2)
@@ -484,7 +503,7 @@ def main() -> None:
         for n in a.configs:
             try:
                 gpu_rows.append(measure_gpu(n, a.rounds))
-            except Exception as e:  # noqa: BLE001 (one config's failure is reported, the others still run)
+            except Exception as e:
                 print(f"# {n}: failed: {type(e).__name__}: {e}")
         if gpu_rows:
             gcols = [k for k in gpu_rows[0] if k != "config" and not isinstance(gpu_rows[0][k], dict)]
@@ -504,7 +523,7 @@ def main() -> None:
             "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",
             "eval_transfers_per_loader", "eval_syncs_per_loader", "message_transfers_per_message",
             "message_syncs_per_message", "aggregate_transfers_per_round", "aggregate_syncs_per_round",
-            "ops_per_step", "ops_per_fit_outside_steps"]
+            "ops_per_step", "ops_per_fit_outside_steps", "sends_per_fit", "sends_per_step"]
     print("| config | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for r in rows:

@@ -27,7 +27,7 @@ def test_no_trainer_no_move_no_sync_per_step(config: str) -> None:
     r = device_traffic.measure(config)
     assert r["fits"] > 0 and r["steps"] > 0
     assert r["trainers_per_fit"] == 0 and r["module_moves_per_fit"] == 0, r
-    assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
+    assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0 and r["sends_per_step"] == 0, r
     assert r["readjust_transfers"] == 0 and r["readjust_syncs_per_call"] == 0, r  # (masks selected by sorting)
 
 
@@ -105,6 +105,32 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(pr, "drop_and_grow_many", listing)
     assert device_traffic.measure("fedspa")["readjust_syncs_per_call"] > 0
+
+
+@pytest.mark.slow
+def test_the_counter_sees_values_made_on_the_device_from_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted in every training step: ``torch.tensor(data, device=...)`` — on a GPU a copy from pageable memory and a
+    wait for the stream: a transfer and a synchronising call; the same value by ``transfer.host_tensor`` — sent from
+    pinned memory without a wait: a send only."""
+    from pl_fedsparse.functional import transfer
+    from pl_fedsparse.module import FederatedModule
+
+    step = FederatedModule.training_step
+
+    def made_there(self: Any, batch: Any, batch_idx: int) -> Any:
+        loss = step(self, batch, batch_idx)
+        return loss + torch.tensor([0.0], device=loss.device).sum()
+
+    def sent(self: Any, batch: Any, batch_idx: int) -> Any:
+        loss = step(self, batch, batch_idx)
+        return loss + transfer.host_tensor([0.0], loss.device).sum()
+
+    monkeypatch.setattr(FederatedModule, "training_step", made_there)
+    r = device_traffic.measure("fedavg")
+    assert r["syncs_per_step"] == 1 and r["transfers_per_step"] == 1 and r["sends_per_step"] == 0, r
+    monkeypatch.setattr(FederatedModule, "training_step", sent)
+    r = device_traffic.measure("fedavg")
+    assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0 and r["sends_per_step"] == 1, r
 
 
 @pytest.mark.slow

@@ -494,7 +494,8 @@ def test_pinned_or_pageable_staging_keeps_every_bit_on_cuda(pinned: bool) -> Non
 def test_a_pinned_copy_to_cuda_does_not_wait_for_the_device_and_keeps_its_bytes() -> None:
     """Staged in pinned memory, a copy to the GPU is queued behind the work already there instead of waiting for it
     (a pageable copy waits for the stream: the host stalls at every fit's start); and a staging buffer freed at once
-    is not handed out again before its copy ran (twenty copies queued behind a busy stream keep their values)."""
+    is not handed out again before its copy ran (twenty copies queued behind a busy stream keep their values); nor do
+    the small values a fit makes on the host (``transfer.host_tensor``, ``transfer.send``)."""
     stream = torch.cuda.current_stream()
     for pinned in (False, True):
         torch.cuda.synchronize()
@@ -505,3 +506,8 @@ def test_a_pinned_copy_to_cuda_does_not_wait_for_the_device_and_keeps_its_bytes(
         torch.cuda.synchronize()
         assert waited is not pinned, "a pinned copy waited for the device" if pinned else "the stream was idle"
         assert all(torch.equal(o.cpu(), torch.full((1000,), float(i))) for i, o in enumerate(outs))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    small = [transfer.host_tensor([3, 4], "cuda"), transfer.send(torch.arange(5) * 2, "cuda")]
+    assert not stream.query(), "a small host-made value waited for the device"
+    assert small[0].tolist() == [3, 4] and small[1].tolist() == [0, 2, 4, 6, 8]

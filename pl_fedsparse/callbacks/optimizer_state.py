@@ -19,7 +19,7 @@ from typing_extensions import override
 from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.functional.transfer import clone_tensors, to_device
+from pl_fedsparse.functional.transfer import clone_tensors, host_tensor, to_device
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
@@ -136,7 +136,7 @@ class _VectorizedKeptState:
                 zero = p.new_zeros(p.shape[1:])
                 fit.optimizer_state[name][key] = torch.stack([zero if t is None else t.to(p.dtype) for t in have])
                 if key == "momentum_buffer" and any(t is None for t in have):
-                    fit.optimizer_state[name]["fresh"] = torch.tensor([t is None for t in have], device=p.device)
+                    fit.optimizer_state[name]["fresh"] = host_tensor([t is None for t in have], p.device)
 
     def before_optimizer_step(self, fit: Any) -> None:
         pass

@@ -128,11 +128,11 @@ class StackedPFedGate:
                 p = self.state[n]
                 self.opt_state[n]["momentum_buffer"] = torch.stack(
                     [p.new_zeros(p.shape[1:]) if t is None else t.to(p.dtype) for t in have])
-                self.opt_state[n]["fresh"] = torch.tensor([t is None for t in have], device=dev)
+                self.opt_state[n]["fresh"] = transfer.host_tensor([t is None for t in have], dev)
         table = cb.table
         self.densities = [it["density"] for it in items]
-        self.floors = torch.tensor([it["floor"] for it in items], dtype=torch.float32, device=dev)
-        self.dense = torch.tensor([d >= 1.0 for d in self.densities], device=dev)
+        self.floors = transfer.host_tensor([it["floor"] for it in items], dev, torch.float32)
+        self.dense = transfer.host_tensor([d >= 1.0 for d in self.densities], dev)
         self.owner, self.sizes = block_span_tensors(table, dev)
         self.budget = cb.budget or "group"
         self.capacity = stacked_capacities(table, self.densities, self.budget, device=dev)
@@ -175,7 +175,7 @@ class StackedPFedGate:
         ragged = sizes is not None and len(set(sizes)) > 1
         counts = list(sizes) if sizes is not None else [batch] * k
         everyone = k == len(fit.contexts) and list(rows) == list(range(k))
-        idx = None if everyone else torch.tensor(list(rows), device=xs.device)
+        idx = None if everyone else transfer.host_tensor(list(rows), xs.device)
         lone = [c < 2 for c in counts]  # BatchNorm1d needs 2 samples: the gate runs in eval mode and nothing steps
         single = all(lone)
         state = self.state if idx is None else {n: t.index_select(0, idx) for n, t in self.state.items()}
@@ -217,7 +217,7 @@ class StackedPFedGate:
                 return (each.float() * m).sum() / n
 
             if ragged:
-                own = torch.tensor(counts, device=xs.device)
+                own = transfer.host_tensor(counts, xs.device)
                 mask = (torch.arange(batch, device=xs.device).view(1, -1) < own.view(-1, 1)).float()
                 losses = torch.func.vmap(padded_loss)(theta_p, fixed, xs, ys, mask, own.float())
             else:
@@ -235,10 +235,10 @@ class StackedPFedGate:
             gate_grads = dict(zip(self.params, grads[len(theta):], strict=True))
             if any(lone):  # the rows of one sample step nothing
                 steps = [q for q, one in enumerate(lone) if not one]
-                at = torch.tensor(steps, device=xs.device)
+                at = transfer.host_tensor(steps, xs.device)
                 gate_grads = {n: g.index_select(0, at) for n, g in gate_grads.items()}
                 stepping = [rows[q] for q in steps]
-                self._step_gates(gate_grads, stepping, torch.tensor(stepping, device=xs.device))
+                self._step_gates(gate_grads, stepping, transfer.host_tensor(stepping, xs.device))
             else:
                 self._step_gates(gate_grads, rows, idx)
         return model_grads, losses.detach(), lone
@@ -251,7 +251,7 @@ class StackedPFedGate:
                            device=keep.device).index_add_(1, self.owner, self.sizes * keep)
         n: int | Tensor = counts[0]
         if any(c != counts[0] for c in counts):
-            n = torch.tensor(list(counts), dtype=torch.int64, device=keep.device).view(-1, 1)
+            n = transfer.host_tensor(list(counts), keep.device, torch.int64).view(-1, 1)
         density = (kept.sum(1, keepdim=True) * n).double().view(-1) / self.cb.table.numel  # type: ignore[union-attr]
         for i, c in zip(rows, counts, strict=True):
             s["n"][i] += c

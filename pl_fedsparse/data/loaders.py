@@ -28,8 +28,17 @@ from pl_fedsparse.data.base import input_kind
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional import transfer
 
-__all__ = ["AUGMENT_PAD", "PreparedInputs", "TensorBatchLoader", "batch_to", "normalize", "epoch_seed",
-           "dataset_loader", "item_input", "prepare_inputs"]
+__all__ = [
+    "AUGMENT_PAD",
+    "PreparedInputs",
+    "TensorBatchLoader",
+    "batch_to",
+    "dataset_loader",
+    "epoch_seed",
+    "item_input",
+    "normalize",
+    "prepare_inputs",
+]
 
 #: the augmentation's zero padding on each side of an image (pixels) before its random crop
 AUGMENT_PAD = 4
@@ -66,8 +75,8 @@ def _feature_stats(mean: tuple[float, ...], std: tuple[float, ...], ndim: int,
     """``mean``/``std`` (one value, or one per entry of dimension 1) shaped to broadcast over a ``[B, ...]`` batch.
     Cached as :func:`_affine` (made on a GPU from host values, each would wait for the device; only ever read)."""
     shape = (1, -1) + (1,) * max(ndim - 2, 0) if len(mean) > 1 else (1,)
-    m = torch.as_tensor(tuple(mean), dtype=torch.float32, device=device).view(shape)
-    s = torch.as_tensor(tuple(std), dtype=torch.float32, device=device).view(shape)
+    m = transfer.host_tensor(tuple(mean), device, torch.float32).view(shape)
+    s = transfer.host_tensor(tuple(std), device, torch.float32).view(shape)
     return m, s
 
 
@@ -76,8 +85,8 @@ def _affine(mean: tuple[float, ...], std: tuple[float, ...], device: torch.devic
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-channel ``(scale, shift)`` that normalise uint8 images: ``x * scale + shift = (x / 255 - mean) / std``.
     Cached (a loader is built per client and fit; the tensors are only ever read)."""
-    m = torch.as_tensor(tuple(mean), dtype=torch.float32, device=device).view(1, -1, 1, 1)
-    s = torch.as_tensor(tuple(std), dtype=torch.float32, device=device).view(1, -1, 1, 1)
+    m = transfer.host_tensor(tuple(mean), device, torch.float32).view(1, -1, 1, 1)
+    s = transfer.host_tensor(tuple(std), device, torch.float32).view(1, -1, 1, 1)
     return 1.0 / (255.0 * s), -m / s
 
 

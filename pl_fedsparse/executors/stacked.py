@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from pl_fedsparse.functional.transfer import clone_tensors
+from pl_fedsparse.functional.transfer import clone_tensors, send
 
 __all__ = ["STACKED_GRADIENT_TOLERANCE", "ElementwiseOptim", "adam_step", "clip_per_client", "exact_linear", "rows_like",
            "sgd_step", "stacked_gradient_error"]
@@ -499,7 +499,7 @@ def _adam_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str
     # torch.optim.Adam's host arithmetic per row (Python floats), then its kernels' order of operations
     bc2 = [(1 - beta2**c) ** 0.5 for c in counts]
     neg_step = [-r / (1 - beta1**c) for r, c in zip(lr, counts, strict=True)]
-    rows = torch.tensor([bc2, neg_step], dtype=params[0].dtype).to(params[0].device)  # (one copy for the group)
+    rows = send(torch.tensor([bc2, neg_step], dtype=params[0].dtype), params[0].device)  # (one copy for the group)
     for p, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
         denom = (exp_avg_sq.sqrt() / rows_like(rows[0], p)).add_(eps)
         p.add_(rows_like(rows[1], p) * exp_avg / denom)  # addcdiv_: self + value * t1 / t2

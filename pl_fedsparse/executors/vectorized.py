@@ -427,7 +427,7 @@ class VectorizedExecutor(ClientExecutor):
             # the step runs on the rows of the clients that still have a batch (all of them, until the smaller
             # clients stop): compact copies of those rows, written back after the step — the others are untouched
             everyone = len(live) == K
-            at = None if everyone else torch.tensor(live, device=device)
+            at = None if everyone else transfer.host_tensor(live, device)
             sP = P if at is None else {n: p.index_select(0, at) for n, p in P.items()}
             sF = F if at is None else {n: f.index_select(0, at) for n, f in F.items()}
             sS = opt_state if at is None else {n: {k: v.index_select(0, at) for k, v in st.items()}
@@ -456,7 +456,7 @@ class VectorizedExecutor(ClientExecutor):
                     ys = torch.stack([_pad_rows(batches[live[q]][1], per) for q in positions]).to(device)
                 transfer.mark_placed((xs, ys), device)  # (a device run simulated on the CPU: on "the device")
                 whole = len(positions) == len(live)
-                idx = None if whole else torch.tensor(positions, device=device)
+                idx = None if whole else transfer.host_tensor(positions, device)
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
                 sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
                 rows = [live[q] for q in positions]
@@ -485,22 +485,22 @@ class VectorizedExecutor(ClientExecutor):
                     else:
                         G.setdefault(n, torch.empty_like(sP[n])).index_copy_(0, idx, g)
                 if sizes is None:
-                    loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * per)
+                    loss_sum.index_add_(0, transfer.host_tensor(rows, device), losses.detach().float() * per)
                 else:
-                    weights = torch.tensor(sizes, dtype=torch.float32, device=device)
-                    loss_sum.index_add_(0, torch.tensor(rows, device=device), losses.detach().float() * weights)
+                    weights = transfer.host_tensor(sizes, device, torch.float32)
+                    loss_sum.index_add_(0, transfer.host_tensor(rows, device), losses.detach().float() * weights)
                 for i, n_b in zip(rows, lengths, strict=True):
                     seen[i] += n_b
             if skipped:  # those clients' rows take no step: as if they had no batch (weights and state untouched)
                 keep = [q for q, i in enumerate(live) if i not in skipped]
                 if not keep:
                     continue
-                stepping = torch.tensor(keep, device=device)
+                stepping = transfer.host_tensor(keep, device)
                 sP = {n: p.index_select(0, stepping) for n, p in sP.items()}
                 G = {n: g.index_select(0, stepping) for n, g in G.items()}
                 sS = {n: {k: v.index_select(0, stepping) for k, v in st.items()} for n, st in sS.items()}
                 live = [live[q] for q in keep]
-                at = torch.tensor(live, device=device)
+                at = transfer.host_tensor(live, device)
             fit.params, fit.grads, fit.rows = sP, G, at
             for _, hooks in self.hooks:
                 hooks.before_optimizer_step(fit)

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from pl_fedsparse.errors import check
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.masks import check_density
 
 __all__ = [
@@ -467,7 +468,7 @@ def select_blocks(importance: Tensor, table: BlockTable, density: float, *, solv
         taken = solve([values[j] for j in items], [table.sizes[j] for j in items], capacity)
         for j, t in zip(items, taken):
             keep[j] = t
-    return torch.tensor(keep, dtype=torch.bool, device=importance.device)
+    return transfer.host_tensor(keep, importance.device, torch.bool)
 
 
 #: on the CPU, :func:`select_blocks`' greedy runs as a Python scan (faster there than a few dozen tiny tensor ops);
@@ -502,9 +503,8 @@ def _device_groups(table: BlockTable, budget: str, device: torch.device) -> tupl
     index = [items + [pad] * (width - len(items)) for items in groups]
     sizes = [[table.sizes[j] for j in items] + [0] * (width - len(items)) for items in groups]
     distinct = max(len({table.sizes[j] for j in items}) for items in groups)
-    return (torch.tensor(table.first, dtype=torch.bool, device=device),
-            torch.tensor(index, dtype=torch.int64, device=device),
-            torch.tensor(sizes, dtype=torch.int64, device=device), distinct)
+    return (transfer.host_tensor(table.first, device, torch.bool), transfer.host_tensor(index, device, torch.int64),
+            transfer.host_tensor(sizes, device, torch.int64), distinct)
 
 
 @functools.lru_cache(maxsize=256)
@@ -516,7 +516,7 @@ def _device_capacities(table: BlockTable, budget: str, density: float, s_min: fl
                 for items in _knapsack_groups(table, budget)]
     else:
         caps = [math.floor(density * table.numel) - table.kept_numel]
-    return torch.tensor(caps, dtype=torch.int64, device=device)
+    return transfer.host_tensor(caps, device, torch.int64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -531,8 +531,7 @@ def block_span_tensors(table: BlockTable, device: torch.device) -> tuple[Tensor,
         [[0, 0, 1, 1], [2, 2, 1, 1]]
     """
     owner = [i for i, (b, e) in enumerate(table.spans) for _ in range(b, e)]
-    return (torch.tensor(owner, dtype=torch.int64, device=device),
-            torch.tensor(table.sizes, dtype=torch.int64, device=device))
+    return transfer.host_tensor(owner, device, torch.int64), transfer.host_tensor(table.sizes, device, torch.int64)
 
 
 def _select_blocks_on_device(importance: Tensor, table: BlockTable, density: float, budget: str,

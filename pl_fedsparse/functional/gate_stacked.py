@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.gate import (
     IMPORTANCE_LEVELS,
     BlockTable,
@@ -46,7 +47,7 @@ class _Ragged:
     as a lone client's gate does: BatchNorm1d needs two)."""
 
     def __init__(self, sizes: Sequence[int], batch: int, device: torch.device) -> None:
-        n = torch.tensor(list(sizes), device=device)
+        n = transfer.host_tensor(list(sizes), device)
         self.mask = (torch.arange(batch, device=device).view(1, -1) < n.view(-1, 1)).float()
         self.n = n.float()
         self.count = n
@@ -220,7 +221,7 @@ def stacked_select_blocks(importance: Tensor, table: BlockTable, densities: Sequ
     dense = [d >= 1.0 for d in densities]
     if index.numel() == 0 or all(dense):
         keep = first.expand(k, num_blocks).clone()
-        return keep | torch.tensor(dense, device=dev).view(k, 1) if any(dense) else keep
+        return keep | transfer.host_tensor(dense, dev).view(k, 1) if any(dense) else keep
     if capacity is None:  # (a dense client's rows are solved at any budget and then overridden: one shape for all)
         capacity = stacked_capacities(table, densities, budget, s_mins, dev)
     values = torch.round(importance.detach().double() * IMPORTANCE_LEVELS)
@@ -230,7 +231,7 @@ def stacked_select_blocks(importance: Tensor, table: BlockTable, densities: Sequ
     keep = first.expand(k, num_blocks).clone().scatter_(1, index.flatten().expand(k, -1), taken.view(k, -1))
     keep |= first  # (padding wrote to a first block)
     if any(dense):
-        keep |= torch.tensor(dense, device=dev).view(k, 1)
+        keep |= transfer.host_tensor(dense, dev).view(k, 1)
     return keep
 
 

@@ -233,7 +233,7 @@ def drop_and_grow_many(masks: Sequence[Tensor], drop_scores: Sequence[Tensor], g
     if ks is None:  # prune_regrow_count: ceil(rate · nnz), in float64 as Python's float arithmetic
         k_t = torch.ceil(active.double() * float(rate)).long()  # type: ignore[arg-type]
     else:
-        k_t = torch.tensor(list(ks), dtype=torch.int64, device=device)
+        k_t = transfer.host_tensor(list(ks), device, torch.int64)
     limit = torch.minimum(active, k_t)[segment]  # each entry's tensor's k
     new &= ~_first_of_sorts(_joined_scores(ds), ~new, segment, rank, limit, largest=False)
     new |= _first_of_sorts(_joined_scores(gs), new, segment, rank, limit, largest=True)
@@ -272,15 +272,19 @@ def segment_layout(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor
         >>> segment.tolist(), rank.tolist()
         ([0, 0, 1, 1, 1], [0, 1, 0, 1, 2])
     """
-    counts = torch.tensor(sizes, dtype=torch.int64, device=device)
-    segment = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32, device=device), counts,
-                                      output_size=sum(sizes))
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(sum(sizes), dtype=torch.int64, device=device) - starts[segment]
+    # (made where they are used from no host values: a fill and a range per tensor, once per layout — no copy across
+    # the host link, which on a GPU would wait for the device)
+    segment = torch.cat([torch.full((n,), i, dtype=torch.int32, device=device) for i, n in enumerate(sizes)]
+                        or [torch.zeros(0, dtype=torch.int32, device=device)])
+    rank = torch.cat([torch.arange(n, dtype=torch.int64, device=device) for n in sizes]
+                     or [torch.zeros(0, dtype=torch.int64, device=device)])
     return segment, rank
 
 
-_BIT_WEIGHTS = [1 << i for i in range(8)]
+@functools.lru_cache(maxsize=16)
+def _bit_shifts(device: torch.device) -> Tensor:
+    """``arange(8)`` as uint8 on ``device``: each bit's shift in a packed byte (made there once, only ever read)."""
+    return torch.arange(8, dtype=torch.uint8, device=device)
 
 
 def pack_mask(mask: Tensor) -> tuple[Tensor, tuple[int, ...]]:
@@ -300,8 +304,7 @@ def pack_mask(mask: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=flat.device)
-    packed = (flat.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+    packed = (flat.view(-1, 8) << _bit_shifts(flat.device)).sum(dim=1, dtype=torch.int32).to(torch.uint8)
     return packed, tuple(mask.shape)
 
 

@@ -40,10 +40,31 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ALIGN", "ALWAYS_PACK", "DeviceMismatch", "PlacementTracker", "abs_tensors", "clear_twins", "clone_tensors",
-           "copy_tensors", "copy_into", "host_staging", "mark_placed", "send",
-           "is_on", "needs_copy", "on_a_device", "placed_on", "remember_twin", "tensors_in", "to_device", "to_host",
-           "to_where", "twins_on"]
+__all__ = [
+    "ALIGN",
+    "ALWAYS_PACK",
+    "DeviceMismatch",
+    "PlacementTracker",
+    "abs_tensors",
+    "clear_twins",
+    "clone_tensors",
+    "copy_into",
+    "copy_tensors",
+    "host_staging",
+    "host_tensor",
+    "is_on",
+    "mark_placed",
+    "needs_copy",
+    "on_a_device",
+    "placed_on",
+    "remember_twin",
+    "send",
+    "tensors_in",
+    "to_device",
+    "to_host",
+    "to_where",
+    "twins_on",
+]
 
 #: byte alignment of every tensor inside the buffer (any dtype's element size divides it)
 ALIGN = 64
@@ -259,6 +280,18 @@ def send(t: Tensor, device: torch.device | str) -> Tensor:
         if staged is not None:
             return staged.to(dev, non_blocking=True)
     return t.to(dev)
+
+
+def host_tensor(data: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)`` — made on the host and sent by :func:`send`: on a GPU
+    queued without a wait, where ``torch.tensor(..., device=<the GPU>)`` copies from pageable memory and waits for
+    everything queued on the stream. The same values, dtype inferred from ``data`` as ``torch.tensor`` does.
+
+    Example:
+        >>> host_tensor([1, 2], "cpu"), host_tensor([True], "cpu").dtype
+        (tensor([1, 2]), torch.bool)
+    """
+    return send(torch.tensor(data, dtype=dtype), device)
 
 
 @contextlib.contextmanager
