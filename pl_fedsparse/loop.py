@@ -132,9 +132,10 @@ class FederatedLoop:
             size (``"2GiB"``, ``"512MB"``, bytes as an int); ``0`` turns it off.
         pin_memory: stage the copies between the host and a CUDA device in page-locked ("pinned") host memory
             (:mod:`~pl_fedsparse.functional.transfer`): a fit's inputs cross without holding the host up and its
-            results come back without a staging copy in the driver. The same numbers either way; ``false`` for a host
-            whose locked-memory limit is tight (where pinning fails the engine falls back to pageable memory with one
-            warning). No effect without a CUDA device.
+            results come back without a staging copy in the driver. The same numbers either way. The staging buffers
+            (about one fit's state) stay locked in host memory, cached by torch for reuse; ``false`` keeps that memory
+            pageable. Where pinning fails the engine falls back to pageable memory with one warning. No effect
+            without a CUDA device.
 
     Example:
         .. code-block:: yaml

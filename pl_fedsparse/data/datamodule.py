@@ -82,6 +82,7 @@ from pl_fedsparse.data.sources.synthetic import synthetic_params
 from pl_fedsparse.data.sources.torchvision_class import resolve_torchvision_class
 from pl_fedsparse.data.validate import validate_base_dataset
 from pl_fedsparse.errors import ConfigError, check, user_code
+from pl_fedsparse.functional import transfer
 
 __all__ = ["AUTO_DATA_SHARE", "AUTO_EVAL_BATCH_SIZE", "FederatedDataModule"]
 
@@ -688,14 +689,14 @@ class FederatedDataModule(lightning.LightningDataModule):
                 idx = shifted_test_indices(own, len(self._test_y), shift, shift_seed)
             else:
                 kept, drawn = shifted_test_split(own, len(self._test_y), shift, shift_seed)
-                images = torch.cat([images[torch.as_tensor(kept, device=images.device)],
-                                    self._test_x[torch.as_tensor(drawn, device=images.device)]])
-                labels = torch.cat([labels[torch.as_tensor(kept, device=labels.device)],
-                                    self._test_y[torch.as_tensor(drawn, device=labels.device)]])
+                images = torch.cat([images[transfer.host_tensor(kept, images.device)],
+                                    self._test_x[transfer.host_tensor(drawn, images.device)]])
+                labels = torch.cat([labels[transfer.host_tensor(kept, labels.device)],
+                                    self._test_y[transfer.host_tensor(drawn, labels.device)]])
                 idx = None
         if corruption is not None:
             if idx is not None:
-                rows = torch.as_tensor(np.array(idx, dtype=np.int64, copy=True), device=images.device)
+                rows = transfer.host_tensor(np.array(idx, dtype=np.int64, copy=True), images.device)
                 images, labels, idx = images[rows], labels[rows], None
             check(corruption in CORRUPTIONS, "corruption", corruption, "one of " + ", ".join(CORRUPTIONS)
                   + " (generated); the other CIFAR-10-C corruptions need the published arrays (data.cifar10c_root)")
@@ -749,7 +750,7 @@ class FederatedDataModule(lightning.LightningDataModule):
             at = order[np.searchsorted(np.asarray(own)[order], kept)]  # each kept row's position in ``own``
             rows = np.concatenate([np.where(kept >= n_train, kept - n_train, stand_in[at]), drawn])
         rows = np.array(rows, dtype=np.int64, copy=True)  # the client's index arrays are read-only
-        labels = self._test_y[torch.as_tensor(rows, device=self._test_y.device)]
+        labels = self._test_y[transfer.host_tensor(rows, self._test_y.device)]
         images = self._cifar10c.images(corruption, int(severity), rows).to(labels.device)
         return TensorBatchLoader(images, labels, batch, shuffle=False, generator_seed=seed, mean=self.base.mean,
                                  std=self.base.std, augment=False, indices=None)
