@@ -12,8 +12,8 @@ Between the host and a CUDA device the buffer is staged in page-locked ("pinned"
 up — it goes on launching the fit's kernels while the copy runs, and torch's pinned-memory allocator keeps the
 buffer from reuse until the copy is done — and a copy to the host goes straight into page-locked memory (no staging
 through a driver buffer), waited for once before it is read. Pageable memory is used where pinning fails (the host
-cannot lock more memory: one warning, then pageable copies). The client states the federation keeps stay in pageable memory:
-locking a whole federation's state would take gigabytes the system could no longer page.
+cannot lock more memory: one warning, then pageable copies). The client states the federation keeps stay in
+pageable memory: locking a whole federation's state would take gigabytes the system could no longer page.
 
 The tensors that come back share that one buffer's storage. :func:`copy_tensors` hands out such views (``share=True``:
 cheapest, for values used and dropped together, e.g. an update the server aggregates) or, by default, tensors with
