@@ -497,11 +497,18 @@ def test_a_pinned_copy_to_cuda_does_not_wait_for_the_device_and_keeps_its_bytes(
     is not handed out again before its copy ran (twenty copies queued behind a busy stream keep their values); nor do
     the small values a fit makes on the host (``transfer.host_tensor``, ``transfer.send``)."""
     stream = torch.cuda.current_stream()
+
+    def copies() -> list[torch.Tensor]:
+        return [transfer.copy_tensors([torch.full((1000,), float(i))], "cuda")[0] for i in range(20)]
+
+    with transfer.host_staging(True):  # (torch's pinned blocks made once, as in a run's first fits: making one may
+        copies()                       # wait for the device; later fits reuse them)
+        transfer.host_tensor([3, 4], "cuda"), transfer.send(torch.arange(5) * 2, "cuda")
     for pinned in (False, True):
         torch.cuda.synchronize()
         with transfer.host_staging(pinned):
             torch.cuda._sleep(200_000_000)  # (about 0.1 s of a busy device)
-            outs = [transfer.copy_tensors([torch.full((1000,), float(i))], "cuda")[0] for i in range(20)]
+            outs = copies()
             waited = stream.query()
         torch.cuda.synchronize()
         assert waited is not pinned, "a pinned copy waited for the device" if pinned else "the stream was idle"
