@@ -95,11 +95,13 @@ class FederatedLoop:
         topology: communication graph (default :class:`~pl_fedsparse.topology.Star`).
         callbacks: the method, as a list of (federated) callbacks.
         executor: runs the client fits (default :class:`~pl_fedsparse.executors.InProcessExecutor`).
-        on_client_fault: ``"skip"``: a fit that raises or yields a non-finite loss, gradient, weight or upload is
-            left out of aggregation and gossip, the client keeps its previous state and the fault is reported — but
-            a round in which every participant's training fit failed stops the run with one line (exit 1; the last
-            checkpoint is intact), since nothing of it could be used; ``"continue"``: skip faulty fits also then
-            (the round leaves the global state unchanged); ``"raise"``: stop the run at the first fault.
+        on_client_fault: what becomes of a fit that raises or yields a non-finite loss, gradient, weight or upload:
+            left out of its round (``"skip"``), left out even where no fit of the round is left (``"continue"``), or
+            the end of the run (``"raise"``). Left out, it is not aggregated or gossiped, the client keeps its
+            previous state and the fault is reported. With ``"skip"`` a round in which every participant's training
+            fit failed stops the run with one line (exit 1; the last checkpoint is intact), since nothing of it could
+            be used; with ``"continue"`` such a round leaves the global state unchanged; ``"raise"`` stops the run at
+            the first fault.
         keep_checkpoints: keep the last this many round checkpoints (``checkpoints/round-<r>.ckpt``, besides
             ``last.ckpt``) so a run can be restarted from before a problem.
         seed: federation seed (``pl-fed`` sets it from ``--seed_everything``).
@@ -130,9 +132,9 @@ class FederatedLoop:
             the GPU is kept so that later fits find it (:mod:`~pl_fedsparse.functional.resident`; the same
             numbers): ``"auto"`` (default) half the free GPU memory when the federation starts (none off CUDA); a
             size (``"2GiB"``, ``"512MB"``, bytes as an int); ``0`` turns it off.
-        pin_memory: stage the copies between the host and a CUDA device in page-locked ("pinned") host memory
-            (:mod:`~pl_fedsparse.functional.transfer`): a fit's inputs cross without holding the host up and its
-            results come back without a staging copy in the driver. The same numbers either way. The staging buffers
+        pin_memory: copies between the host and a CUDA device through pinned host memory, none waiting for the device.
+            A fit's inputs cross without holding the host up and its results come back without a staging copy in the
+            driver (:mod:`~pl_fedsparse.functional.transfer`). The same numbers either way. The staging buffers
             (about one fit's state) stay locked in host memory, cached by torch for reuse; ``false`` keeps that memory
             pageable. Where pinning fails the engine falls back to pageable memory with one warning. No effect
             without a CUDA device.
