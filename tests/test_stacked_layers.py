@@ -173,3 +173,105 @@ def test_convolutions_per_client_or_grouped() -> None:
     assert grouped2 == grouped10 < per10
     for n in alone:
         torch.testing.assert_close(got[n], alone[n], rtol=1e-5, atol=1e-6)
+
+
+# ---- under autocast (bf16-mixed): each client's arguments cast as autocast casts its own call's ------------------
+
+def test_autocast_targets_are_asked_of_autocast() -> None:
+    """Linear layers and convolutions go to bfloat16 under CPU autocast; GroupNorm keeps its input's dtype there."""
+    from pl_fedsparse.executors.stacked import _autocast_target
+
+    assert _autocast_target("linear", "cpu", torch.bfloat16) == torch.bfloat16
+    assert _autocast_target("conv2d", "cpu", torch.bfloat16) == torch.bfloat16
+    assert _autocast_target("group_norm", "cpu", torch.bfloat16) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_on_cuda_autocast_runs_group_norm_in_float32() -> None:
+    from pl_fedsparse.executors.stacked import _autocast_target
+
+    assert _autocast_target("group_norm", "cuda", torch.bfloat16) == torch.float32
+    assert _autocast_target("linear", "cuda", torch.bfloat16) == torch.bfloat16
+
+
+class _Layers(torch.nn.Module):
+    """A convolution, GroupNorm, ReLU, max-pooling and a linear head: the papers' models in small."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.GroupNorm(4, 16)
+        self.head = torch.nn.Linear(16 * 4 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)
+        return self.head(h.flatten(1))
+
+
+def _autocast_step(device: torch.device, grouped: bool = False,
+                   k: int = 4) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], torch.Tensor,
+                                        list[torch.Tensor]]:
+    """The stacked forward's outputs and gradients under bf16 autocast (as the executor takes them: ``vmap`` of
+    ``grad``, the backward outside autocast) and each client's own by autograd (as a Lightning fit takes them)."""
+    torch.manual_seed(0)
+    net = _Layers().to(device)
+    params = {n: torch.stack([p.detach() + 0.01 * i for i in range(k)]) for n, p in net.named_parameters()}
+    x, y = torch.randn(k, 6, 3, 8, 8, device=device), torch.randint(0, 5, (k, 6), device=device)
+
+    def forward(p: dict[str, torch.Tensor], xx: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return torch.func.functional_call(net, p, (xx,))
+
+    def loss(p: dict[str, torch.Tensor], xx: torch.Tensor, yy: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return F.cross_entropy(forward(p, xx), yy)
+
+    with exact_linear(True, grouped_convolutions=grouped):
+        grads = torch.func.vmap(torch.func.grad(loss))(params, x, y)
+        out = torch.func.vmap(forward)(params, x)
+    alone, outs = [], []
+    for i in range(k):
+        leaves = {n: p[i].clone().requires_grad_() for n, p in params.items()}
+        outs.append(forward(leaves, x[i]).detach())
+        alone.append(dict(zip(leaves, torch.autograd.grad(loss(leaves, x[i], y[i]), list(leaves.values())),
+                              strict=True)))
+    return grads, alone, out, outs
+
+
+def test_under_autocast_each_client_gets_the_bits_of_its_own_layers() -> None:
+    """bf16 linear, convolution and GroupNorm (a bfloat16 input with float32 weights): each client's outputs and
+    gradients are those of its own autocast call, bit for bit at one thread (``vmap``'s own rules compute the
+    stacked layers in another precision: outputs and gradients apart by far more than a last bit)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grads, alone, out, outs = _autocast_step(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(before)
+    for i, (a, o) in enumerate(zip(alone, outs, strict=True)):
+        assert out.dtype == o.dtype == torch.bfloat16 and torch.equal(out[i], o), i
+        for n in a:
+            assert torch.equal(grads[n][i], a[n]), (i, n)
+
+
+def test_under_autocast_grouped_convolutions_stay_close() -> None:
+    """``convolutions: grouped`` under autocast: the other layers still each client's own, the convolutions
+    bfloat16's rounding apart — logits within a few bfloat16 steps."""
+    _, _, out, outs = _autocast_step(torch.device("cpu"), grouped=True)
+    for i, o in enumerate(outs):
+        assert out.dtype == o.dtype
+        torch.testing.assert_close(out[i].float(), o.float(), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_on_cuda_under_autocast_each_client_gets_its_own_dtypes_and_close_values() -> None:
+    """On CUDA (GroupNorm in float32 under autocast there): the stacked outputs and gradients in the dtypes of one
+    client's call; values to bfloat16 rounding (the GPU's kernels need not give a batched call the bits of one)."""
+    grads, alone, out, outs = _autocast_step(torch.device("cuda"))
+    for i, (a, o) in enumerate(zip(alone, outs, strict=True)):
+        assert out.dtype == o.dtype
+        torch.testing.assert_close(out[i].float(), o.float(), rtol=0.05, atol=0.05)
+        for n in a:
+            assert grads[n].dtype == a[n].dtype
+            torch.testing.assert_close(grads[n][i], a[n], rtol=0.05, atol=0.05 * float(a[n].abs().max()))

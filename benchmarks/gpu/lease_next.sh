@@ -8,7 +8,9 @@
 # left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked and
 # DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat), then a stacked step's
 # convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's convolutions option); before it,
-# a fit's state across the host link staged in pinned memory against pageable (host_link.py: trainer.pin_memory).
+# a fit's state across the host link staged in pinned memory against pageable (host_link.py: trainer.pin_memory);
+# last, FedSpa's rounds stacked at bf16-mixed (allowed for GroupNorm models since the stacked layers cast as
+# autocast does).
 # Every record goes straight to $OUT, named as in README.md.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
@@ -56,8 +58,13 @@ else
     echo "[$(el)s] a stacked step's convolutions, per client and grouped"
     run stacked_layers.txt 45 python3 benchmarks/stacked_layers.py --device cuda --models VGG11-GN LeNet-CIFAR \
         --clients 10 50 --batch 32 --repeats 10
+    echo "[$(el)s] FedSpa's rounds stacked at bf16-mixed (VGG11-GN's GroupNorm cast as autocast casts it)"
+    run rounds_fedspa_vec_bf16.log 75 python3 benchmarks/gpu_rounds.py run --force --only fedspa_dst --tag vecbf16 \
+        --rounds 3 --eval-every 3 --seconds 65 --precision bf16-mixed --data-root data/cifar10 -- \
+        --trainer.executor pl_fedsparse.executors.VectorizedExecutor
     tar -czf "$O/rounds2.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
-        benchmarks/gpu/rounds/dmpfl benchmarks/gpu/rounds/fedspa_dst+vec 2>/dev/null
+        benchmarks/gpu/rounds/dmpfl benchmarks/gpu/rounds/fedspa_dst+vec benchmarks/gpu/rounds/fedspa_dst+vecbf16 \
+        2>/dev/null
 fi
 kill $SMI 2>/dev/null
 echo "[$(el)s] done"

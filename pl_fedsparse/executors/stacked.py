@@ -8,7 +8,8 @@
   result of the kernel the client would use alone (so that stacked and one-by-one fits agree to the last bit where
   the arithmetic allows; and ``vmap``'s own GroupNorm backward rule is wrong in some compositions): linear layers
   as one batched product, GroupNorm as one kernel over the clients folded into the channels, convolutions one client
-  at a time (or, optionally, one grouped convolution: to rounding);
+  at a time (or, optionally, one grouped convolution: to rounding); under autocast each with its arguments cast as
+  autocast casts one client's call;
 * :func:`stacked_gradient_error` — how far stacked gradients are from each client's own (the executor's check).
 
 Used by :class:`~pl_fedsparse.executors.vectorized.VectorizedExecutor`; no Lightning, no executor state.
@@ -17,6 +18,7 @@ Used by :class:`~pl_fedsparse.executors.vectorized.VectorizedExecutor`; no Light
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -100,6 +102,7 @@ class _StackedLinear(torch.autograd.Function):
 
 
 def _stacked_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    x, w, b = _as_autocast_would("linear", x, w, b)
     return _StackedLinear.apply(x, w, b)
 
 
@@ -177,6 +180,7 @@ def _stacked_conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride: Any =
                     dilation: Any = 1, groups: int = 1) -> Tensor:
     if isinstance(padding, str):  # "same"/"valid": vmap's own rule
         return _CONV2D(x, w, b, stride, padding, dilation, groups)
+    x, w, b = _as_autocast_would("conv2d", x, w, b)
     return _StackedConv2d.apply(x, w, b, stride, padding, dilation, groups)
 
 
@@ -286,8 +290,61 @@ class _GroupNormGrad(torch.autograd.Function):
         return outs, (None if gx is None else 0 if front else 1, None if gw is None else 0, None if gb is None else 0)
 
 
+def _autocast_state(device_type: str) -> torch.dtype | None:
+    """The dtype autocast runs lower-precision operators in on ``device_type`` now, or ``None`` where it is off."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type)
+    except TypeError:  # (torch < 2.4: no device argument)
+        cpu = device_type == "cpu"
+        on = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    return dtype if on else None
+
+
+#: each replaced operator on a small input of a dtype, for :func:`_autocast_target` to see what autocast does with it
+_PROBES: dict[str, Any] = {
+    "linear": lambda t: _LINEAR(t(1, 2), t(1, 2)),
+    "conv2d": lambda t: _CONV2D(t(1, 1, 1, 1), t(1, 1, 1, 1)),
+    "group_norm": lambda t: _GROUP_NORM(t(1, 1, 2), 1),
+}
+
+
+@functools.cache
+def _autocast_target(op: str, device_type: str, autocast_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype autocast casts ``op``'s floating-point arguments to on ``device_type`` (``autocast_dtype``: the
+    lower-precision operators, e.g. linear and convolutions; ``float32``: the operators it runs in full precision,
+    e.g. GroupNorm on CUDA), or ``None`` (it leaves the arguments as they are: GroupNorm on the CPU). Asked of
+    autocast itself, once, on a small input, rather than copied from its lists (which differ by device and
+    version)."""
+    def probe(dtype: torch.dtype) -> torch.dtype:
+        return _PROBES[op](lambda *shape: torch.ones(*shape, dtype=dtype, device=device_type)).dtype
+
+    with torch.autocast(device_type, dtype=autocast_dtype):
+        if probe(torch.float32) == autocast_dtype:
+            return autocast_dtype
+        if probe(autocast_dtype) == torch.float32:
+            return torch.float32
+    return None
+
+
+def _as_autocast_would(op: str, x: Tensor, *tensors: Tensor | None) -> tuple[Any, ...]:
+    """``op``'s tensor arguments (input ``x``, then the others) cast as autocast casts them where it is on (the
+    stacked rules call the kernels below autocast's dispatch): every floating-point one but float64 to
+    :func:`_autocast_target`'s dtype — so each client computes in the precision, and with the kernels, of its own
+    call."""
+    tensors = (x, *tensors)
+    autocast = _autocast_state(x.device.type)
+    target = None if autocast is None else _autocast_target(op, x.device.type, autocast)
+    if target is None:
+        return tensors
+    return tuple(t.to(target) if t is not None and t.is_floating_point() and t.dtype not in (target, torch.float64)
+                 else t for t in tensors)
+
+
 def _stacked_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
                         eps: float = 1e-5) -> Tensor:
+    x, weight, bias = _as_autocast_would("group_norm", x, weight, bias)
     return _StackedGroupNorm.apply(x, num_groups, weight, bias, eps, True)[0]
 
 
@@ -295,6 +352,7 @@ def _folded_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None,
                        eps: float = 1e-5) -> Tensor:
     """:func:`_stacked_group_norm` whose outputs keep the clients beside the channels (``[N, K, C, ...]``): what a
     grouped convolution reads without a copy (``convolutions: grouped``)."""
+    x, weight, bias = _as_autocast_would("group_norm", x, weight, bias)
     return _StackedGroupNorm.apply(x, num_groups, weight, bias, eps, False)[0]
 
 
@@ -338,7 +396,8 @@ def full_fp32() -> Iterator[None]:
 def exact_linear(enabled: bool, *, grouped_convolutions: bool = False) -> Iterator[None]:
     """``torch.nn.functional.linear``, ``conv2d`` and ``group_norm`` are :func:`_stacked_linear`,
     :func:`_stacked_conv2d` and :func:`_stacked_group_norm` for the duration (what ``nn.Linear``, ``nn.Conv2d`` and
-    ``nn.GroupNorm`` call).
+    ``nn.GroupNorm`` call). Under autocast (``bf16-mixed``) their arguments are cast as autocast casts the
+    operator's (:func:`_as_autocast_would`), so each client still gets the dtype and kernels of its own call.
 
     Args:
         grouped_convolutions: leave ``conv2d`` to ``vmap``'s own rule — every client's convolution as one grouped

@@ -16,9 +16,9 @@ stacked tensors. Everything a fit is made of stays per client:
 * **optimizer**: the one the module's ``configure_optimizers`` returns for that client (per-client learning rate by
   round: :func:`~pl_fedsparse.context.current_fit` is that client's context while it is called);
 * **gradient clipping** (``trainer.gradient_clip_val``): each client's total gradient norm, as Lightning clips it;
-* **mixed precision**: ``bf16-mixed`` autocasts the forward and the loss as Lightning's precision plugin does;
-  ``16-mixed`` (a loss scale per client) is refused, and so is ``bf16-mixed`` for a model with GroupNorm layers
-  (see **gradients**);
+* **mixed precision**: ``bf16-mixed`` autocasts the forward and the loss as Lightning's precision plugin does, and
+  the stacked linear, convolution and GroupNorm layers cast their arguments as autocast casts one client's (see
+  **gradients**); ``16-mixed`` (a loss scale per client) is refused;
 * **callbacks**: every federation hook runs per client, in order, as in process (``on_client_fit_start`` of each
   client with its start weights loaded, ``on_client_fit_end`` with its trained weights loaded); what a callback does
   *inside* a fit (Lightning's ``on_before_optimizer_step``, ``on_train_batch_end``, …) it declares in a vectorised
@@ -32,12 +32,17 @@ stacked tensors. Everything a fit is made of stays per client:
   (:data:`~pl_fedsparse.executors.stacked.STACKED_GRADIENT_TOLERANCE`, both sides in IEEE float32, TF32 off:
   :func:`~pl_fedsparse.executors.stacked.full_fp32`): a ``torch.func``
   batching rule that disagrees with its layer would otherwise pass a fast wrong answer off as the in-process run.
-  ``vmap``'s own GroupNorm backward rule does (torch 2.14.1: ResNet18-GN's gradients up to 3e-3 off), so in full
-  precision linear, 2-D convolution and GroupNorm layers give each client the bits of its own kernel
+  ``vmap``'s own GroupNorm backward rule does (torch 2.14.1: ResNet18-GN's gradients up to 3e-3 off), so linear,
+  2-D convolution and GroupNorm layers give each client the bits of its own kernel
   (:func:`~pl_fedsparse.executors.stacked.exact_linear`: linear layers as one batched product, GroupNorm as one
   kernel with the clients folded into the channels, convolutions one client at a time — or, with
-  ``convolutions="grouped"``, one grouped convolution, to rounding); the papers' VGG11-GN, ResNet18-GN, LeNet-CIFAR,
-  McMahan CNN and FEMNIST CNN then train stacked to rounding;
+  ``convolutions="grouped"``, one grouped convolution, to rounding); under ``bf16-mixed`` with the arguments cast
+  as autocast casts a client's own call (bfloat16 for linear layers and convolutions; GroupNorm as the device runs
+  it: in float32 on CUDA, in its input's dtype on the CPU), where ``vmap``'s own rules compute in another precision.
+  The papers' VGG11-GN, ResNet18-GN, LeNet-CIFAR, McMahan CNN and FEMNIST CNN then train stacked to rounding, at
+  ``32-true`` and ``bf16-mixed`` (on the CPU, per-client convolutions, the in-process run's weights bit for bit:
+  ``tests/test_vectorized.py``). The check itself runs in float32 whatever the precision (a batching rule is the
+  same for every dtype, and bfloat16's rounding would hide a wrong one);
 * **faults**: a client whose loss or weights become non-finite is rolled back and left out, the others of its group
   are unaffected (the maths of one client never reads another's); an exception inside a stacked step re-runs that
   group's clients one by one in process, so a failing client is contained as before.
@@ -158,12 +163,6 @@ class VectorizedExecutor(ClientExecutor):
         if loop.precision == "16-mixed":
             raise ConfigError("trainer.precision='16-mixed' is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 32-true or bf16-mixed (a loss scale per client is not implemented)")
-        if loop.precision == "bf16-mixed" and any(isinstance(m, torch.nn.GroupNorm) for m in loop.model.modules()):
-            # (in full precision each client's GroupNorm runs alone under vmap; under autocast vmap's own rule would)
-            raise ConfigError("trainer.precision='bf16-mixed' is invalid with trainer.executor=VectorizedExecutor for "
-                              "a model with GroupNorm layers: expected 32-true (vmap's GroupNorm backward rule gives "
-                              "wrong gradients in torch 2.14.1, and bf16 rounding would hide it from the gradient "
-                              "check), or the in-process executor")
         check_module(loop.model)
         # the optimizer a fit would get, checked now, before the run directory or a checkpoint is written (the
         # round-0 context; configure_optimizers is the user's code and runs again in every fit)
@@ -460,11 +459,17 @@ class VectorizedExecutor(ClientExecutor):
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
                 sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
                 rows = [live[q] for q in positions]
-                with exact_linear(not autocast, grouped_convolutions=self.convolutions == "grouped"):
-                    if not self._gradients_checked and not autocast:  # once: the first stacked step
-                        # (the module's own batching rules, also where a callback computes the gradients itself)
-                        _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys, grad_fn)
-                        self._gradients_checked = True
+                grouped = self.convolutions == "grouped"
+                if not self._gradients_checked:  # once: the first stacked step
+                    # (the module's own batching rules, also where a callback computes the gradients itself; in
+                    # float32 whatever the precision: a batching rule is the same for every dtype, and bfloat16's
+                    # rounding would hide a wrong one)
+                    with exact_linear(True, grouped_convolutions=grouped):
+                        _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys,
+                                            grad_fn if not autocast else torch.func.vmap(torch.func.grad_and_value(
+                                                _loss_of(module, device.type, False))))
+                    self._gradients_checked = True
+                with exact_linear(True, grouped_convolutions=grouped):
                     # the callback's own forward (e.g. pFedGate's gated model), or None: the module's own loss
                     own = None
                     if provider is not None:
@@ -601,8 +606,9 @@ def _check_gradients_of(module: pl.LightningModule, device_type: str, params: di
 
 def _loss_of(module: pl.LightningModule, device_type: str, autocast: bool) -> Any:
     """``(params, fixed, x, y) -> loss`` of one client, for ``grad_and_value`` (gradients w.r.t. ``params``). Under
-    ``bf16-mixed`` the forward and the loss run under autocast, the backward outside it (as Lightning does); in full
-    precision ``F.linear`` is :class:`_StackedLinear` (the same bits as one client's)."""
+    ``bf16-mixed`` the forward and the loss run under autocast, the backward outside it (as Lightning does); under
+    :func:`~pl_fedsparse.executors.stacked.exact_linear` ``F.linear`` is :class:`_StackedLinear` (the same bits as
+    one client's, under autocast too)."""
 
     def loss(params: dict[str, Tensor], fixed: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
