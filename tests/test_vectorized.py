@@ -70,10 +70,10 @@ def _cli_run(tmp: Path, argv: list[str], executor: bool) -> list[dict]:
     return _rows(_cli_fit(tmp, argv, executor))
 
 
-def _cli_fit(tmp: Path, argv: list[str], executor: bool) -> Any:
-    """The federation of ``argv`` fitted on the CPU (``executor``: the VectorizedExecutor's), for its rows and state."""
+def _cli_fit(tmp: Path, argv: list[str], executor: bool, accelerator: str = "cpu") -> Any:
+    """The federation of ``argv`` fitted (``executor``: by the VectorizedExecutor), for its rows and state."""
     args = [*argv, "--trainer.default_root_dir", str(tmp), "--trainer.logger", "false",
-            "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu"]
+            "--trainer.enable_progress_bar", "false", "--trainer.accelerator", accelerator]
     if executor:
         args += ["--trainer.executor", "pl_fedsparse.executors.VectorizedExecutor"]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -586,3 +586,30 @@ def test_heap_only_keeps_large_blocks_in_the_heap_and_puts_the_mapping_back(monk
     monkeypatch.setenv("PL_FEDSPARSE_MALLOC_TUNING", "0")
     with allocator.heap_only() as done:
         assert done is False
+
+
+_GPU_CASES = [(["--config", "configs/synthetic_fedspa.yaml"], "32-true"),
+              (["--config", "configs/synthetic_pfedgate.yaml"], "32-true"),
+              (["--config", str(ROOT / "configs" / "cifar10_fedavg.yaml"), *_images32(),
+                "--model.backbone", "pl_fedsparse.models.VGG11GN", "--model.lr", "0.01"], "bf16-mixed")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.parametrize(("argv", "precision"), _GPU_CASES, ids=["fedspa-32", "pfedgate-32", "vgg11gn-bf16"])
+def test_on_cuda_stacked_fits_give_the_in_process_run_to_tolerance(tmp_path: Path, argv: list[str], precision: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (kernels that sum in another order for a batched call, TF32 convolutions): the stacked run counts the
+    same bytes and FLOPs as the in-process one on the same GPU and learns alike — VGG11-GN at ``bf16-mixed`` with
+    GroupNorm in float32 as CUDA's autocast runs it."""
+    monkeypatch.chdir(ROOT)
+    args = [*argv, "--trainer.num_rounds", "2", "--trainer.eval_every", "1", "--trainer.precision", precision,
+            "--trainer.local_epochs", "1"]
+    args += ["--data.device", "cuda"]
+    ref, got = (_rows(_cli_fit(tmp_path / tag, args, vec, "gpu")) for tag, vec in (("ref", False), ("vec", True)))
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got, strict=True):
+        for key in ("comm_cum_bytes_total", "flops_train_cum"):
+            assert a[key] == b[key], (a["round"], key)
+        assert b["acc_mean"] == pytest.approx(a["acc_mean"], abs=0.03), a["round"]
+        assert b["loss_mean"] == pytest.approx(a["loss_mean"], rel=0.03), a["round"]
