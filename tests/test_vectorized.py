@@ -29,7 +29,7 @@ TIMES = ("time_s", "time_cum_s", "time_train_s")
 #: compared exactly (integers: bytes, links, counts; FLOPs are exact products)
 EXACT_PREFIXES = ("comm_", "flops_", "num_participants", "client_faults", "round", "evaluated")
 #: synthetic configs whose callbacks have in-fit hooks without a vectorised form, and the one they name
-REFUSED = {"synthetic_fedrep": "PersonalLayers", "synthetic_lgfedavg": "PersonalLayers", "synthetic_fedem": "FedEM"}
+REFUSED = {"synthetic_fedrep": "PersonalLayers", "synthetic_fedem": "FedEM"}
 #: the CIFAR-10 CPU configs of the serverless baselines, shrunk onto the synthetic task (as benchmarks/parity.py)
 SHRINK = ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients", "6", "--data.max_train_samples",
           "null", "--data.augment", "false", "--data.batch_size", "32", "--data.synthetic", '{"num_train": 1200}',
@@ -262,11 +262,12 @@ def test_configs_with_unvectorisable_callbacks_are_refused_in_one_line(tmp_path:
 
 def test_unvectorisable_callbacks_can_run_in_process_instead(tmp_path: Path) -> None:
     def make() -> list[Any]:
-        return [PersonalLayers(mode="lg", head_layers=1), KeepOptimizerState()]
+        return [PersonalLayers(mode="fedrep", head_epochs=1), KeepOptimizerState()]
 
-    ref = tiny_loop(tmp_path / "ref", callbacks=make())
+    ref = tiny_loop(tmp_path / "ref", callbacks=make(), local_epochs=2)
     ref.fit(tiny_module(), tiny_datamodule())
-    got = tiny_loop(tmp_path / "vec", callbacks=make(), executor=VectorizedExecutor(unsupported="sequential"))
+    got = tiny_loop(tmp_path / "vec", callbacks=make(), local_epochs=2,
+                    executor=VectorizedExecutor(unsupported="sequential"))
     got.fit(tiny_module(), tiny_datamodule())
     assert _rows(got) == _rows(ref)  # the same code path: bit for bit
 

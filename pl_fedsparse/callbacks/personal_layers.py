@@ -275,6 +275,14 @@ class PersonalLayers(FederatedCallback):
         if self._ctx is not None:  # the client's own layers over the downloaded shared ones
             load_state(module, self.get_client_state(loop, context.client_idx, "weights"))
 
+    @override
+    def vectorized_fit(self) -> Any:
+        """LG-FedAvg does nothing inside a fit (all layers train jointly; the personal layers are loaded and kept by
+        the federation hooks, which run per client there too): ``None``, its fits stack. FedRep's alternating head /
+        body epochs (a part frozen per client and epoch, its optimizer state untouched) have no vectorised form:
+        ``NotImplemented`` (refused in one line, or run in process with ``unsupported: sequential``)."""
+        return None if self.mode == "lg" else NotImplemented
+
     def _fedrep_fit(self) -> bool:
         return self._ctx is not None and self.mode == "fedrep"
 
