@@ -83,7 +83,7 @@ def test_vectorized_workers_give_the_in_process_metrics(tmp_path: Path, method: 
 
 def test_vectorized_workers_refuse_what_they_cannot_vectorise_before_starting(tmp_path: Path,
                                                                               ray_session: None) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="lg", head_layers=1)],
+    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="fedrep", head_epochs=1)], local_epochs=2,
                      executor=RayExecutor(num_workers=1, vectorize=True))
     with pytest.raises(ConfigError, match=r"PersonalLayers has in-fit hooks"):
         loop.fit(tiny_module(), tiny_datamodule())

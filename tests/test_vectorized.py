@@ -519,7 +519,8 @@ def test_a_module_that_declares_its_step_vectorizable_runs(tmp_path: Path) -> No
 
 
 def test_a_callback_with_in_fit_hooks_and_no_vectorised_form_is_named(tmp_path: Path) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="lg", head_layers=1)], executor=VectorizedExecutor())
+    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="fedrep", head_epochs=1)], local_epochs=2,
+                     executor=VectorizedExecutor())
     with pytest.raises(ConfigError, match=r"PersonalLayers has in-fit hooks \(on_train_start"):
         loop.fit(tiny_module(), tiny_datamodule())
 
