@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pl_fedsparse import FederatedLoop, FederatedModule
+from pl_fedsparse import FederatedCallback, FederatedLoop, FederatedModule
 from pl_fedsparse.callbacks import (
     Ditto,
     DualMask,
@@ -109,6 +109,19 @@ def plain_dense_gradient(weights: dict[str, Any], loader: Any) -> dict[str, Any]
     x, y = next(iter(loader))
     F.cross_entropy(module(x), y).backward()
     return {n: p.grad.detach().clone() for n, p in module.named_parameters()}
+
+
+class InFitProbe(FederatedCallback):
+    """A callback with a Lightning in-fit hook (it counts the batches of the fits) and no vectorised form: what the
+    VectorizedExecutor refuses, or runs in process."""
+
+    scratch_attributes = ("batches",)  # (per-fit scratch: the fit contract)
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
 
 
 def tiny_loop(tmp_path: Any, **kw: Any) -> FederatedLoop:

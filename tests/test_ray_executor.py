@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
+from conftest import METHODS, InFitProbe, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import FederatedCallback, FederatedModule
-from pl_fedsparse.callbacks import Gossip, PersonalLayers, PFedGate, SparseMask
+from pl_fedsparse.callbacks import Gossip, PFedGate, SparseMask
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import FitWorker, RayExecutor, pack_tree, tune_malloc, unpack_tree, worker_spec
 from pl_fedsparse.functional import floatcodec
@@ -83,9 +83,8 @@ def test_vectorized_workers_give_the_in_process_metrics(tmp_path: Path, method: 
 
 def test_vectorized_workers_refuse_what_they_cannot_vectorise_before_starting(tmp_path: Path,
                                                                               ray_session: None) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="fedrep", head_epochs=1)], local_epochs=2,
-                     executor=RayExecutor(num_workers=1, vectorize=True))
-    with pytest.raises(ConfigError, match=r"PersonalLayers has in-fit hooks"):
+    loop = tiny_loop(tmp_path, callbacks=[InFitProbe()], executor=RayExecutor(num_workers=1, vectorize=True))
+    with pytest.raises(ConfigError, match=r"InFitProbe has in-fit hooks"):
         loop.fit(tiny_module(), tiny_datamodule())
 
 

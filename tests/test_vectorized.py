@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import METHODS, tiny_datamodule, tiny_loop, tiny_module
+from conftest import METHODS, InFitProbe, tiny_datamodule, tiny_loop, tiny_module
 from torch import Tensor
 
 from pl_fedsparse import FederatedCallback, FederatedModule, allocator
@@ -29,7 +29,7 @@ TIMES = ("time_s", "time_cum_s", "time_train_s")
 #: compared exactly (integers: bytes, links, counts; FLOPs are exact products)
 EXACT_PREFIXES = ("comm_", "flops_", "num_participants", "client_faults", "round", "evaluated")
 #: synthetic configs whose callbacks have in-fit hooks without a vectorised form, and the one they name
-REFUSED = {"synthetic_fedrep": "PersonalLayers", "synthetic_fedem": "FedEM"}
+REFUSED = {"synthetic_fedem": "FedEM"}
 #: the CIFAR-10 CPU configs of the serverless baselines, shrunk onto the synthetic task (as benchmarks/parity.py)
 SHRINK = ["--data.name", "synthetic", "--data.root", "null", "--data.num_clients", "6", "--data.max_train_samples",
           "null", "--data.augment", "false", "--data.batch_size", "32", "--data.synthetic", '{"num_train": 1200}',
@@ -262,7 +262,7 @@ def test_configs_with_unvectorisable_callbacks_are_refused_in_one_line(tmp_path:
 
 def test_unvectorisable_callbacks_can_run_in_process_instead(tmp_path: Path) -> None:
     def make() -> list[Any]:
-        return [PersonalLayers(mode="fedrep", head_epochs=1), KeepOptimizerState()]
+        return [InFitProbe(), KeepOptimizerState()]
 
     ref = tiny_loop(tmp_path / "ref", callbacks=make(), local_epochs=2)
     ref.fit(tiny_module(), tiny_datamodule())
@@ -329,6 +329,52 @@ class Dampened(FederatedModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, dampening=0.3)
+
+
+@pytest.mark.parametrize("variant", ["sgd", "sgd-dampening-kept", "personal-lr", "fedavg-first"])
+def test_fedrep_alternating_epochs_stacked_give_the_in_process_run(tmp_path: Path, variant: str) -> None:
+    """FedRep stacked: clients of different sizes (at one step some train the head, others the body), momentum and
+    weight decay on a frozen part, gradient clipping, half the clients a round: the same rows and, at one thread, the
+    same global and personal weights bit for bit. With dampening and kept momenta, a frozen part's buffer must not
+    start until its first real step (SGD's first step takes the gradient itself); with a first FedAvg round, that
+    round's fits train every layer."""
+
+    def run(executor: Any, sub: str) -> tuple[list[dict], Any]:
+        callbacks: list[Any] = [PersonalLayers(mode="fedrep", head_epochs=1,
+                                               personal_lr=0.03 if variant == "personal-lr" else None,
+                                               fedavg_rounds=1 if variant == "fedavg-first" else 0)]
+        if variant == "sgd-dampening-kept":
+            callbacks.append(KeepOptimizerState())
+        loop = tiny_loop(tmp_path / sub, callbacks=callbacks, executor=executor, num_rounds=3, local_epochs=3,
+                         gradient_clip_val=0.5, join_ratio=0.5)
+        torch.manual_seed(0)
+        module = (Dampened(_mlp()) if variant == "sgd-dampening-kept"
+                  else FederatedModule(_mlp(), lr=0.1, momentum=0.9, weight_decay=5e-3))
+        loop.fit(module, tiny_datamodule(alpha=0.1, quantity_skew=True))
+        return _rows(loop), loop
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        (ref, ref_loop), (got, got_loop) = run(None, "ref"), run(VectorizedExecutor(), "vec")
+    finally:
+        torch.set_num_threads(before)
+    assert_same_run(ref, got)
+    assert all(torch.equal(t, got_loop.global_state[n]) for n, t in ref_loop.global_state.items())
+    key = next(k for k in ref_loop.client_store.keys if k.startswith("PersonalLayers"))
+    for k in range(ref_loop.datamodule.num_clients):
+        mine, theirs = ref_loop.client_store.get(k, key), got_loop.client_store.get(k, key)
+        assert all(torch.equal(t, theirs[n]) for n, t in mine.items()), k
+    assert "sequential_fits" not in got[-1]
+
+
+def test_fedrep_stacked_takes_sgd_only(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="fedrep", head_epochs=1)], local_epochs=2,
+                     executor=VectorizedExecutor())
+    with pytest.raises(ConfigError, match=r"^trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: "
+                                          r"PersonalLayers has a vectorised form for sgd only, the module's optimizer "
+                                          r"is adam \(run it in process"):
+        loop.fit(tiny_module(optimizer="adam", lr=0.01), tiny_datamodule())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd-dampening", "adam"])
@@ -519,9 +565,10 @@ def test_a_module_that_declares_its_step_vectorizable_runs(tmp_path: Path) -> No
 
 
 def test_a_callback_with_in_fit_hooks_and_no_vectorised_form_is_named(tmp_path: Path) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="fedrep", head_epochs=1)], local_epochs=2,
-                     executor=VectorizedExecutor())
-    with pytest.raises(ConfigError, match=r"PersonalLayers has in-fit hooks \(on_train_start"):
+    loop = tiny_loop(tmp_path, callbacks=[InFitProbe()], executor=VectorizedExecutor())
+    with pytest.raises(ConfigError, match=r"InFitProbe has in-fit hooks \(on_train_batch_end\) and no "
+                                          r"vectorized_fit \(give it one, docs/extending.md, or set "
+                                          r"VectorizedExecutor.unsupported: sequential\)$"):
         loop.fit(tiny_module(), tiny_datamodule())
 
 

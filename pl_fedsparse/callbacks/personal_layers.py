@@ -278,10 +278,14 @@ class PersonalLayers(FederatedCallback):
     @override
     def vectorized_fit(self) -> Any:
         """LG-FedAvg does nothing inside a fit (all layers train jointly; the personal layers are loaded and kept by
-        the federation hooks, which run per client there too): ``None``, its fits stack. FedRep's alternating head /
-        body epochs (a part frozen per client and epoch, its optimizer state untouched) have no vectorised form:
-        ``NotImplemented`` (refused in one line, or run in process with ``unsupported: sequential``)."""
-        return None if self.mode == "lg" else NotImplemented
+        the federation hooks, which run per client there too): ``None``, its fits stack as they are. FedRep's
+        alternating head / body epochs: :class:`~pl_fedsparse.callbacks.personal_layers_stacked.StackedFedRep` (a
+        part frozen per client and step; SGD)."""
+        if self.mode == "lg":
+            return None
+        from pl_fedsparse.callbacks.personal_layers_stacked import StackedFedRep
+
+        return StackedFedRep(self)
 
     def _fedrep_fit(self) -> bool:
         return self._ctx is not None and self.mode == "fedrep"

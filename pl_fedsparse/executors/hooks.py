@@ -62,6 +62,17 @@ class StackedFit:
         steps: ``[K]`` int64 on the host, every client's optimizer steps so far (Adam's bias corrections count from
             it: set it in ``start`` to continue an earlier fit's count).
         precision: the run's ``trainer.precision`` (``"32-true"`` or ``"bf16-mixed"``).
+        step_state: during a step, the optimizer state of the rows ``params`` holds (the same dictionaries as
+            ``optimizer_state`` while every client steps; else copies of those rows, written back after
+            :meth:`VectorizedFitHooks.after_optimizer_step`); an entry the step creates appears here.
+        clients: during a step, the clients of ``params``' rows (indices into ``contexts``), in row order (what
+            ``rows`` holds, on the host).
+        epochs: during a step, the epoch (from 0) each of ``params``' rows takes its batch from, in row order.
+        batch_sizes: during a step, each row's batch size, in row order.
+        no_grad: during a step, what :meth:`VectorizedFitHooks.before_optimizer_step` may set: per trained tensor's
+            name, per row, ``True`` where that client has no gradient for it at this step (a parameter frozen in
+            process): left out of gradient clipping's per-client norm, as ``clip_grad_norm_`` leaves it out.
+        optimizer: the optimizer's kind, ``"sgd"`` or ``"adam"``.
     """
 
     contexts: list[FitContext]
@@ -73,6 +84,12 @@ class StackedFit:
     optimizer_index: dict[str, int] = field(default_factory=dict)
     steps: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     precision: str = "32-true"
+    step_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    clients: list[int] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    no_grad: dict[str, list[bool]] = field(default_factory=dict)
+    optimizer: str = "sgd"
 
 
 class VectorizedFitHooks:
@@ -88,10 +105,14 @@ class VectorizedFitHooks:
     client ``i`` — or, once some clients have stopped, only the rows of those still training
     (:attr:`StackedFit.rows`). :meth:`end` and :meth:`finish` are optional (the executor calls them where defined).
 
-    Three more optional methods, for a callback that changes the fit itself (pFedGate's gated model does):
+    More optional members, for a callback that changes the fit itself (pFedGate's gated model does, FedRep's
+    alternating epochs do):
 
     * ``supports(context) -> bool``: ``False`` runs that fit in process instead (e.g. a kind of fit the form does
       not stack);
+    * an attribute ``optimizers``: the optimizer kinds the form takes (e.g. ``("sgd",)``); with another, the executor
+      refuses the run in one line when the federation starts (or runs every fit in process, ``unsupported:
+      sequential``);
     * ``learning_rates(fit, lrs)``: after :meth:`start`, edit each client's module learning rates in place
       (``lrs[name][i]``: what the callback's ``on_train_start`` would set on the optimizer);
     * ``gradients(fit, params, fixed, xs, ys, rows)``: compute a step's gradients itself — ``params`` the trained

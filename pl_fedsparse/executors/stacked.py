@@ -440,11 +440,30 @@ def stacked_gradient_error(loss: Any, params: dict[str, Tensor], fixed: dict[str
     return worst, name
 
 
-def clip_per_client(grads: dict[str, Tensor], max_norm: float) -> None:
+def clip_per_client(grads: dict[str, Tensor], max_norm: float, without: dict[str, list[bool]] | None = None) -> None:
     """Each client's gradients scaled by ``min(1, max_norm / (‖g‖ + 1e-6))`` over all its tensors, as
-    ``torch.nn.utils.clip_grad_norm_`` (Lightning's ``gradient_clip_val``) does for one client."""
+    ``torch.nn.utils.clip_grad_norm_`` (Lightning's ``gradient_clip_val``) does for one client.
+
+    Args:
+        without: per tensor name, per row, ``True`` where that client has no gradient for the tensor (a frozen
+            parameter in process): left out of that client's norm, as ``clip_grad_norm_`` leaves it out — rows with
+            the same tensors left out share one reduction (the same bits as the client's own)."""
     norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), 2, dim=1) for g in grads.values()], dim=1)
-    total = torch.linalg.vector_norm(norms, 2, dim=1)
+    names = list(grads)
+    if not without or not any(any(rows) for rows in without.values()):
+        total = torch.linalg.vector_norm(norms, 2, dim=1)
+    else:
+        k = norms.shape[0]
+        patterns: dict[tuple[bool, ...], list[int]] = {}
+        for r in range(k):
+            patterns.setdefault(tuple(bool(without.get(n, ())[r]) if n in without else False for n in names),
+                                []).append(r)
+        total = torch.empty(k, dtype=norms.dtype, device=norms.device)
+        for left_out, rows in patterns.items():
+            at = send(torch.tensor(rows), norms.device)
+            kept = send(torch.tensor([j for j, out in enumerate(left_out) if not out]), norms.device)
+            total.index_copy_(0, at, torch.linalg.vector_norm(norms.index_select(0, at).index_select(1, kept), 2,
+                                                              dim=1))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads.values():
         g.mul_(rows_like(coef, g))

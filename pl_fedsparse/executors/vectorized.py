@@ -23,8 +23,9 @@ stacked tensors. Everything a fit is made of stays per client:
   client with its start weights loaded, ``on_client_fit_end`` with its trained weights loaded); what a callback does
   *inside* a fit (Lightning's ``on_before_optimizer_step``, ``on_train_batch_end``, …) it declares in a vectorised
   form, :meth:`VectorizedFitHooks` returned by ``vectorized_fit()`` — the library's masks
-  (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term, the FedProx example and
-  :class:`~pl_fedsparse.callbacks.KeepOptimizerState` (each client's kept optimizer state continued in its rows) do.
+  (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term, the FedProx example,
+  :class:`~pl_fedsparse.callbacks.KeepOptimizerState` (each client's kept optimizer state continued in its rows),
+  pFedGate and FedRep's alternating epochs (each client's frozen part by the epoch of its batch) do.
   A callback with in-fit hooks and no vectorised form is refused when the federation starts, in one line naming it
   (or its clients are run in process, ``unsupported: sequential``);
 * **gradients**: at its first stacked step the executor also computes each of (up to) four clients' gradients
@@ -168,17 +169,23 @@ class VectorizedExecutor(ClientExecutor):
         # round-0 context; configure_optimizers is the user's code and runs again in every fit)
         names = {id(p): n for n, p in loop.model.named_parameters()}
         with fit_scope(FitContext(client_idx=0, round_idx=0, kind="train", stream="train", seed=0, lr_round=0)):
-            elementwise_optimizer(loop.model, names)
-        refused = self._collect_hooks()
+            kind = elementwise_optimizer(loop.model, names).kind
+        # (the callback, what it lacks: in the error, in the warning; what the user can do)
+        refused = [(cb, f"has in-fit hooks ({', '.join(hooks)}) and no vectorized_fit",
+                    "has in-fit hooks and no vectorized_fit", "give it one, docs/extending.md")
+                   for cb, hooks in self._collect_hooks()]
+        for cb, form in self.hooks:
+            takes = getattr(form, "optimizers", None)
+            if takes is not None and kind not in takes:
+                why = f"has a vectorised form for {' or '.join(takes)} only, the module's optimizer is {kind}"
+                refused.append((cb, why, why, "run it in process: drop trainer.executor"))
         if refused:
-            cb, hooks = refused[0]
+            cb, why, short, hint = refused[0]
             if self.unsupported == "error":
                 raise ConfigError(f"trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: "
-                                  f"{type(cb).__name__} has in-fit hooks ({', '.join(hooks)}) and no vectorized_fit "
-                                  "(give it one, docs/extending.md, or set VectorizedExecutor.unsupported: "
+                                  f"{type(cb).__name__} {why} ({hint}, or set VectorizedExecutor.unsupported: "
                                   "sequential)")
-            log.warning("VectorizedExecutor: %s has in-fit hooks and no vectorized_fit; every fit runs in process",
-                        type(cb).__name__)
+            log.warning("VectorizedExecutor: %s %s; every fit runs in process", type(cb).__name__, short)
             self._all_sequential = True
 
     def _group_cap(self) -> int:
@@ -393,7 +400,8 @@ class VectorizedExecutor(ClientExecutor):
         opt_state: dict[str, dict[str, Tensor]] = {n: {} for n in trainable}
         steps_done = torch.zeros(K, dtype=torch.long)
         fit = StackedFit([it["request"].context for it in items], P, {}, device, optimizer_state=opt_state,
-                         optimizer_index=dict(optims[0].index), steps=steps_done, precision=loop.precision)
+                         optimizer_index=dict(optims[0].index), steps=steps_done, precision=loop.precision,
+                         optimizer=optims[0].kind)
         for _, hooks in self.hooks:
             hooks.start(fit)
         opt_state, steps_done = fit.optimizer_state, fit.steps  # (a hook may have continued an earlier fit's)
@@ -506,11 +514,13 @@ class VectorizedExecutor(ClientExecutor):
                 sS = {n: {k: v.index_select(0, stepping) for k, v in st.items()} for n, st in sS.items()}
                 live = [live[q] for q in keep]
                 at = transfer.host_tensor(live, device)
-            fit.params, fit.grads, fit.rows = sP, G, at
+            fit.params, fit.grads, fit.rows, fit.step_state = sP, G, at, sS
+            fit.clients, fit.epochs, fit.no_grad = list(live), [streams[i].epoch for i in live], {}
+            fit.batch_sizes = [len(batches[i]) if bulk else int(batches[i][1].shape[0]) for i in live]
             for _, hooks in self.hooks:
                 hooks.before_optimizer_step(fit)
             if clip is not None:
-                clip_per_client(G, float(clip))
+                clip_per_client(G, float(clip), fit.no_grad)
             steps_done[live] += 1
             step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()},
                     steps_done[live])
@@ -527,7 +537,8 @@ class VectorizedExecutor(ClientExecutor):
                                 fresh = torch.ones(K, dtype=torch.bool, device=v.device)
                                 opt_state[n]["fresh"] = fresh.index_fill_(0, at, False)
                         opt_state[n][k].index_copy_(0, at, v)
-            fit.params, fit.grads, fit.rows = P, {}, None
+            fit.params, fit.grads, fit.rows, fit.step_state = P, {}, None, {}
+            fit.clients, fit.epochs, fit.batch_sizes, fit.no_grad = [], [], [], {}
         for _, hooks in self.hooks:
             end = getattr(hooks, "end", None)  # (optional: forms written before it existed have none)
             if end is not None:

@@ -1,0 +1,125 @@
+"""FedRep's alternating epochs over a stacked group of fits, for :class:`~pl_fedsparse.executors.VectorizedExecutor`:
+what :class:`~pl_fedsparse.callbacks.PersonalLayers` (``mode: fedrep``) does inside one client's fit, done for a
+round's clients at once.
+
+In process (Collins et al. 2021, Alg. 1) a fit's first ``head_epochs`` epochs train the head with the body frozen,
+the others the body with the head frozen: the frozen part has ``requires_grad`` off, so its weights, its momentum
+and its weight decay are untouched and it has no place in gradient clipping's norm; the head epochs run at
+``personal_lr``. Stacked, every client of a step is in its own epoch (clients of different sizes take different
+numbers of steps per epoch), so the part frozen is chosen per client and step from the epoch of its batch
+(:attr:`~pl_fedsparse.executors.StackedFit.epochs`): before the optimizer step the frozen rows are named to the
+executor (``no_grad``: out of the clipping norm) and their weights and optimizer state remembered; after it they are put back as they were
+— a momentum buffer the step created for a frozen row is removed again (zero, marked ``fresh``: the row's first real
+step takes the gradient itself, as ``torch.optim.SGD`` does when a parameter first has one). The head's learning rates
+are scaled once per fit (each tensor trains in one phase only). The samples of each phase are counted per client for
+the callback's FLOP refund. SGD only: Adam's bias correction counts each tensor's own steps, which a frozen phase
+would shift (the executor refuses Adam with this form in one line).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pl_fedsparse.context import FitContext
+from pl_fedsparse.executors.stacked import rows_like
+from pl_fedsparse.functional import transfer
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from pl_fedsparse.callbacks.personal_layers import PersonalLayers
+    from pl_fedsparse.executors.hooks import StackedFit
+
+__all__ = ["StackedFedRep"]
+
+
+class StackedFedRep:
+    """:class:`~pl_fedsparse.executors.VectorizedFitHooks` of FedRep's head / body epochs (see the module)."""
+
+    optimizers = ("sgd",)
+
+    def __init__(self, callback: PersonalLayers) -> None:
+        self.cb = callback
+        self.active: dict[int, bool] = {}  # client row -> a FedRep fit (a round's training after fedavg_rounds)
+        self.scale: dict[int, float] = {}  # client row -> the head epochs' learning-rate factor
+        self.samples: dict[int, dict[str, int]] = {}  # client row -> samples per phase
+        self.saved: dict[str, tuple[Tensor, Tensor, dict[str, Tensor], bool]] = {}
+        self._masks: dict[tuple[bool, ...], Tensor] = {}
+
+    def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        cb = self.cb
+        self.active[index] = cb._ctx is not None  # (set by on_client_fit_start: FedRep's split is on this fit)
+        self.scale[index] = 1.0 if cb.personal_lr is None else cb.personal_lr / float(module.lr)  # type: ignore[arg-type]
+        self.samples[index] = {}
+
+    def start(self, fit: StackedFit) -> None:
+        self._masks = {}
+
+    def learning_rates(self, fit: StackedFit, lrs: dict[str, list[float]]) -> None:
+        """The head's rates times ``personal_lr / lr`` (what ``on_train_epoch_start`` sets in the head epochs; the
+        body's stay: it trains only in the body epochs, at the optimizer's own rates)."""
+        for name, rates in lrs.items():
+            if name in self.cb._personal:
+                for i, scale in self.scale.items():
+                    if self.active[i] and scale != 1.0:
+                        rates[i] = rates[i] * scale
+
+    def _mask(self, frozen: tuple[bool, ...], device: torch.device) -> Tensor:
+        if frozen not in self._masks:
+            self._masks[frozen] = transfer.host_tensor(list(frozen), device)
+        return self._masks[frozen]
+
+    def before_optimizer_step(self, fit: StackedFit) -> None:
+        head_epochs = self.cb.head_epochs
+        clients = fit.clients
+        in_head = [self.active[c] and e < head_epochs for c, e in zip(clients, fit.epochs, strict=True)]
+        in_body = [self.active[c] and e >= head_epochs for c, e in zip(clients, fit.epochs, strict=True)]
+        for c, head, size in zip(clients, in_head, fit.batch_sizes, strict=True):
+            if self.active[c]:
+                phase = "head" if head else "body"
+                self.samples[c][phase] = self.samples[c].get(phase, 0) + size
+        self.saved = {}
+        for name, g in fit.grads.items():
+            frozen = tuple(in_body) if name in self.cb._personal else tuple(in_head)
+            if not any(frozen):
+                continue
+            mask = self._mask(frozen, g.device)
+            fit.no_grad[name] = list(frozen)  # (no gradient in process: out of the clipping norm)
+            state = fit.step_state.get(name, {})
+            self.saved[name] = (mask, fit.params[name].clone(), {k: v.clone() for k, v in state.items()},
+                                "momentum_buffer" in state)
+
+    def after_optimizer_step(self, fit: StackedFit) -> None:
+        for name, (mask, params, state, had_buffer) in self.saved.items():
+            p = fit.params[name]
+            p.copy_(torch.where(rows_like(mask, p), params, p))
+            now = fit.step_state.get(name, {})
+            for key, value in now.items():
+                if key == "fresh":
+                    continue
+                before = state.get(key)
+                if before is not None:
+                    value.copy_(torch.where(rows_like(mask, value), before, value))
+                elif key == "momentum_buffer":  # created by this step: not for the frozen rows (no gradient yet)
+                    value.masked_fill_(rows_like(mask, value), 0)
+            if "momentum_buffer" in now:
+                fresh = state.get("fresh")
+                if not had_buffer:  # the frozen rows have no buffer yet: their first step takes the gradient
+                    fresh = mask
+                elif fresh is None:
+                    continue
+                else:
+                    fresh = fresh & mask  # (the step cleared every row's flag: the frozen rows keep theirs)
+                if "fresh" in now:
+                    now["fresh"].copy_(fresh)
+                else:
+                    now["fresh"] = fresh.clone()
+        self.saved = {}
+
+    def finish(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        """The client's samples per phase, for the callback's FLOP refund in ``on_client_fit_end``."""
+        if self.active.get(index):
+            self.cb._samples = self.samples.get(index, {})
