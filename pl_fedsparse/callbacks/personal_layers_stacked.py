@@ -7,10 +7,13 @@ the others the body with the head frozen: the frozen part has ``requires_grad`` 
 and its weight decay are untouched and it has no place in gradient clipping's norm; the head epochs run at
 ``personal_lr``. Stacked, every client of a step is in its own epoch (clients of different sizes take different
 numbers of steps per epoch), so the part frozen is chosen per client and step from the epoch of its batch
-(:attr:`~pl_fedsparse.executors.StackedFit.epochs`): before the optimizer step the frozen rows are named to the
-executor (``no_grad``: out of the clipping norm) and their weights and optimizer state remembered; after it they are put back as they were
-— a momentum buffer the step created for a frozen row is removed again (zero, marked ``fresh``: the row's first real
-step takes the gradient itself, as ``torch.optim.SGD`` does when a parameter first has one). The head's learning rates
+(:attr:`~pl_fedsparse.executors.StackedFit.epochs`): before the gradients the frozen rows are named to the executor
+(``frozen_rows``: out of the clipping norm; a tensor frozen in every row of the step — the usual case, the clients of a
+step mostly share their phase — is neither differentiated nor stepped, as autograd and ``torch.optim`` skip a
+parameter without a gradient, so a head epoch costs the head's gradients only). Where only some rows of a tensor are frozen, their weights and
+optimizer state are remembered and put back after the step — a momentum buffer the step created for them removed
+again (zero, marked ``fresh``: the row's first real step takes the gradient itself, as ``torch.optim.SGD`` does when
+a parameter first has one). The head's learning rates
 are scaled once per fit (each tensor trains in one phase only). The samples of each phase are counted per client for
 the callback's FLOP refund. SGD only: Adam's bias correction counts each tensor's own steps, which a frozen phase
 would shift (the executor refuses Adam with this form in one line).
@@ -24,7 +27,6 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.executors.stacked import rows_like
 from pl_fedsparse.functional import transfer
 
 if TYPE_CHECKING:
@@ -46,8 +48,9 @@ class StackedFedRep:
         self.active: dict[int, bool] = {}  # client row -> a FedRep fit (a round's training after fedavg_rounds)
         self.scale: dict[int, float] = {}  # client row -> the head epochs' learning-rate factor
         self.samples: dict[int, dict[str, int]] = {}  # client row -> samples per phase
-        self.saved: dict[str, tuple[Tensor, Tensor, dict[str, Tensor], bool]] = {}
+        self.saved: dict[str, tuple[Tensor, Tensor, dict[str, Tensor], bool]] = {}  # the frozen rows, by tensor
         self._masks: dict[tuple[bool, ...], Tensor] = {}
+        self.mine: list[str] = []  # the tensors this step froze in some rows
 
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
         cb = self.cb
@@ -67,56 +70,62 @@ class StackedFedRep:
                     if self.active[i] and scale != 1.0:
                         rates[i] = rates[i] * scale
 
-    def _mask(self, frozen: tuple[bool, ...], device: torch.device) -> Tensor:
+    def _positions(self, frozen: tuple[bool, ...], device: torch.device) -> Tensor:
+        """The step rows ``frozen`` marks, as an index tensor on the device (made once per pattern)."""
         if frozen not in self._masks:
-            self._masks[frozen] = transfer.host_tensor(list(frozen), device)
+            self._masks[frozen] = transfer.host_tensor([j for j, f in enumerate(frozen) if f], device)
         return self._masks[frozen]
 
-    def before_optimizer_step(self, fit: StackedFit) -> None:
-        head_epochs = self.cb.head_epochs
-        clients = fit.clients
+    def frozen_rows(self, fit: StackedFit) -> dict[str, list[bool]]:
+        """Per tensor, the step's rows whose client has it frozen: the body in a head epoch, the head in a body
+        epoch (and each client's samples counted in its phase)."""
+        head_epochs, clients = self.cb.head_epochs, fit.clients
         in_head = [self.active[c] and e < head_epochs for c, e in zip(clients, fit.epochs, strict=True)]
         in_body = [self.active[c] and e >= head_epochs for c, e in zip(clients, fit.epochs, strict=True)]
         for c, head, size in zip(clients, in_head, fit.batch_sizes, strict=True):
             if self.active[c]:
                 phase = "head" if head else "body"
                 self.samples[c][phase] = self.samples[c].get(phase, 0) + size
+        out = {}
+        for name in fit.params:
+            rows = in_body if name in self.cb._personal else in_head
+            if any(rows):
+                out[name] = list(rows)
+        self.mine = list(out)
+        return out
+
+    def before_optimizer_step(self, fit: StackedFit) -> None:
+        """A tensor frozen in some of the step's rows only: those rows' weights and optimizer state remembered (one
+        frozen in every row takes no step at all: the executor skips it)."""
         self.saved = {}
-        for name, g in fit.grads.items():
-            frozen = tuple(in_body) if name in self.cb._personal else tuple(in_head)
-            if not any(frozen):
+        for name in self.mine:
+            rows = fit.no_grad[name]
+            if all(rows):
                 continue
-            mask = self._mask(frozen, g.device)
-            fit.no_grad[name] = list(frozen)  # (no gradient in process: out of the clipping norm)
+            at = self._positions(tuple(rows), fit.params[name].device)
             state = fit.step_state.get(name, {})
-            self.saved[name] = (mask, fit.params[name].clone(), {k: v.clone() for k, v in state.items()},
-                                "momentum_buffer" in state)
+            self.saved[name] = (at, fit.params[name].index_select(0, at),
+                                {k: v.index_select(0, at) for k, v in state.items()}, "momentum_buffer" in state)
 
     def after_optimizer_step(self, fit: StackedFit) -> None:
-        for name, (mask, params, state, had_buffer) in self.saved.items():
-            p = fit.params[name]
-            p.copy_(torch.where(rows_like(mask, p), params, p))
+        for name, (at, params, state, had_buffer) in self.saved.items():
+            fit.params[name].index_copy_(0, at, params)
             now = fit.step_state.get(name, {})
             for key, value in now.items():
                 if key == "fresh":
                     continue
                 before = state.get(key)
                 if before is not None:
-                    value.copy_(torch.where(rows_like(mask, value), before, value))
+                    value.index_copy_(0, at, before)
                 elif key == "momentum_buffer":  # created by this step: not for the frozen rows (no gradient yet)
-                    value.masked_fill_(rows_like(mask, value), 0)
-            if "momentum_buffer" in now:
-                fresh = state.get("fresh")
-                if not had_buffer:  # the frozen rows have no buffer yet: their first step takes the gradient
-                    fresh = mask
-                elif fresh is None:
-                    continue
-                else:
-                    fresh = fresh & mask  # (the step cleared every row's flag: the frozen rows keep theirs)
-                if "fresh" in now:
-                    now["fresh"].copy_(fresh)
-                else:
-                    now["fresh"] = fresh.clone()
+                    value.index_fill_(0, at, 0)
+            if "momentum_buffer" not in now:
+                continue
+            if not had_buffer:  # the frozen rows have no buffer yet: their first step takes the gradient
+                flags = torch.zeros(now["momentum_buffer"].shape[0], dtype=torch.bool, device=at.device)
+                now["fresh"] = flags.index_fill_(0, at, True)
+            elif "fresh" in state:  # (the step cleared every row's flag: the frozen rows keep theirs)
+                now["fresh"].index_copy_(0, at, state["fresh"])
         self.saved = {}
 
     def finish(self, index: int, module: pl.LightningModule, context: FitContext) -> None:

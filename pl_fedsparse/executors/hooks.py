@@ -46,7 +46,8 @@ class StackedFit:
     Attributes:
         contexts: the fits' contexts, in stacking order (row ``i`` of every tensor is ``contexts[i]``'s client).
         params: trainable parameters by name, stacked ``[K, *shape]`` on the device (updated in place).
-        grads: their gradients, same shapes (valid in ``before_optimizer_step``).
+        grads: their gradients, same shapes (valid in ``before_optimizer_step``; none for a tensor frozen in every
+            row of the step, see ``frozen_rows``).
         device: where the stacked tensors live.
         rows: during a step, which clients ``params`` and ``grads`` hold — ``None``: all of them, in order; else
             the indices (into ``contexts``) of the clients that still have a batch, ``params`` and ``grads`` holding
@@ -69,9 +70,9 @@ class StackedFit:
             ``rows`` holds, on the host).
         epochs: during a step, the epoch (from 0) each of ``params``' rows takes its batch from, in row order.
         batch_sizes: during a step, each row's batch size, in row order.
-        no_grad: during a step, what :meth:`VectorizedFitHooks.before_optimizer_step` may set: per trained tensor's
-            name, per row, ``True`` where that client has no gradient for it at this step (a parameter frozen in
-            process): left out of gradient clipping's per-client norm, as ``clip_grad_norm_`` leaves it out.
+        no_grad: during a step, what the forms' ``frozen_rows`` returned: per trained tensor's name, per row, ``True``
+            where that client has no gradient for it at this step (a parameter frozen in process): left out of
+            gradient clipping's per-client norm, as ``clip_grad_norm_`` leaves it out.
         optimizer: the optimizer's kind, ``"sgd"`` or ``"adam"``.
     """
 
@@ -110,6 +111,12 @@ class VectorizedFitHooks:
 
     * ``supports(context) -> bool``: ``False`` runs that fit in process instead (e.g. a kind of fit the form does
       not stack);
+    * ``frozen_rows(fit) -> {name: [bool per row]}``: per step, before the gradients (``fit.clients``, ``fit.epochs``,
+      ``fit.batch_sizes`` set), the trained tensors some of the step's clients have frozen (no gradient in process):
+      they are left out of gradient clipping's norm for those rows (``fit.no_grad``), and a tensor frozen in every row
+      is neither differentiated nor stepped (as autograd and ``torch.optim`` skip a parameter without a gradient;
+      ``fit.grads`` then has no entry for it). Rows frozen in a tensor that others train are the form's to put back
+      after the step (FedRep's form does);
     * an attribute ``optimizers``: the optimizer kinds the form takes (e.g. ``("sgd",)``); with another, the executor
       refuses the run in one line when the federation starts (or runs every fit in process, ``unsupported:
       sequential``);

@@ -439,6 +439,16 @@ class VectorizedExecutor(ClientExecutor):
             sF = F if at is None else {n: f.index_select(0, at) for n, f in F.items()}
             sS = opt_state if at is None else {n: {k: v.index_select(0, at) for k, v in st.items()}
                                                for n, st in opt_state.items()}
+            fit.clients, fit.epochs = list(live), [streams[i].epoch for i in live]
+            fit.batch_sizes = [len(batches[i]) if bulk else int(batches[i][1].shape[0]) for i in live]
+            fit.no_grad = {}
+            for _, hooks in self.hooks:
+                frozen = getattr(hooks, "frozen_rows", None)  # (optional: tensors without a gradient at this step)
+                if frozen is not None:
+                    fit.no_grad.update(frozen(fit))
+            # a tensor frozen in every row: not differentiated (as autograd skips a parameter that needs no
+            # gradient; the module's own loss only), and not stepped
+            idle = {n for n, rows in fit.no_grad.items() if rows and all(rows)} if provider is None else set()
             G: dict[str, Tensor] = {}
             skipped: set[int] = set()  # clients whose batch makes no optimizer step (the gradient hook says so)
             shapes: dict[tuple[Any, ...], list[int]] = {}  # batch shape -> positions in ``live``
@@ -466,6 +476,9 @@ class VectorizedExecutor(ClientExecutor):
                 idx = None if whole else transfer.host_tensor(positions, device)
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
                 sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
+                if idle:
+                    sub_f = {**sub_f, **{n: sub_p[n] for n in idle}}
+                    sub_p = {n: p for n, p in sub_p.items() if n not in idle}
                 rows = [live[q] for q in positions]
                 grouped = self.convolutions == "grouped"
                 if not self._gradients_checked:  # once: the first stacked step
@@ -514,16 +527,23 @@ class VectorizedExecutor(ClientExecutor):
                 sS = {n: {k: v.index_select(0, stepping) for k, v in st.items()} for n, st in sS.items()}
                 live = [live[q] for q in keep]
                 at = transfer.host_tensor(live, device)
+                fit.clients, fit.epochs, fit.batch_sizes = ([v[q] for q in keep]
+                                                            for v in (fit.clients, fit.epochs, fit.batch_sizes))
+                fit.no_grad = {n: [rows[q] for q in keep] for n, rows in fit.no_grad.items()}
             fit.params, fit.grads, fit.rows, fit.step_state = sP, G, at, sS
-            fit.clients, fit.epochs, fit.no_grad = list(live), [streams[i].epoch for i in live], {}
-            fit.batch_sizes = [len(batches[i]) if bulk else int(batches[i][1].shape[0]) for i in live]
             for _, hooks in self.hooks:
                 hooks.before_optimizer_step(fit)
             if clip is not None:
                 clip_per_client(G, float(clip), fit.no_grad)
             steps_done[live] += 1
-            step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()},
-                    steps_done[live])
+            # a tensor no row has a gradient for takes no step (as torch.optim skips a parameter without one: no
+            # decay, no momentum, no state made)
+            idle = {n for n, rows in fit.no_grad.items() if rows and all(rows)}
+            if idle:
+                step_fn({n: p for n, p in sP.items() if n not in idle}, G, sS, optims[0],
+                        {n: [v[i] for i in live] for n, v in lrs.items() if n not in idle}, steps_done[live])
+            else:
+                step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()}, steps_done[live])
             for _, hooks in self.hooks:
                 hooks.after_optimizer_step(fit)
             if at is not None:
