@@ -9,8 +9,10 @@ Workloads (``--task``):
   ``--clients`` clients of 500 training images, all training every round.
 * ``vgg11``, ``resnet18`` — the same with the papers' own models: FedSpa's VGG11-GN and DisPFL's ResNet18-GN
   (plain FedAvg training, so the executors are compared on the model alone).
-* ``fedrep`` — ``configs/synthetic_fedrep.yaml`` with its FedRep callback (head epochs, then the body: each
-  client's frozen part chosen per step) on the ``mlp`` task's images (``--samples``) over ``--clients`` clients.
+* ``fedrep``, ``fedem`` — ``configs/synthetic_fedrep.yaml`` with its FedRep callback (head epochs, then the body:
+  each client's frozen part chosen per step), ``configs/synthetic_fedem.yaml`` with its FedEM callback (a mixture of
+  three MLPs: every client's E-step and weighted loss in one step), on the ``mlp`` task's images (``--samples``) over
+  ``--clients`` clients.
 * ``pfedgate`` — ``configs/cifar10_pfedgate.yaml`` as it is (pFedGate's gated LeNet-CIFAR, the code's settings,
   batch 128, one epoch, every client every round) over ``--clients`` clients: real CIFAR-10 with ``--data-root``,
   else synthetic 32×32 RGB images (500 a client).
@@ -23,6 +25,7 @@ that the two executors' final accuracies agree (|Δ| ≤ 1e-5), so a fast wrong 
 
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task mlp --clients 100 --pairs 5
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task fedrep --clients 100 --pairs 5
+    OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task fedem --clients 100 --pairs 5
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task lenet --clients 10 --data-root data/cifar10
 """
 
@@ -64,8 +67,8 @@ def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: s
         return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *common,
                 "--data.synthetic", json.dumps({"num_train": samples})]
     own = [a for i, a in enumerate(common) if a != "--trainer.callbacks" and common[i - 1] != "--trainer.callbacks"]
-    if task == "fedrep":  # the config's own PersonalLayers (mode: fedrep)
-        return ["--config", str(ROOT / "configs" / "synthetic_fedrep.yaml"), *own,
+    if task in ("fedrep", "fedem"):  # the config's own callback (PersonalLayers in FedRep's mode; FedEM)
+        return ["--config", str(ROOT / "configs" / f"synthetic_{task}.yaml"), *own,
                 "--data.synthetic", json.dumps({"num_train": samples})]
     if task == "pfedgate":  # the config's own callbacks (PFedGate, KeepOptimizerState)
         data = (["--data.root", data_root] if data_root is not None else
@@ -114,13 +117,14 @@ def one_run(task: str, executor: str | None, clients: int, rounds: int, data_roo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=["mlp", "fedrep", "lenet", "vgg11", "resnet18", "pfedgate"], default="mlp")
+    p.add_argument("--task", choices=["mlp", "fedrep", "fedem", "lenet", "vgg11", "resnet18", "pfedgate"],
+                   default="mlp")
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--data-root", default=None)
     p.add_argument("--samples", type=int, default=6000,
-                   help="mlp, fedrep: synthetic images in all, shared by the clients (6000: the quickstart's)")
+                   help="mlp, fedrep, fedem: synthetic images in all, shared by the clients (6000: the quickstart's)")
     p.add_argument("--group-size", type=int, default=None, help="VectorizedExecutor.max_group_size (default: its own)")
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
                    help="gpu: also the GPU's utilisation (nvidia-smi samples every 250 ms, mean over the run)")

@@ -212,6 +212,13 @@ class FedEM(FederatedCallback):
         pl_module.loss = self._em_loss  # type: ignore[method-assign, assignment]
         self._module = pl_module
 
+    @override
+    def vectorized_fit(self) -> Any:
+        """The EM fit for a stacked group of fits (:class:`~pl_fedsparse.callbacks.fedem_stacked.StackedFedEM`)."""
+        from pl_fedsparse.callbacks.fedem_stacked import StackedFedEM
+
+        return StackedFedEM(self)
+
     def _em_forward(self, module: pl.LightningModule, x: Tensor) -> Tensor:
         """``[B, 2, M, C]``: the components' logits (trained) and the received components' (the E-step's)."""
         assert self._mixture is not None and self._snapshot is not None

@@ -30,7 +30,7 @@ from pl_fedsparse.context import FitContext
 from pl_fedsparse.functional import transfer
 
 if TYPE_CHECKING:
-    import pytorch_lightning as pl
+    import lightning.pytorch as pl
 
     from pl_fedsparse.callbacks.personal_layers import PersonalLayers
     from pl_fedsparse.executors.hooks import StackedFit

@@ -25,7 +25,7 @@ stacked tensors. Everything a fit is made of stays per client:
   form, :meth:`VectorizedFitHooks` returned by ``vectorized_fit()`` — the library's masks
   (:class:`~pl_fedsparse.callbacks.masking.UsesMaskedTraining`), Ditto's proximal term, the FedProx example,
   :class:`~pl_fedsparse.callbacks.KeepOptimizerState` (each client's kept optimizer state continued in its rows),
-  pFedGate and FedRep's alternating epochs (each client's frozen part by the epoch of its batch) do.
+  pFedGate, FedEM and FedRep's alternating epochs (each client's frozen part by the epoch of its batch) do.
   A callback with in-fit hooks and no vectorised form is refused when the federation starts, in one line naming it
   (or its clients are run in process, ``unsupported: sequential``);
 * **gradients**: at its first stacked step the executor also computes each of (up to) four clients' gradients
