@@ -89,8 +89,9 @@ class StackedFedEM(VectorizedFitHooks):
             return None
         components, key, smoothing = self.components, self.weights_key, self.smoothing
         assert components is not None and self.q_sum is not None
-        at = transfer.host_tensor(rows, xs.device)
-        received = {n: t.index_select(0, at) for n, t in self.received.items()}
+        everyone = rows == list(range(len(fit.contexts)))  # (the usual step: every client's rows, in order)
+        at = None if everyone else transfer.host_tensor(rows, xs.device)
+        received = self.received if at is None else {n: t.index_select(0, at) for n, t in self.received.items()}
         autocast = fit.precision == "bf16-mixed"
 
         def loss(p: dict[str, Tensor], f: dict[str, Tensor], r: dict[str, Tensor], x: Tensor,
@@ -106,7 +107,10 @@ class StackedFedEM(VectorizedFitHooks):
 
         grads, (losses, q_sums) = torch.func.vmap(torch.func.grad_and_value(loss, has_aux=True))(
             params, fixed, received, xs, ys)
-        self.q_sum.index_add_(0, at, q_sums.detach())
+        if at is None:
+            self.q_sum.add_(q_sums.detach())
+        else:
+            self.q_sum.index_add_(0, at, q_sums.detach())
         for i in rows:
             self.q_n[i] += int(ys.shape[1])
         return grads, losses, None
