@@ -42,8 +42,8 @@ stacked tensors. Everything a fit is made of stays per client:
   it: in float32 on CUDA, in its input's dtype on the CPU), where ``vmap``'s own rules compute in another precision.
   The papers' VGG11-GN, ResNet18-GN, LeNet-CIFAR, McMahan CNN and FEMNIST CNN then train stacked to rounding, at
   ``32-true`` and ``bf16-mixed`` (on the CPU at one thread, per-client convolutions, the in-process run's weights
-  bit for bit: ``tests/test_vectorized.py``). The check itself runs in float32 whatever the precision (a batching rule is the
-  same for every dtype, and bfloat16's rounding would hide a wrong one);
+  bit for bit: ``tests/test_vectorized.py``). The check itself runs in float32 whatever the precision (a batching
+  rule is the same for every dtype, and bfloat16's rounding would hide a wrong one);
 * **faults**: a client whose loss or weights become non-finite is rolled back and left out, the others of its group
   are unaffected (the maths of one client never reads another's); an exception inside a stacked step re-runs that
   group's clients one by one in process, so a failing client is contained as before.
