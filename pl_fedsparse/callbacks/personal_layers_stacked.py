@@ -8,15 +8,15 @@ and its weight decay are untouched and it has no place in gradient clipping's no
 ``personal_lr``. Stacked, every client of a step is in its own epoch (clients of different sizes take different
 numbers of steps per epoch), so the part frozen is chosen per client and step from the epoch of its batch
 (:attr:`~pl_fedsparse.executors.StackedFit.epochs`): before the gradients the frozen rows are named to the executor
-(``frozen_rows``: out of the clipping norm; a tensor frozen in every row of the step — the usual case, the clients of a
-step mostly share their phase — is neither differentiated nor stepped, as autograd and ``torch.optim`` skip a
-parameter without a gradient, so a head epoch costs the head's gradients only). Where only some rows of a tensor are frozen, their weights and
-optimizer state are remembered and put back after the step — a momentum buffer the step created for them removed
-again (zero, marked ``fresh``: the row's first real step takes the gradient itself, as ``torch.optim.SGD`` does when
-a parameter first has one). The head's learning rates
-are scaled once per fit (each tensor trains in one phase only). The samples of each phase are counted per client for
-the callback's FLOP refund. SGD only: Adam's bias correction counts each tensor's own steps, which a frozen phase
-would shift (the executor refuses Adam with this form in one line).
+(``frozen_rows``: out of the clipping norm; a tensor frozen in every row of the step — the usual case, the clients
+of a step mostly share their phase — is neither differentiated nor stepped, as autograd and ``torch.optim`` skip a
+parameter without a gradient, so a head epoch costs the head's gradients only). Where only some rows of a tensor are
+frozen, their weights and optimizer state are remembered and put back after the step — a momentum buffer the step
+created for them removed again (zero, marked ``fresh``: the row's first real step takes the gradient itself, as
+``torch.optim.SGD`` does when a parameter first has one). The head's learning rates are scaled once per fit (each
+tensor trains in one phase only). The samples of each phase are counted per client for the callback's FLOP refund.
+SGD only: Adam's bias correction counts each tensor's own steps, which a frozen phase would shift (the executor
+refuses Adam with this form in one line).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class StackedFedRep:
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
         cb = self.cb
         self.active[index] = cb._ctx is not None  # (set by on_client_fit_start: FedRep's split is on this fit)
-        self.scale[index] = 1.0 if cb.personal_lr is None else cb.personal_lr / float(module.lr)  # type: ignore[arg-type]
+        personal_lr = cb.personal_lr
+        self.scale[index] = 1.0 if personal_lr is None else personal_lr / float(module.lr)  # type: ignore[arg-type]
         self.samples[index] = {}
 
     def start(self, fit: StackedFit) -> None:
