@@ -456,8 +456,7 @@ def clip_per_client(grads: dict[str, Tensor], max_norm: float, without: dict[str
         k = norms.shape[0]
         patterns: dict[tuple[bool, ...], list[int]] = {}
         for r in range(k):
-            patterns.setdefault(tuple(bool(without.get(n, ())[r]) if n in without else False for n in names),
-                                []).append(r)
+            patterns.setdefault(tuple(n in without and bool(without[n][r]) for n in names), []).append(r)
         total = torch.empty(k, dtype=norms.dtype, device=norms.device)
         for left_out, rows in patterns.items():
             at = send(torch.tensor(rows), norms.device)
