@@ -49,7 +49,7 @@ class StackedFedRep:
         self.scale: dict[int, float] = {}  # client row -> the head epochs' learning-rate factor
         self.samples: dict[int, dict[str, int]] = {}  # client row -> samples per phase
         self.saved: dict[str, tuple[Tensor, Tensor, dict[str, Tensor], bool]] = {}  # the frozen rows, by tensor
-        self._masks: dict[tuple[bool, ...], Tensor] = {}
+        self._at: dict[tuple[bool, ...], Tensor] = {}
         self.mine: list[str] = []  # the tensors this step froze in some rows
 
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
@@ -60,7 +60,7 @@ class StackedFedRep:
         self.samples[index] = {}
 
     def start(self, fit: StackedFit) -> None:
-        self._masks = {}
+        self._at = {}
 
     def learning_rates(self, fit: StackedFit, lrs: dict[str, list[float]]) -> None:
         """The head's rates times ``personal_lr / lr`` (what ``on_train_epoch_start`` sets in the head epochs; the
@@ -73,9 +73,9 @@ class StackedFedRep:
 
     def _positions(self, frozen: tuple[bool, ...], device: torch.device) -> Tensor:
         """The step rows ``frozen`` marks, as an index tensor on the device (made once per pattern)."""
-        if frozen not in self._masks:
-            self._masks[frozen] = transfer.host_tensor([j for j, f in enumerate(frozen) if f], device)
-        return self._masks[frozen]
+        if frozen not in self._at:
+            self._at[frozen] = transfer.host_tensor([j for j, f in enumerate(frozen) if f], device)
+        return self._at[frozen]
 
     def frozen_rows(self, fit: StackedFit) -> dict[str, list[bool]]:
         """Per tensor, the step's rows whose client has it frozen: the body in a head epoch, the head in a body

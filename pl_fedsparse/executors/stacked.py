@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from pl_fedsparse.functional.transfer import clone_tensors, send
+from pl_fedsparse.functional.transfer import clone_tensors, host_tensor
 
 __all__ = ["STACKED_GRADIENT_TOLERANCE", "ElementwiseOptim", "adam_step", "clip_per_client", "exact_linear", "rows_like",
            "sgd_step", "stacked_gradient_error"]
@@ -459,8 +459,8 @@ def clip_per_client(grads: dict[str, Tensor], max_norm: float, without: dict[str
             patterns.setdefault(tuple(n in without and bool(without[n][r]) for n in names), []).append(r)
         total = torch.empty(k, dtype=norms.dtype, device=norms.device)
         for left_out, rows in patterns.items():
-            at = send(torch.tensor(rows), norms.device)
-            kept = send(torch.tensor([j for j, out in enumerate(left_out) if not out]), norms.device)
+            at = host_tensor(rows, norms.device)
+            kept = host_tensor([j for j, out in enumerate(left_out) if not out], norms.device)
             total.index_copy_(0, at, torch.linalg.vector_norm(norms.index_select(0, at).index_select(1, kept), 2,
                                                               dim=1))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -576,7 +576,7 @@ def _adam_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str
     # torch.optim.Adam's host arithmetic per row (Python floats), then its kernels' order of operations
     bc2 = [(1 - beta2**c) ** 0.5 for c in counts]
     neg_step = [-r / (1 - beta1**c) for r, c in zip(lr, counts, strict=True)]
-    rows = send(torch.tensor([bc2, neg_step], dtype=params[0].dtype), params[0].device)  # (one copy for the group)
+    rows = host_tensor([bc2, neg_step], params[0].device, params[0].dtype)  # (one copy for the group)
     for p, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
         denom = (exp_avg_sq.sqrt() / rows_like(rows[0], p)).add_(eps)
         p.add_(rows_like(rows[1], p) * exp_avg / denom)  # addcdiv_: self + value * t1 / t2

@@ -426,6 +426,7 @@ class VectorizedExecutor(ClientExecutor):
         clip = loop.gradient_clip_val
         first = streams[0].loader
         bulk = all(st.bulk and first.same_inputs(st.loader) for st in streams)  # all rows gathered at once
+        grouped = self.convolutions == "grouped"
         while True:
             batches = [s.next() for s in streams]
             live = [i for i, b in enumerate(batches) if b is not None]
@@ -446,9 +447,10 @@ class VectorizedExecutor(ClientExecutor):
                 frozen = getattr(hooks, "frozen_rows", None)  # (optional: tensors without a gradient at this step)
                 if frozen is not None:
                     fit.no_grad.update(frozen(fit))
-            # a tensor frozen in every row: not differentiated (as autograd skips a parameter that needs no
-            # gradient; the module's own loss only), and not stepped
-            idle = {n for n, rows in fit.no_grad.items() if rows and all(rows)} if provider is None else set()
+            # a tensor frozen in every row: not stepped, and (the module's own loss) not differentiated — as
+            # autograd and torch.optim skip a parameter without a gradient
+            idle = {n for n, rows in fit.no_grad.items() if rows and all(rows)}
+            untouched = idle if provider is None else set()
             G: dict[str, Tensor] = {}
             skipped: set[int] = set()  # clients whose batch makes no optimizer step (the gradient hook says so)
             shapes: dict[tuple[Any, ...], list[int]] = {}  # batch shape -> positions in ``live``
@@ -460,7 +462,7 @@ class VectorizedExecutor(ClientExecutor):
                     key = (tuple(x.shape[1:]), tuple(y.shape[1:])) if ragged else (tuple(x.shape), tuple(y.shape))
                 shapes.setdefault(key, []).append(pos)
             for positions in shapes.values():
-                lengths = [len(batches[live[q]]) if bulk else int(batches[live[q]][1].shape[0]) for q in positions]
+                lengths = [fit.batch_sizes[q] for q in positions]
                 per = max(lengths)
                 sizes = lengths if any(n != per for n in lengths) else None  # padded to the longest (ragged forms)
                 if bulk:  # (a shorter batch padded with its own first sample: real values, masked out)
@@ -476,11 +478,10 @@ class VectorizedExecutor(ClientExecutor):
                 idx = None if whole else transfer.host_tensor(positions, device)
                 sub_p = sP if idx is None else {n: p.index_select(0, idx) for n, p in sP.items()}
                 sub_f = sF if idx is None else {n: f.index_select(0, idx) for n, f in sF.items()}
-                if idle:
-                    sub_f = {**sub_f, **{n: sub_p[n] for n in idle}}
-                    sub_p = {n: p for n, p in sub_p.items() if n not in idle}
+                if untouched:
+                    sub_f = {**sub_f, **{n: sub_p[n] for n in untouched}}
+                    sub_p = {n: p for n, p in sub_p.items() if n not in untouched}
                 rows = [live[q] for q in positions]
-                grouped = self.convolutions == "grouped"
                 if not self._gradients_checked:  # once: the first stacked step
                     # (the module's own batching rules, also where a callback computes the gradients itself; in
                     # float32 whatever the precision: a batching rule is the same for every dtype, and bfloat16's
@@ -530,20 +531,15 @@ class VectorizedExecutor(ClientExecutor):
                 fit.clients, fit.epochs, fit.batch_sizes = ([v[q] for q in keep]
                                                             for v in (fit.clients, fit.epochs, fit.batch_sizes))
                 fit.no_grad = {n: [rows[q] for q in keep] for n, rows in fit.no_grad.items()}
+                idle = {n for n, rows in fit.no_grad.items() if rows and all(rows)}
             fit.params, fit.grads, fit.rows, fit.step_state = sP, G, at, sS
             for _, hooks in self.hooks:
                 hooks.before_optimizer_step(fit)
             if clip is not None:
                 clip_per_client(G, float(clip), fit.no_grad)
             steps_done[live] += 1
-            # a tensor no row has a gradient for takes no step (as torch.optim skips a parameter without one: no
-            # decay, no momentum, no state made)
-            idle = {n for n, rows in fit.no_grad.items() if rows and all(rows)}
-            if idle:
-                step_fn({n: p for n, p in sP.items() if n not in idle}, G, sS, optims[0],
-                        {n: [v[i] for i in live] for n, v in lrs.items() if n not in idle}, steps_done[live])
-            else:
-                step_fn(sP, G, sS, optims[0], {n: [v[i] for i in live] for n, v in lrs.items()}, steps_done[live])
+            step_fn({n: p for n, p in sP.items() if n not in idle} if idle else sP, G, sS, optims[0],  # (idle: no
+                    {n: [v[i] for i in live] for n, v in lrs.items() if n not in idle}, steps_done[live])  # state)
             for _, hooks in self.hooks:
                 hooks.after_optimizer_step(fit)
             if at is not None:
