@@ -21,7 +21,7 @@ from pl_fedsparse import FederatedCallback, FederatedModule, allocator
 from pl_fedsparse.callbacks import KeepOptimizerState, PersonalLayers
 from pl_fedsparse.cli import FedCLI
 from pl_fedsparse.errors import ConfigError
-from pl_fedsparse.executors import VectorizedExecutor
+from pl_fedsparse.executors import VectorizedExecutor, VectorizedFitHooks
 from pl_fedsparse.models import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -322,25 +322,31 @@ class Dampened(FederatedModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, dampening=0.3)
 
 
-@pytest.mark.parametrize("variant", ["sgd", "sgd-dampening-kept", "personal-lr", "fedavg-first"])
+@pytest.mark.parametrize("variant", ["sgd", "sgd-dampening-kept", "personal-lr", "fedavg-first", "adam",
+                                     "adam-kept"])
 def test_fedrep_alternating_epochs_stacked_give_the_in_process_run(tmp_path: Path, variant: str) -> None:
     """FedRep stacked: clients of different sizes (at one step some train the head, others the body), momentum and
     weight decay on a frozen part, gradient clipping, half the clients a round: the same rows and, at one thread, the
     same global and personal weights bit for bit. With dampening and kept momenta, a frozen part's buffer must not
     start until its first real step (SGD's first step takes the gradient itself); with a first FedAvg round, that
-    round's fits train every layer."""
+    round's fits train every layer. With Adam (weight decay; kept moments and counts), each tensor's bias corrections
+    count its own steps — the head's and the body's differ — and a frozen row's moments stay as they were."""
 
     def run(executor: Any, sub: str) -> tuple[list[dict], Any]:
         callbacks: list[Any] = [PersonalLayers(mode="fedrep", head_epochs=1,
                                                personal_lr=0.03 if variant == "personal-lr" else None,
                                                fedavg_rounds=1 if variant == "fedavg-first" else 0)]
-        if variant == "sgd-dampening-kept":
+        if variant.endswith("-kept"):
             callbacks.append(KeepOptimizerState())
         loop = tiny_loop(tmp_path / sub, callbacks=callbacks, executor=executor, num_rounds=3, local_epochs=3,
                          gradient_clip_val=0.5, join_ratio=0.5)
         torch.manual_seed(0)
-        module = (Dampened(_mlp()) if variant == "sgd-dampening-kept"
-                  else FederatedModule(_mlp(), lr=0.1, momentum=0.9, weight_decay=5e-3))
+        if variant == "sgd-dampening-kept":
+            module: FederatedModule = Dampened(_mlp())
+        elif variant.startswith("adam"):
+            module = FederatedModule(_mlp(), optimizer="adam", lr=0.01, weight_decay=5e-3)
+        else:
+            module = FederatedModule(_mlp(), lr=0.1, momentum=0.9, weight_decay=5e-3)
         loop.fit(module, tiny_datamodule(alpha=0.1, quantity_skew=True))
         return _rows(loop), loop
 
@@ -391,13 +397,26 @@ def test_fedem_stacked_gives_the_in_process_run(tmp_path: Path, variant: str) ->
                                    rtol=tol, atol=tol)
 
 
-def test_fedrep_stacked_takes_sgd_only(tmp_path: Path) -> None:
-    loop = tiny_loop(tmp_path, callbacks=[PersonalLayers(mode="fedrep", head_epochs=1)], local_epochs=2,
-                     executor=VectorizedExecutor())
+class SgdOnlyProbe(InFitProbe):
+    """An in-fit callback whose vectorised form takes SGD only (its ``optimizers`` attribute)."""
+
+    def vectorized_fit(self) -> Any:
+        class Form(VectorizedFitHooks):
+            optimizers = ("sgd",)
+
+        return Form()
+
+
+def test_a_form_that_takes_other_optimizers_is_refused_in_one_line(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, callbacks=[SgdOnlyProbe()], executor=VectorizedExecutor())
     with pytest.raises(ConfigError, match=r"^trainer.callbacks is invalid with trainer.executor=VectorizedExecutor: "
-                                          r"PersonalLayers has a vectorised form for sgd only, the module's optimizer "
+                                          r"SgdOnlyProbe has a vectorised form for sgd only, the module's optimizer "
                                           r"is adam \(run it in process"):
         loop.fit(tiny_module(optimizer="adam", lr=0.01), tiny_datamodule())
+    assert not any((tmp_path).rglob("*.ckpt"))
+    loop = tiny_loop(tmp_path / "sgd", callbacks=[SgdOnlyProbe()], executor=VectorizedExecutor())
+    loop.fit(tiny_module(), tiny_datamodule())  # (SGD: stacked, none in process)
+    assert "sequential_fits" not in loop.history[-1]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd-dampening", "adam"])

@@ -104,7 +104,8 @@ class _VectorizedKeptState:
     """:class:`KeepOptimizerState`'s ``on_train_start`` and ``on_train_end`` over a stacked group of fits: every
     client's kept buffers become its rows of the group's optimizer state before the first step (a client with none
     starts as a fresh ``torch.optim`` one: SGD's first step takes the gradient, Adam's moments start at zero), and
-    its rows are kept again when its fit ends — its loaded state unchanged when it made no step, as in process."""
+    its rows are kept again when its fit ends — its loaded state unchanged when it made no step, as in process; Adam's
+    count per tensor where the tensors' counts differ (:attr:`~pl_fedsparse.executors.StackedFit.tensor_steps`)."""
 
     def __init__(self, keep: KeepOptimizerState) -> None:
         self.keep = keep
@@ -128,10 +129,12 @@ class _VectorizedKeptState:
                 have = [moved.get(f"{i}/{idx}.{key}") for i in range(K)]
                 if all(t is None for t in have):
                     continue
-                if key == "step":  # one count per client (its parameters step together)
+                if key == "step":  # Adam's count, one per parameter (as torch.optim's): per tensor and row
+                    if fit.tensor_steps is None:
+                        fit.tensor_steps = {n: fit.steps.clone() for n in fit.optimizer_index}
                     for i, t in enumerate(have):
                         if t is not None:
-                            fit.steps[i] = int(t)
+                            fit.tensor_steps[name][i] = int(t)
                     continue
                 zero = p.new_zeros(p.shape[1:])
                 fit.optimizer_state[name][key] = torch.stack([zero if t is None else t.to(p.dtype) for t in have])
@@ -155,14 +158,16 @@ class _VectorizedKeptState:
             return
         names, rows, steps = [], [], {}
         for name, idx in sorted(fit.optimizer_index.items(), key=lambda item: item[1]):
+            state = fit.optimizer_state[name]
             for key in _KEYS:
                 if key == "step":
-                    if "exp_avg" in fit.optimizer_state[name]:  # Adam's count: a host scalar, as torch.optim's
+                    if "exp_avg" in state:  # Adam's count: a host scalar, as torch.optim's
+                        count = fit.steps if fit.tensor_steps is None else fit.tensor_steps[name]
                         names.append(f"{idx}.step")
-                        steps[f"{idx}.step"] = torch.tensor(float(fit.steps[index]))
-                elif key in fit.optimizer_state[name]:
+                        steps[f"{idx}.step"] = torch.tensor(float(count[index]))
+                elif key in state:
                     names.append(f"{idx}.{key}")
-                    rows.append(fit.optimizer_state[name][key][index])
+                    rows.append(state[key][index])
         # the client's own copies (not views of the group's stacked state), in one multi-tensor copy
         copies = iter(clone_tensors(rows))
         self.keep._captured = {n: steps[n] if n in steps else next(copies) for n in names}

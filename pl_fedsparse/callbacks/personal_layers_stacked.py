@@ -15,8 +15,9 @@ frozen, their weights and optimizer state are remembered and put back after the 
 created for them removed again (zero, marked ``fresh``: the row's first real step takes the gradient itself, as
 ``torch.optim.SGD`` does when a parameter first has one). The head's learning rates are scaled once per fit (each
 tensor trains in one phase only). The samples of each phase are counted per client for the callback's FLOP refund.
-SGD only: Adam's bias correction counts each tensor's own steps, which a frozen phase would shift (the executor
-refuses Adam with this form in one line).
+With Adam, whose bias corrections count each parameter's own steps, the executor keeps a count per tensor and row
+(:attr:`~pl_fedsparse.executors.StackedFit.tensor_steps`): a frozen row's count does not move, as a parameter without
+a gradient takes no ``torch.optim.Adam`` step; moments the step created for frozen rows are put back to zero.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ __all__ = ["StackedFedRep"]
 
 class StackedFedRep:
     """:class:`~pl_fedsparse.executors.VectorizedFitHooks` of FedRep's head / body epochs (see the module)."""
-
-    optimizers = ("sgd",)
 
     def __init__(self, callback: PersonalLayers) -> None:
         self.cb = callback
@@ -118,7 +117,7 @@ class StackedFedRep:
                 before = state.get(key)
                 if before is not None:
                     value.index_copy_(0, at, before)
-                elif key == "momentum_buffer":  # created by this step: not for the frozen rows (no gradient yet)
+                else:  # created by this step: not for the frozen rows (no gradient yet; Adam's moments start at 0)
                     value.index_fill_(0, at, 0)
             if "momentum_buffer" not in now:
                 continue

@@ -19,11 +19,14 @@ its FLOPs and the metrics are computed by the callback's own code. The results a
 rounding (the gate's sigmoid rounds differently in a stacked layout on the CPU: a block whose ``round(10·G)`` sits on
 a rounding boundary may be chosen differently; tested on whole runs).
 
-Stacked: the ``joint`` schedule (Alg. 1) with the greedy knapsack (``group`` or ``global`` budget), both
-straight-through variants, one or two gate paths, any aggregation; ``compute: sliced`` computes the masked ``θ'``
-(the same logits to float tolerance; slicing is a one-client speed-up). Refused in one line when the federation
-starts (or run in process with ``VectorizedExecutor(unsupported: sequential)``): ``schedule: bilevel`` and
-``solver: exact`` (a host-side search). Gate-only fine-tuning fits (novel clients) run in process.
+Stacked: both schedules — ``joint`` (Alg. 1) and ``bilevel`` (the code's alternating epochs: each client's gate
+in its even epochs, its model in its odd ones, chosen per client by the epoch of its own batch; the rows of the
+part that does not train take no step, their gradients dropped as in process) — with the greedy knapsack
+(``group`` or ``global`` budget), both straight-through variants, one or two gate paths, any aggregation;
+``compute: sliced`` computes the masked ``θ'`` (the same logits to float tolerance; slicing is a one-client
+speed-up). Refused in one line when the federation starts (or run in process with
+``VectorizedExecutor(unsupported: sequential)``): ``solver: exact`` (a host-side search). Gate-only fine-tuning fits
+(novel clients) run in process.
 """
 
 from __future__ import annotations
@@ -60,10 +63,6 @@ class StackedPFedGate:
     """:class:`~pl_fedsparse.callbacks.PFedGate`'s vectorised form (see the module docstring)."""
 
     def __init__(self, gate: PFedGate) -> None:
-        if gate.schedule != "joint":
-            raise ConfigError(f"PFedGate.schedule={gate.schedule!r} is invalid with trainer.executor="
-                              "VectorizedExecutor: expected 'joint' (the bilevel schedule's alternating epochs are "
-                              "not stacked; run in process)")
         if gate.solver != "greedy":
             raise ConfigError(f"PFedGate.solver={gate.solver!r} is invalid with trainer.executor=VectorizedExecutor: "
                               "expected 'greedy' (the exact knapsack searches on the host per batch; run in process)")
@@ -139,7 +138,7 @@ class StackedPFedGate:
         # (constants made once per table on the fits' device: "there" in a device run simulated on the CPU too)
         transfer.mark_placed([self.owner, self.sizes, self.capacity, *_device_groups(table, self.budget, dev)[:3]],
                              dev)
-        self.stats = {"n": [0] * K,
+        self.stats = {"n": [0] * K, "gate_n": [0] * K,
                       "density": torch.zeros(K, dtype=torch.float64, device=dev),
                       "kept": torch.zeros(K, len(table.spans), dtype=torch.int64, device=dev),
                       "union": torch.zeros(K, table.num_blocks, dtype=torch.bool, device=dev)}
@@ -178,8 +177,10 @@ class StackedPFedGate:
         idx = None if everyone else transfer.host_tensor(list(rows), xs.device)
         lone = [c < 2 for c in counts]  # BatchNorm1d needs 2 samples: the gate runs in eval mode and nothing steps
         single = all(lone)
+        gate_on, model_on = self._phases(fit, rows)
+        steps_gate = [on and not one for on, one in zip(gate_on, lone, strict=True)]
         state = self.state if idx is None else {n: t.index_select(0, idx) for n, t in self.state.items()}
-        leaves = {n: state[n].detach().requires_grad_(not single) for n in self.params}
+        leaves = {n: state[n].detach().requires_grad_(any(steps_gate)) for n in self.params}
         gate_state = {**state, **leaves}
         theta = {n: t.detach().requires_grad_() for n, t in params.items()}
         floors = self.floors if idx is None else self.floors.index_select(0, idx)
@@ -222,7 +223,7 @@ class StackedPFedGate:
                 losses = torch.func.vmap(padded_loss)(theta_p, fixed, xs, ys, mask, own.float())
             else:
                 losses = torch.func.vmap(loss)(theta_p, fixed, xs, ys)
-            wrt = [*theta.values(), *(leaves.values() if not single else ())]
+            wrt = [*theta.values(), *(leaves.values() if any(steps_gate) else ())]
             grads = torch.autograd.grad(losses.sum(), wrt)
         model_grads = dict(zip(theta, grads[:len(theta)], strict=True))
         if idx is not None:  # the running statistics these rows' forward moved, back into the group's rows
@@ -230,21 +231,35 @@ class StackedPFedGate:
                 for n, t in state.items():
                     if n not in leaves:
                         self.state[n].index_copy_(0, idx, t)
-        self._record(keep, counts, rows, idx)
-        if not single:
+        self._record(keep, counts, rows, idx, gate_on)
+        if any(steps_gate):
             gate_grads = dict(zip(self.params, grads[len(theta):], strict=True))
-            if any(lone):  # the rows of one sample step nothing
-                steps = [q for q, one in enumerate(lone) if not one]
+            if not all(steps_gate):  # the rows of one sample (and, bilevel, in a model epoch) step no gate
+                steps = [q for q, on in enumerate(steps_gate) if on]
                 at = transfer.host_tensor(steps, xs.device)
                 gate_grads = {n: g.index_select(0, at) for n, g in gate_grads.items()}
                 stepping = [rows[q] for q in steps]
                 self._step_gates(gate_grads, stepping, transfer.host_tensor(stepping, xs.device))
             else:
                 self._step_gates(gate_grads, rows, idx)
-        return model_grads, losses.detach(), lone
+        return model_grads, losses.detach(), [one or not on for one, on in zip(lone, model_on, strict=True)]
 
-    def _record(self, keep: Tensor, counts: Sequence[int], rows: Sequence[int], idx: Tensor | None) -> None:
-        """:meth:`PFedGate._record` for every row (the same integer sums and float64 terms, in batch order)."""
+    def _phases(self, fit: Any, rows: Sequence[int]) -> tuple[list[bool], list[bool]]:
+        """Per row, whether its gate and whether its model train at this step (``on_train_epoch_start``): both, in
+        the ``joint`` schedule (Alg. 1); ``bilevel`` (the code's ``--bi_level_opt 1``): the gate in each client's
+        even epochs, the model in its odd ones — by the epoch of its own batch (clients of different sizes are in
+        different epochs at one step)."""
+        if self.cb.schedule == "joint":
+            return [True] * len(rows), [True] * len(rows)
+        epoch = dict(zip(fit.clients, fit.epochs, strict=True))
+        gate = [epoch[i] % 2 == 0 for i in rows]
+        return gate, [not g for g in gate]
+
+    def _record(self, keep: Tensor, counts: Sequence[int], rows: Sequence[int], idx: Tensor | None,
+                gate_on: Sequence[bool]) -> None:
+        """:meth:`PFedGate._record` for every row (the same integer sums and float64 terms, in batch order; the
+        samples of the rows whose gate trains at this step counted as the gate's trained samples, as in process — a
+        batch of one sample too)."""
         s = self.stats
         k = keep.shape[0]
         kept = torch.zeros(k, len(self.cb.table.spans), dtype=torch.int64,  # type: ignore[union-attr]
@@ -253,8 +268,10 @@ class StackedPFedGate:
         if any(c != counts[0] for c in counts):
             n = transfer.host_tensor(list(counts), keep.device, torch.int64).view(-1, 1)
         density = (kept.sum(1, keepdim=True) * n).double().view(-1) / self.cb.table.numel  # type: ignore[union-attr]
-        for i, c in zip(rows, counts, strict=True):
+        for i, c, on in zip(rows, counts, gate_on, strict=True):
             s["n"][i] += c
+            if on:
+                s["gate_n"][i] += c
         if idx is None:
             s["density"] += density
             s["kept"] += kept * n
@@ -305,8 +322,7 @@ class StackedPFedGate:
         s = self.stats
         n = s["n"][index]
         if n:
-            # (the joint schedule: the gate trains on every batch, as in process, so it trained on all n samples)
-            cb._stats = {"fit": True, "n": n, "density": s["density"][index], "gate_trained": n,
+            cb._stats = {"fit": True, "n": n, "density": s["density"][index], "gate_trained": s["gate_n"][index],
                          "kept": s["kept"][index], "union": s["union"][index]}
         else:
             cb._stats = {"fit": True}

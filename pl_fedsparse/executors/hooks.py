@@ -62,6 +62,11 @@ class StackedFit:
             client's optimizer (``"0.momentum_buffer"`` is parameter 0's buffer).
         steps: ``[K]`` int64 on the host, every client's optimizer steps so far (Adam's bias corrections count from
             it: set it in ``start`` to continue an earlier fit's count).
+        tensor_steps: Adam's step counts per trained tensor, ``{name: [K] int64 on the host}``, where they differ
+            from ``steps`` — ``torch.optim.Adam`` counts each parameter's own steps, and a tensor frozen in some rows
+            (``frozen_rows``) takes none there. ``None`` while every tensor steps with its client; the executor
+            makes them at the first step that freezes a tensor in some rows, or a hook sets them in ``start`` to
+            continue an earlier fit's counts (they then take the place of ``steps`` for the bias corrections).
         precision: the run's ``trainer.precision`` (``"32-true"`` or ``"bf16-mixed"``).
         step_state: during a step, the optimizer state of the rows ``params`` holds (the same dictionaries as
             ``optimizer_state`` while every client steps; else copies of those rows, written back after
@@ -84,6 +89,7 @@ class StackedFit:
     optimizer_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     optimizer_index: dict[str, int] = field(default_factory=dict)
     steps: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    tensor_steps: dict[str, Tensor] | None = None
     precision: str = "32-true"
     step_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     clients: list[int] = field(default_factory=list)

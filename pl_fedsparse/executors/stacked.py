@@ -469,9 +469,9 @@ def clip_per_client(grads: dict[str, Tensor], max_norm: float, without: dict[str
 
 
 def sgd_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,
-              lrs: dict[str, list[float]], steps: Tensor) -> None:
+             lrs: dict[str, list[float]], steps: dict[str, Tensor] | Tensor) -> None:
     """``torch.optim.SGD``'s update on stacked tensors: weight decay, momentum (the first step takes the gradient as
-    the buffer), dampening, Nesterov.
+    the buffer), dampening, Nesterov (``steps``, :func:`adam_step`'s counts, is not read: SGD has none).
 
     The tensors that share their hyper-parameters, learning rates and momentum state are updated together by
     multi-tensor operations (``torch._foreach_*``: what ``torch.optim.SGD`` does by default on a GPU, a few launches
@@ -523,34 +523,41 @@ def _sgd_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str,
 
 
 def adam_step(P: dict[str, Tensor], G: dict[str, Tensor], state: dict[str, dict[str, Tensor]], optim: ElementwiseOptim,
-               lrs: dict[str, list[float]], steps: Tensor) -> None:
+              lrs: dict[str, list[float]], steps: dict[str, Tensor] | Tensor) -> None:
     """``torch.optim.Adam``'s update (no AMSGrad) on stacked tensors, with each client's own step count for the bias
     corrections (Kingma & Ba, Algorithm 1).
 
-    As :func:`sgd_step`, the tensors that share their hyper-parameters and learning rate are updated together by
-    multi-tensor operations — ``torch.optim.Adam``'s own ``foreach`` form, the same per-element arithmetic as its
-    single-tensor form (on the CPU the same operations tensor by tensor, the same bits). Where the rows' step counts
-    or learning rates differ, each tensor takes ``torch.optim.Adam``'s host arithmetic per row (Python floats, one
-    copy to the device for the group) in its kernels' order of operations.
+    As :func:`sgd_step`, the tensors that share their hyper-parameters, learning rate and step count are updated
+    together by multi-tensor operations — ``torch.optim.Adam``'s own ``foreach`` form, the same per-element arithmetic
+    as its single-tensor form (on the CPU the same operations tensor by tensor, the same bits). Where the rows' step
+    counts or learning rates differ, each tensor takes ``torch.optim.Adam``'s host arithmetic per row (Python floats,
+    one copy to the device for the group) in its kernels' order of operations.
 
     Args:
-        steps: ``[K]`` int64 on the host: each row's step count *including* this step."""
-    counts = [int(c) for c in steps.tolist()]  # (a host tensor: no wait on a device)
-    uniform = all(c == counts[0] for c in counts)
+        steps: ``[K]`` int64 on the host: each row's step count *including* this step — one for every tensor, or
+            one per tensor by name (``torch.optim.Adam`` counts each parameter's own steps: a parameter frozen for
+            some of a fit's steps has fewer)."""
+    shared = None if isinstance(steps, dict) else tuple(int(c) for c in steps.tolist())  # (host: no device wait)
     groups: dict[tuple[Any, ...], list[str]] = {}
     for n, p in P.items():
+        counts = shared if shared is not None else tuple(int(c) for c in steps[n].tolist())  # type: ignore[index]
         rates = tuple(lrs[n])
-        lr = rates[0] if uniform and all(r == rates[0] for r in rates) else rates
-        key = (optim.hyper[n], lr, "exp_avg" in state[n], p.device, p.dtype)
+        if all(c == counts[0] for c in counts) and all(r == rates[0] for r in rates):
+            lr: float | tuple[float, ...] = rates[0]
+            count: int | tuple[int, ...] = counts[0]
+        else:
+            lr, count = rates, counts
+        key = (optim.hyper[n], lr, count, "exp_avg" in state[n], p.device, p.dtype)
         groups.setdefault(key, []).append(n)
     with torch.no_grad():
-        for (hyper, lr, _, _, _), names in groups.items():
-            _adam_group([P[n] for n in names], [G[n] for n in names], [state[n] for n in names], hyper, lr, counts)
+        for (hyper, lr, count, _, _, _), names in groups.items():
+            _adam_group([P[n] for n in names], [G[n] for n in names], [state[n] for n in names], hyper, lr, count)
 
 
 def _adam_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]], hyper: tuple[Any, ...],
-                lr: float | tuple[float, ...], counts: list[int]) -> None:
-    """:func:`adam_step` of tensors sharing hyper-parameters, learning rate(s) and whether their moments exist."""
+                lr: float | tuple[float, ...], count: int | tuple[int, ...]) -> None:
+    """:func:`adam_step` of tensors sharing hyper-parameters, learning rate(s), step count(s) and whether their moments
+    exist (``lr`` and ``count`` both scalars — every row alike — or both per row)."""
     beta1, beta2, eps, wd = hyper
     if wd != 0:
         grads = list(torch._foreach_add(grads, params, alpha=wd))
@@ -565,7 +572,8 @@ def _adam_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     if not isinstance(lr, tuple):  # one step count and one learning rate for every row
-        step = counts[0]
+        assert isinstance(count, int)
+        step = count
         step_size = lr / (1 - beta1**step)
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         denoms = torch._foreach_sqrt(exp_avg_sqs)
@@ -574,8 +582,9 @@ def _adam_group(params: list[Tensor], grads: list[Tensor], states: list[dict[str
         torch._foreach_addcdiv_(params, exp_avgs, denoms, value=-step_size)
         return
     # torch.optim.Adam's host arithmetic per row (Python floats), then its kernels' order of operations
-    bc2 = [(1 - beta2**c) ** 0.5 for c in counts]
-    neg_step = [-r / (1 - beta1**c) for r, c in zip(lr, counts, strict=True)]
+    assert isinstance(count, tuple)
+    bc2 = [(1 - beta2**c) ** 0.5 for c in count]
+    neg_step = [-r / (1 - beta1**c) for r, c in zip(lr, count, strict=True)]
     rows = host_tensor([bc2, neg_step], params[0].device, params[0].dtype)  # (one copy for the group)
     for p, exp_avg, exp_avg_sq in zip(params, exp_avgs, exp_avg_sqs, strict=True):
         denom = (exp_avg_sq.sqrt() / rows_like(rows[0], p)).add_(eps)

@@ -537,9 +537,9 @@ class VectorizedExecutor(ClientExecutor):
                 hooks.before_optimizer_step(fit)
             if clip is not None:
                 clip_per_client(G, float(clip), fit.no_grad)
-            steps_done[live] += 1
+            counts = _count_steps(fit, live, idle, trainable, steps_done)
             step_fn({n: p for n, p in sP.items() if n not in idle} if idle else sP, G, sS, optims[0],  # (idle: no
-                    {n: [v[i] for i in live] for n, v in lrs.items() if n not in idle}, steps_done[live])  # state)
+                    {n: [v[i] for i in live] for n, v in lrs.items() if n not in idle}, counts)  # state)
             for _, hooks in self.hooks:
                 hooks.after_optimizer_step(fit)
             if at is not None:
@@ -567,6 +567,39 @@ class VectorizedExecutor(ClientExecutor):
             loss = sums[i] / n if n else float("nan")
             out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
         return out
+
+
+def _count_steps(fit: StackedFit, live: list[int], idle: set[str], trainable: list[str], steps_done: Tensor
+                 ) -> dict[str, Tensor] | Tensor:
+    """Count the step about to be made; return Adam's step counts for it (each row's, including this step).
+
+    ``steps_done`` counts each client's steps. Where a form freezes a tensor in some rows (``fit.no_grad``),
+    ``torch.optim.Adam`` counts that tensor's own steps — a parameter without a gradient takes none — so from the
+    first such step each tensor has its own counts (``fit.tensor_steps``; a form or hook may set them in ``start`` to
+    continue an earlier fit's). A frozen row is given the count it would have if it stepped: the form puts its weights
+    and moments back after the step."""
+    apart = fit.optimizer == "adam" and (fit.tensor_steps is not None
+                                         or any(any(rows) for rows in fit.no_grad.values()))
+    if apart and fit.tensor_steps is None:  # every tensor has stepped with its client so far
+        fit.tensor_steps = {n: steps_done.clone() for n in trainable}
+    steps_done[live] += 1
+    if not apart:
+        return steps_done[live]
+    assert fit.tensor_steps is not None
+    out = {}
+    for n in trainable:
+        if n in idle:
+            continue
+        count = fit.tensor_steps[n]
+        frozen = fit.no_grad.get(n)
+        if frozen is None or not any(frozen):
+            count[live] += 1
+            out[n] = count[live]
+        else:
+            took = torch.tensor([not f for f in frozen], dtype=torch.long)
+            count[live] += took
+            out[n] = count[live] + (1 - took)
+    return out
 
 
 def _pad_rows(t: Tensor, length: int) -> Tensor:
