@@ -195,13 +195,15 @@ def _single_sample_batch_size(dm_kw: dict[str, Any]) -> int:
     {"separate_paths": True, "straight_through": "code", "aggregation": "ewa", "relu_logits": True},
     {"client_densities": [0.3, 0.5, 1.0], "budget": "global", "aggregation": "fedavg", "gate_momentum": 0.0},
     {"schedule": "bilevel", "separate_paths": True},
-], ids=["index-momentum", "two-paths-code-ewa", "mixed-budgets-global", "bilevel"])
+    {"solver": "exact", "client_densities": [0.3, 0.5, 1.0]},
+], ids=["index-momentum", "two-paths-code-ewa", "mixed-budgets-global", "bilevel", "exact-knapsack"])
 def test_stacked_pfedgate_gives_the_in_process_run(tmp_path: Path, gate_kw: dict[str, Any]) -> None:
     """Clients of different sizes (different step counts; one client's last batch a single sample, which steps
     nothing), half the clients a round (groups mix clients with kept momentum and fresh ones), two epochs, both
     clips, the milestone decay of both learning rates, groups of 3: the same rounds, and every client's stored gate,
     gate momentum and θ momentum equal. The bilevel schedule: each client's gate trains in its first epoch, its
-    model in its second (at one step, clients of different sizes in different phases)."""
+    model in its second (at one step, clients of different sizes in different phases). The exact knapsack (Eq. 6,
+    its global budget) per client on the host."""
     dm_kw = {"alpha": 0.1, "quantity_skew": True, "num_clients": 6}
     bs = _single_sample_batch_size(dm_kw)
 
@@ -233,23 +235,6 @@ def test_the_pfedgate_paper_configs_shrunk_give_the_in_process_run(tmp_path: Pat
     in_process = [r.pop("sequential_fits", 0) for r in got]
     assert (sum(in_process) > 0) == config.endswith("novel")
     assert_same_run(ref, got)
-
-
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"solver": "exact"}, r"^PFedGate.solver='exact' is invalid with trainer.executor=VectorizedExecutor"),
-])
-def test_settings_it_does_not_stack_are_refused_in_one_line_or_run_in_process(tmp_path: Path, kw: dict[str, Any],
-                                                                             match: str) -> None:
-    with pytest.raises(ConfigError, match=match) as e:
-        tiny_loop(tmp_path / "err", callbacks=[PFedGate(density=0.5, **kw)],
-                  executor=VectorizedExecutor()).fit(tiny_module(), tiny_datamodule())
-    assert "\n" not in str(e.value)
-    ref = tiny_loop(tmp_path / "ref", callbacks=[PFedGate(density=0.5, **kw)])
-    ref.fit(tiny_module(), tiny_datamodule())
-    got = tiny_loop(tmp_path / "seq", callbacks=[PFedGate(density=0.5, **kw)],
-                    executor=VectorizedExecutor(unsupported="sequential"))
-    got.fit(tiny_module(), tiny_datamodule())
-    assert _rows(got) == _rows(ref)  # the in-process path: bit for bit
 
 
 # ---- the protocol's new parts, on their own -----------------------------------------------------------------------

@@ -21,12 +21,12 @@ a rounding boundary may be chosen differently; tested on whole runs).
 
 Stacked: both schedules — ``joint`` (Alg. 1) and ``bilevel`` (the code's alternating epochs: each client's gate
 in its even epochs, its model in its odd ones, chosen per client by the epoch of its own batch; the rows of the
-part that does not train take no step, their gradients dropped as in process) — with the greedy knapsack
-(``group`` or ``global`` budget), both straight-through variants, one or two gate paths, any aggregation;
-``compute: sliced`` computes the masked ``θ'`` (the same logits to float tolerance; slicing is a one-client
-speed-up). Refused in one line when the federation starts (or run in process with
-``VectorizedExecutor(unsupported: sequential)``): ``solver: exact`` (a host-side search). Gate-only fine-tuning fits
-(novel clients) run in process.
+part that does not train take no step, their gradients dropped as in process) — with either knapsack (``greedy``:
+every client's as rows of one on the device; ``exact``, Eq. 6: a search on the host, each client's as in process,
+the step's importances read in one copy for all of them — a wait per step, not per client and step), ``group`` or
+``global`` budget, both straight-through variants, one or two gate paths, any aggregation; ``compute: sliced``
+computes the masked ``θ'`` (the same logits to float tolerance; slicing is a one-client speed-up). Gate-only
+fine-tuning fits (novel clients) run in process.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.context import FitContext
-from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors.stacked import ElementwiseOptim, clip_per_client, sgd_step
 from pl_fedsparse.functional import transfer
-from pl_fedsparse.functional.gate import _device_groups, block_span_tensors
+from pl_fedsparse.functional.gate import _device_groups, block_span_tensors, select_blocks
 from pl_fedsparse.functional.gate_stacked import (
     stacked_capacities,
     stacked_gate_forward,
@@ -63,9 +62,6 @@ class StackedPFedGate:
     """:class:`~pl_fedsparse.callbacks.PFedGate`'s vectorised form (see the module docstring)."""
 
     def __init__(self, gate: PFedGate) -> None:
-        if gate.solver != "greedy":
-            raise ConfigError(f"PFedGate.solver={gate.solver!r} is invalid with trainer.executor=VectorizedExecutor: "
-                              "expected 'greedy' (the exact knapsack searches on the host per batch; run in process)")
         self.cb = gate
         self.items: dict[int, dict[str, Any] | None] = {}
         self.active = False
@@ -133,7 +129,7 @@ class StackedPFedGate:
         self.floors = transfer.host_tensor([it["floor"] for it in items], dev, torch.float32)
         self.dense = transfer.host_tensor([d >= 1.0 for d in self.densities], dev)
         self.owner, self.sizes = block_span_tensors(table, dev)
-        self.budget = cb.budget or "group"
+        self.budget = cb.budget or ("group" if cb.solver == "greedy" else "global")  # (select_blocks' default)
         self.capacity = stacked_capacities(table, self.densities, self.budget, device=dev)
         # (constants made once per table on the fits' device: "there" in a device run simulated on the CPU too)
         transfer.mark_placed([self.owner, self.sizes, self.capacity, *_device_groups(table, self.budget, dev)[:3]],
@@ -190,8 +186,11 @@ class StackedPFedGate:
             importance, weights = stacked_gate_forward(gate_state, xs, floors, training=not single,
                                                        separate_paths=cb.separate_paths,
                                                        sizes=counts if ragged else None)
-            capacity = self.capacity if idx is None else self.capacity.index_select(0, idx)
-            keep = stacked_select_blocks(importance, table, densities, self.budget, capacity=capacity)
+            if cb.solver == "exact":
+                keep = self._exact_keep(importance, densities)
+            else:
+                capacity = self.capacity if idx is None else self.capacity.index_select(0, idx)
+                keep = stacked_select_blocks(importance, table, densities, self.budget, capacity=capacity)
             dense = self.dense if idx is None else self.dense.index_select(0, idx)
             m_sparse = stacked_straight_through(keep, importance, weights, cb.straight_through, dense)
             theta_p = stacked_personalized_params(theta, m_sparse, table)
@@ -243,6 +242,17 @@ class StackedPFedGate:
             else:
                 self._step_gates(gate_grads, rows, idx)
         return model_grads, losses.detach(), [one or not on for one, on in zip(lone, model_on, strict=True)]
+
+    def _exact_keep(self, importance: Tensor, densities: Sequence[float]) -> Tensor:
+        """Every row's ``I*`` by the exact knapsack (Eq. 6): :func:`~pl_fedsparse.functional.gate.select_blocks`
+        per client on the host, as in process — the step's importances read in one copy for every client (one wait
+        a step, where the fits one by one wait once a client and step), the indices sent back in one."""
+        table = self.cb.table
+        assert table is not None
+        host = importance.detach().double().cpu()
+        keep = torch.stack([select_blocks(host[i], table, d, solver="exact", budget=self.budget)
+                            for i, d in enumerate(densities)])
+        return transfer.send(keep, importance.device)
 
     def _phases(self, fit: Any, rows: Sequence[int]) -> tuple[list[bool], list[bool]]:
         """Per row, whether its gate and whether its model train at this step (``on_train_epoch_start``): both, in
