@@ -21,11 +21,13 @@ Each run is ``--rounds`` rounds (default 4) without evaluation (only the last ro
 without checkpoints; the first round is left out too (warm-up). Runs alternate A, B, A, B … (``--pairs`` pairs), and
 the script prints, per executor, the median training seconds per round (``time_train_s`` of the rows), the CPU
 seconds per round (process CPU time over the timed rounds), and the ratios in-process / vectorised. It also checks
-that the two executors' final accuracies agree (|Δ| ≤ 1e-5), so a fast wrong answer cannot pass.
+that the two executors' final accuracies agree (|Δ| ≤ 1e-5), so a fast wrong answer cannot pass. Arguments after
+``--`` go to both runs' command line as they are (e.g. ``-- --model.optimizer adam --model.lr 0.003``).
 
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task mlp --clients 100 --pairs 5
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task fedrep --clients 100 --pairs 5
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task fedem --clients 100 --pairs 5
+    OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task fedrep --clients 100 --pairs 5 -- --model.optimizer adam
     OMP_NUM_THREADS=1 python benchmarks/vectorized.py --task lenet --clients 10 --data-root data/cifar10
 """
 
@@ -85,9 +87,10 @@ def args_for(task: str, clients: int, rounds: int, data_root: str | None, tmp: s
 
 
 def one_run(task: str, executor: str | None, clients: int, rounds: int, data_root: str | None,
-            samples: int = 6000, group_size: int | None = None, accelerator: str = "cpu") -> dict[str, Any]:
+            samples: int = 6000, group_size: int | None = None, accelerator: str = "cpu",
+            extra: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        argv = args_for(task, clients, rounds, data_root, tmp, samples, accelerator)
+        argv = [*args_for(task, clients, rounds, data_root, tmp, samples, accelerator), *(extra or [])]
         sampler = GpuSampler(Path(tmp) / "gpu.csv") if accelerator == "gpu" else None
         if executor:
             init = {"max_group_size": group_size} if group_size else {}
@@ -129,7 +132,10 @@ def main() -> None:
     p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
                    help="gpu: also the GPU's utilisation (nvidia-smi samples every 250 ms, mean over the run)")
     p.add_argument("--out", default=None, help="write the raw results as JSON here")
-    a = p.parse_args()
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    a.extra = extra
     if a.rounds < 3:
         p.error("--rounds must be >= 3 (the first and the last round are not timed)")
     logging.disable(logging.WARNING)
@@ -140,13 +146,13 @@ def main() -> None:
         order = list(EXECUTORS) if pair % 2 == 0 else list(reversed(EXECUTORS))
         for name in order:
             runs[name].append(one_run(a.task, EXECUTORS[name], a.clients, a.rounds, a.data_root, a.samples,
-                                      a.group_size, a.accelerator))
+                                      a.group_size, a.accelerator, a.extra))
         print(f"pair {pair}: " + ", ".join(f"{n} {runs[n][-1]['train_s']:.3f} s" for n in EXECUTORS), flush=True)
     med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in ("train_s", "cpu_s")} for n in EXECUTORS}
     ref, vec = runs["in_process"][-1], runs["vectorized"][-1]
     dacc = abs(ref["acc"] - vec["acc"])
     print(f"task {a.task}, {a.clients} clients per round, {a.rounds} rounds x {a.pairs} pairs, "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{torch.get_num_threads()} thread(s)" + (f", with {' '.join(a.extra)}" if a.extra else ""))
     for n in EXECUTORS:
         util = [r["gpu_util_mean"] for r in runs[n] if r.get("gpu_util_mean") is not None]
         extra = f"   GPU util {statistics.median(util):.0f} %" if util else ""
