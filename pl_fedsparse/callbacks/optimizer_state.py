@@ -123,23 +123,26 @@ class _VectorizedKeptState:
         if not any(kept):
             return  # every optimizer fresh: the executor makes its state at the first step, as torch.optim does
         moved = to_device({f"{i}/{key}": t for i, d in enumerate(kept) for key, t in d.items()}, fit.device)
+        counts: dict[str, list[int]] = {}  # Adam's count, one per parameter (as torch.optim's): per tensor and row
         for name, idx in fit.optimizer_index.items():
             p = fit.params[name]
             for key in _KEYS:
                 have = [moved.get(f"{i}/{idx}.{key}") for i in range(K)]
-                if all(t is None for t in have):
+                if key == "step":
+                    counts[name] = [0 if t is None else int(t) for t in have]  # (host scalars: no wait)
                     continue
-                if key == "step":  # Adam's count, one per parameter (as torch.optim's): per tensor and row
-                    if fit.tensor_steps is None:
-                        fit.tensor_steps = {n: fit.steps.clone() for n in fit.optimizer_index}
-                    for i, t in enumerate(have):
-                        if t is not None:
-                            fit.tensor_steps[name][i] = int(t)
+                if all(t is None for t in have):
                     continue
                 zero = p.new_zeros(p.shape[1:])
                 fit.optimizer_state[name][key] = torch.stack([zero if t is None else t.to(p.dtype) for t in have])
                 if key == "momentum_buffer" and any(t is None for t in have):
                     fit.optimizer_state[name]["fresh"] = host_tensor([t is None for t in have], p.device)
+        rows = list(zip(*counts.values(), strict=True))
+        if all(len(set(row)) == 1 for row in rows):  # every tensor of a client at one count: the client's
+            for i, row in enumerate(rows):
+                fit.steps[i] = row[0]
+        else:  # (tensors frozen for part of a fit, as FedRep's: each its own)
+            fit.tensor_steps = {n: torch.tensor(c, dtype=torch.long) for n, c in counts.items()}
 
     def before_optimizer_step(self, fit: Any) -> None:
         pass
