@@ -92,7 +92,9 @@ def test_a_callback_that_keeps_a_host_tensor_fails_as_on_a_gpu(callback: str, fa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["configs/synthetic_fedavg.yaml", "configs/synthetic_fedspa.yaml", "configs/synthetic_pfedgate.yaml"])
+@pytest.mark.parametrize("config", ["configs/synthetic_fedavg.yaml", "configs/synthetic_fedspa.yaml",
+                                    "configs/synthetic_pfedgate.yaml", "configs/synthetic_fedrep.yaml",
+                                    "configs/synthetic_fedem.yaml", "configs/synthetic_dispfl.yaml"])
 def test_the_vectorized_executor_mixes_no_sides(config: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """Many clients per step on "the device": the same numbers as a plain run, nothing met from the host."""
