@@ -58,6 +58,7 @@ selections, by counting on the CPU and by sorting on a device), the counter make
     python benchmarks/device_traffic.py --budget 0        # no copies kept on the device between fits (each fit moves
                                                           # its start weights and entries: 2 transfers a fit)
     python benchmarks/device_traffic.py --gpu             # on a CUDA device: torch.profiler's counts per fit and step
+    python benchmarks/device_traffic.py --stacked         # the VectorizedExecutor's stacked steps: what one adds
 """
 
 from __future__ import annotations
@@ -320,6 +321,25 @@ def counting() -> Iterator[TrafficCounter]:
     patch(pr, "drop_and_grow", readjusting(pr.drop_and_grow))  # (one tensor: masks on several devices)
     patch(pr, "drop_and_grow_many", readjusting(pr.drop_and_grow_many))  # (every tensor of a fit at once)
     patch(Evaluator, "logits", logits_)
+    # the VectorizedExecutor: a group's stacked training is one phase; its steps counted (one optimizer update each)
+    from pl_fedsparse.executors import vectorized as vec_mod
+
+    train = vec_mod.VectorizedExecutor._train
+
+    def train_(self: Any, *a: Any, **k: Any) -> Any:
+        counter.counts[("stacked", "groups")] += 1
+        with counter.in_phase("stacked"):
+            return train(self, *a, **k)
+
+    def stepping(fn: Any) -> Any:
+        def step(*a: Any, **k: Any) -> Any:
+            counter.counts[("stacked", "steps")] += 1
+            return fn(*a, **k)
+        return step
+
+    patch(vec_mod.VectorizedExecutor, "_train", train_)
+    patch(vec_mod, "sgd_step", stepping(vec_mod.sgd_step))
+    patch(vec_mod, "adam_step", stepping(vec_mod.adam_step))
     patch(pl.Trainer, "__init__", init_)
     patch(torch.nn.Module, "to", mover(to, "to"))
     patch(torch.nn.Module, "cuda", mover(cuda, "cuda"))
@@ -337,20 +357,16 @@ def counting() -> Iterator[TrafficCounter]:
                 setattr(owner, attr, old)
 
 
-def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = "auto",
-            cache_inputs: str = "true") -> dict[str, Any]:
-    """Run config ``name`` for ``rounds`` rounds under the counter; per-fit and per-step figures. ``budget``:
-    ``trainer.device_state_budget`` (``"auto"``: what a simulated device run keeps, ``"0"``: no copy kept on the
-    device between fits); ``cache_inputs``: ``data.cache_inputs`` (``"true"``: what ``auto`` does on a GPU)."""
+def _counted_run(name: str, rounds: int, common: list[str]) -> TrafficCounter:
+    """Config ``name`` run for ``rounds`` rounds (its own count where it sets one) under the counter."""
     from pl_fedsparse.cli import main
 
     cfg, extra = CONFIGS[name]
-    common = ["--trainer.enable_progress_bar", "false", "--trainer.fit_runner", fit_runner,
-              "--trainer.device_state_budget", budget, "--data.cache_inputs", cache_inputs]
     args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.num_rounds", str(rounds), "--trainer.eval_every",
-            str(rounds), *common]
+            str(rounds), "--trainer.enable_progress_bar", "false", *common]
     if "--trainer.num_rounds" in extra:
-        args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.eval_every", "100", *common]
+        args = ["fit", "--config", str(REPO / cfg), *extra, "--trainer.eval_every", "100",
+                "--trainer.enable_progress_bar", "false", *common]
     with tempfile.TemporaryDirectory() as tmp, counting() as c:
         try:
             with contextlib.redirect_stdout(sys.stderr):  # (the run's own table stays out of the record)
@@ -359,6 +375,16 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
             code = int(e.code or 0)
     if code != 0:
         raise RuntimeError(f"{name}: pl-fed exited {code}")
+    return c
+
+
+def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = "auto",
+            cache_inputs: str = "true") -> dict[str, Any]:
+    """Run config ``name`` for ``rounds`` rounds under the counter; per-fit and per-step figures. ``budget``:
+    ``trainer.device_state_budget`` (``"auto"``: what a simulated device run keeps, ``"0"``: no copy kept on the
+    device between fits); ``cache_inputs``: ``data.cache_inputs`` (``"true"``: what ``auto`` does on a GPU)."""
+    c = _counted_run(name, rounds, ["--trainer.fit_runner", fit_runner, "--trainer.device_state_budget", budget,
+                                    "--data.cache_inputs", cache_inputs])
     fits = max(1, c.counts[("fit", "fits")])
     steps = max(1, c.counts[("step", "steps")])
     per = {}
@@ -386,6 +412,33 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
             "fits": c.counts[("fit", "fits")],
             "steps": c.counts[("step", "steps")], **per,
             "examples": {f"{ph}/{k}": v for (ph, k), v in c.samples.items()}}
+
+
+def measure_stacked(name: str, rounds: int = 2) -> dict[str, Any]:
+    """Config ``name`` under the ``VectorizedExecutor``: what a stacked step adds, by difference of two runs, one
+    local epoch and two (a step's count is the second run's minus the first's over the steps it added; what a group
+    does once — stacking, the start and end hooks, reading the losses — cancels)."""
+    counts = []
+    for epochs in (1, 2):
+        c = _counted_run(name, rounds, ["--trainer.executor", "pl_fedsparse.executors.VectorizedExecutor",
+                                        "--trainer.local_epochs", str(epochs), "--data.cache_inputs", "true"])
+        counts.append(c)
+    one, two = counts
+    steps = two.counts[("stacked", "steps")] - one.counts[("stacked", "steps")]
+    if steps <= 0:
+        raise RuntimeError(f"{name}: a second local epoch added no stacked step (local_steps set?)")
+    out: dict[str, Any] = {"config": name, "groups": two.counts[("stacked", "groups")],
+                           "steps": two.counts[("stacked", "steps")], "steps_added": steps}
+    for kind in ("syncs", "transfers", "sends", "data_transfers", "trainers", "module_moves", "ops"):
+        added = two.counts[("stacked", kind)] - one.counts[("stacked", kind)]
+        out[f"{kind}_per_step"] = round(added / steps, 3 if kind != "ops" else 1)
+    # the rest, once a run or a group: the first stacked step's gradient check (it reads its comparisons), each
+    # group's losses read at once
+    out["syncs_outside_steps"] = round(two.counts[("stacked", "syncs")] - two.counts[("stacked", "steps")]
+                                       * out["syncs_per_step"], 2)
+    out["sequential_fits"] = two.counts[("fit", "fits")]  # (fits run in process instead: 0 where all stack)
+    out["examples"] = {f"{ph}/{k}": v for (ph, k), v in two.samples.items() if ph == "stacked"}
+    return out
 
 
 #: CUDA runtime calls that copy between host and device memory, and those that make the host wait
@@ -489,6 +542,8 @@ def main() -> None:
                     help="data.cache_inputs (true: the inputs prepared once, as auto does on a GPU)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--gpu", action="store_true", help="count on a CUDA device with torch.profiler instead")
+    ap.add_argument("--stacked", action="store_true",
+                    help="count the VectorizedExecutor's stacked steps instead (by difference of 1 and 2 epochs)")
     a = ap.parse_args()
     import logging
     import warnings
@@ -516,6 +571,18 @@ def main() -> None:
                       f"synchronising calls by source {r['step_sync_sources']}")
         if a.json:
             Path(a.json).write_text(json.dumps(gpu_rows, indent=1) + "\n")
+        return
+    if a.stacked:
+        srows = [measure_stacked(n, a.rounds) for n in a.configs]
+        scols = [k for k in srows[0] if k not in ("config", "examples")]
+        print("| config | " + " | ".join(scols) + " |")
+        print("|---|" + "---|" * len(scols))
+        for r in srows:
+            print(f"| {r['config']} | " + " | ".join(str(r[c]) for c in scols) + " |")
+        for r in srows:
+            print(f"# {r['config']}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r["examples"].items()))
+        if a.json:
+            Path(a.json).write_text(json.dumps(srows, indent=1) + "\n")
         return
     rows = [measure(n, a.rounds, a.fit_runner, a.budget, a.cache_inputs) for n in a.configs]
     cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",

@@ -289,3 +289,15 @@ def test_the_operator_count_sees_one_more_kernel_in_a_step(monkeypatch: pytest.M
 
     monkeypatch.setattr(FederatedModule, "training_step", one_more)
     assert device_traffic.measure("fedavg")["ops_per_step"] == base + 2  # the product and its backward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fedspa", "pfedgate"])
+def test_stacked_steps_wait_for_nothing_and_copy_no_state(config: str) -> None:
+    """The VectorizedExecutor's steps (every client's at once): no synchronising call and no transfer of state per
+    step (counted by difference of a run with one local epoch and one with two); its small host-made rows are sent
+    without a wait."""
+    r = device_traffic.measure_stacked(config)
+    assert r["steps_added"] > 0 and r["sequential_fits"] == 0, r
+    assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
+    assert r["trainers_per_step"] == 0 and r["module_moves_per_step"] == 0, r
