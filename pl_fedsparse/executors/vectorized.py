@@ -511,11 +511,12 @@ class VectorizedExecutor(ClientExecutor):
                         G[n] = g
                     else:
                         G.setdefault(n, torch.empty_like(sP[n])).index_copy_(0, idx, g)
-                if sizes is None:
-                    loss_sum.index_add_(0, transfer.host_tensor(rows, device), losses.detach().float() * per)
+                weighted = losses.detach().float() * (per if sizes is None
+                                                      else transfer.host_tensor(sizes, device, torch.float32))
+                if everyone and idx is None:  # (every client's row, in order: no index to send)
+                    loss_sum.add_(weighted)
                 else:
-                    weights = transfer.host_tensor(sizes, device, torch.float32)
-                    loss_sum.index_add_(0, transfer.host_tensor(rows, device), losses.detach().float() * weights)
+                    loss_sum.index_add_(0, transfer.host_tensor(rows, device), weighted)
                 for i, n_b in zip(rows, lengths, strict=True):
                     seen[i] += n_b
             if skipped:  # those clients' rows take no step: as if they had no batch (weights and state untouched)
