@@ -704,3 +704,40 @@ def test_on_cuda_stacked_fits_give_the_in_process_run_to_tolerance(tmp_path: Pat
             assert a[key] == b[key], (a["round"], key)
         assert b["acc_mean"] == pytest.approx(a["acc_mean"], abs=0.03), a["round"]
         assert b["loss_mean"] == pytest.approx(a["loss_mean"], rel=0.03), a["round"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_on_cuda_a_stacked_step_waits_for_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the CPU counter says of a stacked step (``device_traffic.py --stacked``: no synchronising call), checked
+    by CUDA itself: ``torch.cuda.set_sync_debug_mode`` over the group's stacked training, a run of two local epochs
+    against one — the waits a group makes once (the first step's gradient check, the losses read at the end) are
+    the same in both, so any difference is a wait per step."""
+    import warnings
+
+    from pl_fedsparse.executors import vectorized as vec_mod
+
+    monkeypatch.chdir(ROOT)
+    train = vec_mod.VectorizedExecutor._train
+
+    def waits(epochs: int) -> int:
+        seen: list[str] = []
+
+        def counted(self: Any, *a: Any, **k: Any) -> Any:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return train(self, *a, **k)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    seen.extend(str(w.message) for w in caught if "synchroniz" in str(w.message))
+
+        monkeypatch.setattr(vec_mod.VectorizedExecutor, "_train", counted)
+        _cli_fit(tmp_path / str(epochs), ["--config", "configs/synthetic_fedspa.yaml", "--trainer.num_rounds", "2",
+                                          "--trainer.local_epochs", str(epochs), "--data.device", "cuda"],
+                 True, "gpu")
+        return len(seen)
+
+    one, two = waits(1), waits(2)
+    assert two == one, (one, two)
