@@ -245,12 +245,11 @@ def counting() -> Iterator[TrafficCounter]:
 
     def patch(owner: Any, attr: str, wrapper: Any) -> None:
         # the raw attribute (a staticmethod stays one when it is put back), or a note that it was inherited
-        raw = vars(owner)[attr] if attr in vars(owner) else _INHERITED
+        raw = vars(owner).get(attr, _INHERITED)
         patches.append((owner, attr, raw))
         setattr(owner, attr, wrapper)
 
     from pl_fedsparse.evaluation import Evaluator
-
     from pl_fedsparse.loop import FederatedLoop
 
     run_one, step = InProcessExecutor.run_one, runner_mod.FitRunner._step
@@ -558,7 +557,7 @@ def main() -> None:
         for n in a.configs:
             try:
                 gpu_rows.append(measure_gpu(n, a.rounds))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (one config's failure recorded; the others still run)
                 print(f"# {n}: failed: {type(e).__name__}: {e}")
         if gpu_rows:
             gcols = [k for k in gpu_rows[0] if k != "config" and not isinstance(gpu_rows[0][k], dict)]
@@ -574,15 +573,7 @@ def main() -> None:
         return
     if a.stacked:
         srows = [measure_stacked(n, a.rounds) for n in a.configs]
-        scols = [k for k in srows[0] if k not in ("config", "examples")]
-        print("| config | " + " | ".join(scols) + " |")
-        print("|---|" + "---|" * len(scols))
-        for r in srows:
-            print(f"| {r['config']} | " + " | ".join(str(r[c]) for c in scols) + " |")
-        for r in srows:
-            print(f"# {r['config']}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r["examples"].items()))
-        if a.json:
-            Path(a.json).write_text(json.dumps(srows, indent=1) + "\n")
+        _report(srows, [k for k in srows[0] if k not in ("config", "examples")], a.json)
         return
     rows = [measure(n, a.rounds, a.fit_runner, a.budget, a.cache_inputs) for n in a.configs]
     cols = ["fits", "steps", "trainers_per_fit", "module_moves_per_fit", "transfers_per_fit",
@@ -591,14 +582,19 @@ def main() -> None:
             "eval_transfers_per_loader", "eval_syncs_per_loader", "message_transfers_per_message",
             "message_syncs_per_message", "aggregate_transfers_per_round", "aggregate_syncs_per_round",
             "ops_per_step", "ops_per_fit_outside_steps", "sends_per_fit", "sends_per_step"]
+    _report(rows, cols, a.json)
+
+
+def _report(rows: list[dict[str, Any]], cols: list[str], json_path: str | None) -> None:
+    """``rows`` as a table of ``cols``, then each row's examples of what was counted; all of it as JSON too."""
     print("| config | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for r in rows:
         print(f"| {r['config']} | " + " | ".join(str(r[c]) for c in cols) + " |")
     for r in rows:
         print(f"# {r['config']}: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in r["examples"].items()))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
