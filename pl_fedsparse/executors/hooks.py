@@ -122,7 +122,7 @@ class VectorizedFitHooks:
       they are left out of gradient clipping's norm for those rows (``fit.no_grad``), and a tensor frozen in every row
       is neither differentiated nor stepped (as autograd and ``torch.optim`` skip a parameter without a gradient;
       ``fit.grads`` then has no entry for it). Rows frozen in a tensor that others train are the form's to put back
-      after the step (FedRep's form does);
+      after the step (FedRep's form does); with Adam their step counts do not move (``StackedFit.tensor_steps``);
     * an attribute ``optimizers``: the optimizer kinds the form takes (e.g. ``("sgd",)``); with another, the executor
       refuses the run in one line when the federation starts (or runs every fit in process, ``unsupported:
       sequential``);
