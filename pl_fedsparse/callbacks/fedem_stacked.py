@@ -60,6 +60,7 @@ class StackedFedEM(VectorizedFitHooks):
         self.received: dict[str, Tensor] = {}  # the group's start weights: the E-step's components
         self.q_sum: Tensor | None = None  # [K, M]
         self.q_n: list[int] = []
+        self.pi = torch.zeros(0)  # [K, M] on the host, after the last step
 
     def capture(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
         ctx = self.cb._ctx  # (set by on_client_fit_start: a round's training fit)
@@ -115,11 +116,15 @@ class StackedFedEM(VectorizedFitHooks):
             self.q_n[i] += int(ys.shape[1])
         return grads, losses, None
 
-    def finish(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
-        """The client's new π, the mean of its fit's responsibilities (what ``on_train_end`` captures)."""
-        assert self.q_sum is not None
-        if self.active.get(index) and self.q_n[index] > 0:
-            self.cb._captured = (self.q_sum[index] / self.q_n[index]).detach().to("cpu", torch.float32)
-
     def end(self, fit: Any) -> None:
+        """Every client's new π, the mean of its fit's responsibilities (what ``on_train_end`` computes), brought
+        to the host in one copy for the group (one wait, not one per client)."""
+        assert self.q_sum is not None
+        counts = transfer.host_tensor(self.q_n, self.q_sum.device, torch.float32).view(-1, 1)
+        self.pi = (self.q_sum / counts).to("cpu", torch.float32)  # (a row without samples is never read)
         self.received = {}
+
+    def finish(self, index: int, module: pl.LightningModule, context: FitContext) -> None:
+        """The client's new π (what ``on_train_end`` captures)."""
+        if self.active.get(index) and self.q_n[index] > 0:
+            self.cb._captured = self.pi[index].clone()

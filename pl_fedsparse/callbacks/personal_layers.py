@@ -280,7 +280,7 @@ class PersonalLayers(FederatedCallback):
         """LG-FedAvg does nothing inside a fit (all layers train jointly; the personal layers are loaded and kept by
         the federation hooks, which run per client there too): ``None``, its fits stack as they are. FedRep's
         alternating head / body epochs: :class:`~pl_fedsparse.callbacks.personal_layers_stacked.StackedFedRep` (a
-        part frozen per client and step; SGD)."""
+        part frozen per client and step; SGD or Adam)."""
         if self.mode == "lg":
             return None
         from pl_fedsparse.callbacks.personal_layers_stacked import StackedFedRep
