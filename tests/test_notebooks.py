@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 @pytest.mark.slow
-def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")  # both notebooks draw figures (the [plots] extra; installed with [test])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the notebooks' scratch folders: in the test's own
     monkeypatch.setenv("PL_FEDSPARSE_TINY", "1")
     monkeypatch.setenv("MPLBACKEND", "Agg")  # no display in the test suite
     nb = json.loads(path.read_text())
@@ -37,13 +39,16 @@ def test_notebooks_store_no_outputs() -> None:
             assert cell.get("outputs") == [] and cell.get("execution_count") is None, f"{path.name}, code cell {i}"
 
 
-def test_results_notebook_reads_the_records_the_fedpse_page_cites(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_results_notebook_reads_the_records_the_fedpse_page_cites(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
     """The results notebook's data cells, run on the committed records (no kernel, no training), print the FedPSE
     page's claims-table records: every run's final accuracy and the seeds' mean ± std, as the records give them."""
     import statistics
 
     root = NOTEBOOKS[0].parent.parent
     monkeypatch.chdir(root)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the setup cell's scratch folder (the clean-up cell
+    # that removes it is not run here)
     monkeypatch.delenv("PL_FEDSPARSE_TINY", raising=False)
     path = root / "notebooks" / "results.ipynb"
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
