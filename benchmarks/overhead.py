@@ -75,9 +75,12 @@ def plain_round(module: FederatedModule, dm: FederatedDataModule, clients: list[
                     with torch.autocast(device.type, dtype=dtype):
                         loss = F.cross_entropy(module(x), y)
                     if scaler is not None:
-                        scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
                     else:
-                        loss.backward(); opt.step()
+                        loss.backward()
+                        opt.step()
         states.append({n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items()})
         weights.append(dm.num_samples(k, "train"))
     return weighted_average(states, weights)

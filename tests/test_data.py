@@ -9,7 +9,6 @@ extracted copy (``$PL_FEDSPARSE_CIFAR_ROOT``); decoding all 60k CIFAR images run
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import os
 import struct
