@@ -130,7 +130,7 @@ def _is_device(x: Any) -> bool:
 _SEND_CODES = (transfer.send.__code__, transfer.host_tensor.__code__)
 
 #: phases whose synchronising calls on host tensors are not counted (they wait for nothing on a GPU)
-_HOST_AWARE = ("message", "aggregate")
+_HOST_AWARE = ("message", "aggregate", "group")
 
 
 def _on_the_host(args: tuple[Any, ...]) -> bool:
@@ -323,7 +323,13 @@ def counting() -> Iterator[TrafficCounter]:
     # the VectorizedExecutor: a group's stacked training is one phase; its steps counted (one optimizer update each)
     from pl_fedsparse.executors import vectorized as vec_mod
 
-    train = vec_mod.VectorizedExecutor._train
+    train, run_group = vec_mod.VectorizedExecutor._train, vec_mod.VectorizedExecutor._run_group
+
+    def run_group_(self: Any, *a: Any, **k: Any) -> Any:
+        # (a group's fits begun, stacked, trained — the "stacked" phase inside — and ended: its updates)
+        counter.counts[("group", "fits")] += len(a[0])
+        with counter.in_phase("group"):
+            return run_group(self, *a, **k)
 
     def train_(self: Any, *a: Any, **k: Any) -> Any:
         counter.counts[("stacked", "groups")] += 1
@@ -337,6 +343,7 @@ def counting() -> Iterator[TrafficCounter]:
         return step
 
     patch(vec_mod.VectorizedExecutor, "_train", train_)
+    patch(vec_mod.VectorizedExecutor, "_run_group", run_group_)
     patch(vec_mod, "sgd_step", stepping(vec_mod.sgd_step))
     patch(vec_mod, "adam_step", stepping(vec_mod.adam_step))
     patch(pl.Trainer, "__init__", init_)
@@ -435,6 +442,12 @@ def measure_stacked(name: str, rounds: int = 2) -> dict[str, Any]:
     # group's losses read at once
     out["syncs_outside_steps"] = round(two.counts[("stacked", "syncs")] - two.counts[("stacked", "steps")]
                                        * out["syncs_per_step"], 2)
+    # a group's fits begun and ended around its stacked steps (the start weights into the rows, every update to
+    # the host): state crossing the link per group and per fit, synchronising calls on device values per fit
+    fits = max(1, two.counts[("group", "fits")])
+    out["group_transfers_per_group"] = round(two.counts[("group", "transfers")] / max(1, out["groups"]), 2)
+    out["group_transfers_per_fit"] = round(two.counts[("group", "transfers")] / fits, 2)
+    out["group_syncs_per_fit"] = round(two.counts[("group", "syncs")] / fits, 2)
     out["sequential_fits"] = two.counts[("fit", "fits")]  # (fits run in process instead: 0 where all stack)
     out["examples"] = {f"{ph}/{k}": v for (ph, k), v in two.samples.items() if ph == "stacked"}
     return out

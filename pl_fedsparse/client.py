@@ -39,8 +39,12 @@ StateInit = Callable[[int], TensorTree]
 
 def to_cpu_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Detached CPU copies of a state dict (never aliases the module's live parameters); from a device, all of them
-    in one copy across the link (:func:`~pl_fedsparse.functional.transfer.copy_tensors`)."""
-    return dict(zip(state, transfer.copy_tensors(list(state.values()), "cpu")))
+    in one copy across the link (:func:`~pl_fedsparse.functional.transfer.copy_tensors`); on the host, clones (what
+    ``copy_tensors`` makes there — also in a device run simulated on the CPU, where nothing crosses for them)."""
+    values = list(state.values())
+    if not transfer.on_a_device(values):
+        return {name: t.detach().clone() for name, t in state.items()}
+    return dict(zip(state, transfer.copy_tensors(values, "cpu")))
 
 
 def _leaves(value: TensorTree, out: list[Tensor]) -> list[Tensor]:

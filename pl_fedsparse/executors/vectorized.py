@@ -75,6 +75,7 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.allocator import heap_only, tune_malloc
+from pl_fedsparse.callbacks.base import takes_device_update
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError, check
@@ -360,6 +361,14 @@ class VectorizedExecutor(ClientExecutor):
                     self._stats["sequential_fits"] += 1
                 continue
             finite = _finite_rows(stacked)  # every client's weights checked at once (find_fault skips them)
+            # where the fits' weights are on a device, their updates reach the host as the in-process executor's
+            # do: kept there through the callbacks' on_client_fit_end where all of them take it there, then in one
+            # copy with the client's entries (end_fit) — and with no callback at a fit's end, every client's trained
+            # weights in one copy for the whole group (one crossing and one wait, not one per client)
+            on_device = takes_device_update(callbacks)
+            rows = None
+            if not at_end and transfer.on_a_device(stacked.values()):
+                rows = dict(zip(stacked, transfer.copy_tensors(list(stacked.values()), "cpu", share=True)))
             for i, (item, (state, metrics)) in enumerate(zip(items, trained, strict=True)):
                 request, ctx = item["request"], item["request"].context
                 item["snapshot"].restore()
@@ -372,7 +381,10 @@ class VectorizedExecutor(ClientExecutor):
                                 finish(i, module, ctx)
                         if at_end:
                             load_state(module, state)
-                        update = fit_update(module, ctx, item["n_samples"], metrics, None if at_end else state)
+                        if rows is not None:  # (this client's row of the group's host copy)
+                            state = {n: rows[n][i] for n in state}
+                        update = fit_update(module, ctx, item["n_samples"], metrics, None if at_end else state,
+                                            on_device=on_device)
                         if finite[i]:
                             known = [id(t) for t in update.state.values()]
                         loop.call("on_client_fit_end", module, update)
