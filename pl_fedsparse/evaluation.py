@@ -461,9 +461,13 @@ class Evaluator:
                     logits, labels = self.logits(loader, f"clients {clients[0]}-{clients[-1]}, {kind} model")
                     per_client[key] = list(zip(logits.split(counts), labels.split(counts)))
                 done.append((weights, per_client))
+            # every client's clean metrics of this kind read in one copy (one wait on a device, not one a client),
+            # then handed to on_client_evaluate_end client by client, the kind's model still loaded
+            metrics = [pending_metrics(*per_client[CLEAN.key][i]) for i in range(len(clients))]
+            resolve_metrics(metrics)
             for i, k in enumerate(clients):
                 out[i][kind] = {key: res[i] for key, res in per_client.items()}
-                loop.call("on_client_evaluate_end", loop.model, k, kind, logits_metrics(*per_client[CLEAN.key][i]))
+                loop.call("on_client_evaluate_end", loop.model, k, kind, metrics[i])
         return out
 
     def _summarize(self, k: int, views: dict[str, EvalView], outputs: dict[str, dict[str, Tensor]],

@@ -233,7 +233,8 @@ def test_an_evaluation_that_depends_on_the_batch_keeps_one_batch_size_on_every_d
 def test_the_metrics_of_every_client_are_read_from_the_device_in_one_copy(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An evaluation reads the accuracy and loss sums of all clients, views and models in one call (one copy per
-    device, where a read per value would make the host wait each time), and they are the numbers read one by one."""
+    device, where a read per value would make the host wait each time) — and the metrics the streamed evaluation
+    hands to ``on_client_evaluate_end`` in one call per model kind — and they are the numbers read one by one."""
     import pl_fedsparse.evaluation as ev
 
     calls: list[int] = []
@@ -241,9 +242,10 @@ def test_the_metrics_of_every_client_are_read_from_the_device_in_one_copy(tmp_pa
     monkeypatch.setattr(ev, "resolve_metrics", lambda ms: calls.append(sum("_sums" in m for m in ms)) or real(ms))
     loop = tiny_loop(tmp_path, num_rounds=1)
     loop.fit(tiny_module(), tiny_datamodule())
-    # every client's personal and global metrics in one read per evaluation (the single ones: the per-client
-    # on_client_evaluate_end hook's, through logits_metrics)
-    assert [c for c in calls if c > 1] == [loop.num_clients * 2], calls
+    # the streamed evaluation's on_client_evaluate_end metrics: every client's in one read per model kind
+    # (personal, global), then every client's personal and global metrics in one read — none read client by client
+    n = loop.num_clients
+    assert calls == [n, n, 2 * n], calls
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(37, 5, generator=g), torch.randint(0, 5, (37,), generator=g)
     pending = ev.pending_metrics(logits, labels)
