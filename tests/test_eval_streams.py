@@ -253,3 +253,19 @@ def test_the_metrics_of_every_client_are_read_from_the_device_in_one_copy(tmp_pa
     assert pending == {"acc": float((logits.argmax(1) == labels).sum()) / 37,
                        "loss": float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum")) / 37,
                        "n": 37.0}
+
+
+def test_same_state_reads_one_answer_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the personal model is the global one (FedAvg: evaluated once) is read in one copy, not one wait per
+    tensor (``torch.equal`` answers on the host: on a device each call waits); torch.equal's answers otherwise."""
+    import pl_fedsparse.evaluation as ev
+
+    state = {f"t{i}": torch.randn(3, i + 1) for i in range(6)}
+    same, other = {n: t.clone() for n, t in state.items()}, {n: t.clone() for n, t in state.items()}
+    other["t5"][0, 0] += 1
+    reads: list[str] = []
+    real_equal, real_bool = torch.equal, torch.Tensor.__bool__
+    monkeypatch.setattr(torch, "equal", lambda *a: reads.append("equal") or real_equal(*a))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or real_bool(t))
+    assert ev._same_state(state, same) and not ev._same_state(state, other)
+    assert reads == ["bool", "bool"], reads
