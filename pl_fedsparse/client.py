@@ -304,7 +304,7 @@ class ClientStateStore:
             twins = self._prefetched.get(client_idx, {}).get(key)
             if twins is not None:  # on the fit's device already: moving this copy there costs no host copy
                 for host, twin in zip(_leaves(private, []), twins):
-                    transfer.remember_twin(host, twin)
+                    transfer.remember_twin(host, twin, owner=client_idx)
             return private
         return self.decode(value)
 
@@ -381,7 +381,7 @@ class ClientStateStore:
     def end_prefetch(self, client_idx: int) -> None:
         """Drop what :meth:`prefetch` moved for the client (its fit has ended)."""
         if self._prefetched.pop(client_idx, None) is not None:
-            transfer.clear_twins()
+            transfer.clear_twins(client_idx)  # (only this fit's: a stacked group's other fits are still open)
 
     def _private(self, value: TensorTree) -> TensorTree:
         """A copy of ``value`` that shares nothing mutable with the store (decoded tensors are new already)."""

@@ -298,12 +298,13 @@ def test_stacked_steps_wait_for_nothing_and_copy_no_state(config: str) -> None:
     step (counted by difference of a run with one local epoch and one with two); its small host-made rows are sent
     without a wait. Around the steps, a group's updates reach the host as the in-process executor's do: with no
     callback at a fit's end (FedAvg) every client's trained weights in one copy for the whole group; where every
-    callback takes the update on the device (pFedGate, FedPSE), at most two copies of state a fit."""
+    callback takes the update on the device (FedSpa, pFedGate, FedPSE), at most two copies of state a fit."""
     r = device_traffic.measure_stacked(config)
     assert r["steps_added"] > 0 and r["sequential_fits"] == 0, r
     assert r["syncs_per_step"] == 0 and r["transfers_per_step"] == 0, r
     assert r["trainers_per_step"] == 0 and r["module_moves_per_step"] == 0, r
     if config == "fedavg":
         assert r["group_transfers_per_group"] == 1, r
-    elif config in ("pfedgate", "fedpse"):
+    else:  # (FedSpa: its masks found on the device where they crossed with the start weights, for every fit of
+        # the group — not only the first to end)
         assert r["group_transfers_per_fit"] <= 2, r

@@ -418,7 +418,7 @@ class SparseMask(UsesMaskedTraining):
         if device is not None and packed and transfer.twins_on(packed.values(), device):
             on_device = unpack_masks(to_device(packed, device), self.shapes)
             for name, mask in masks.items():
-                transfer.remember_twin(mask, on_device[name])
+                transfer.remember_twin(mask, on_device[name], owner=client_idx)
         return masks
 
     #: ``on_client_fit_end`` works where the update is: the masks are moved there (no copy across the link where

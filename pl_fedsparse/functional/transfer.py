@@ -537,22 +537,39 @@ class PlacementTracker(TorchDispatchMode):
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
-#: host tensor id -> (weak reference to it, its version when remembered, its copy on a device): see remember_twin
-_twins: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+#: host tensor id -> (weak reference to it, its version when remembered, its copy on a device, the client whose fit
+#: it belongs to or None): see remember_twin
+_twins: dict[int, tuple[weakref.ref, int, Tensor, int | None]] = {}
 
 
-def remember_twin(host: Tensor, twin: Tensor) -> None:
+def remember_twin(host: Tensor, twin: Tensor, owner: int | None = None) -> None:
     """Remember that ``twin`` (on a device) holds ``host``'s values, so that :func:`to_device` hands out a copy of
     ``twin`` made on that device instead of crossing the link again — while ``host`` is alive and not changed in
     place (its version counter). How a fit's client-state entries, moved ahead with its start weights in one copy,
-    reach the device when a callback moves them (``ClientStateStore.prefetch``)."""
+    reach the device when a callback moves them (``ClientStateStore.prefetch``). ``owner``: the client whose fit
+    the twin serves (forgotten when that fit ends, :func:`clear_twins`; a stacked group's fits all start before the
+    first one ends)."""
     key = id(host)
-    _twins[key] = (weakref.ref(host, lambda _, key=key: _twins.pop(key, None)), host._version, twin)
+    _twins[key] = (weakref.ref(host, lambda _, key=key: _twins.pop(key, None)), host._version, twin, owner)
 
 
-def clear_twins() -> None:
-    """Forget every twin (a fit has ended: its device copies are freed)."""
-    _twins.clear()
+def clear_twins(owner: int | None = None) -> None:
+    """Forget the twins of ``owner``'s fit and those of no client (a fit has ended: its device copies are freed);
+    every twin without ``owner``.
+
+    Example:
+        >>> a, b = torch.ones(1), torch.ones(1)
+        >>> remember_twin(a, a.clone(), owner=0); remember_twin(b, b.clone(), owner=1)
+        >>> clear_twins(0); twins_on([a], "cpu"), twins_on([b], "cpu")
+        (False, True)
+        >>> clear_twins(); twins_on([b], "cpu")
+        False
+    """
+    if owner is None:
+        _twins.clear()
+        return
+    for key in [k for k, hit in _twins.items() if hit[3] is None or hit[3] == owner]:
+        del _twins[key]
 
 
 def twins_on(hosts: Iterable[Tensor], device: torch.device | str) -> bool:
