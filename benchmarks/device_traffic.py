@@ -252,18 +252,13 @@ def counting() -> Iterator[TrafficCounter]:
     from pl_fedsparse.evaluation import Evaluator
     from pl_fedsparse.loop import FederatedLoop
 
-    run_one, step = InProcessExecutor.run_one, runner_mod.FitRunner._step
-    client_message, aggregate = FederatedLoop.client_message, FederatedLoop.aggregate
-
-    def client_message_(self: Any, *a: Any, **k: Any) -> Any:
-        counter.counts[("message", "messages")] += 1
-        with counter.in_phase("message"):
-            return client_message(self, *a, **k)
-
-    def aggregate_(self: Any, *a: Any, **k: Any) -> Any:
-        counter.counts[("aggregate", "rounds")] += 1
-        with counter.in_phase("aggregate"):
-            return aggregate(self, *a, **k)
+    def phased(fn: Any, phase: str, what: str, amount: Any = lambda *a: 1) -> Any:
+        """``fn`` counted (``amount`` of its arguments, under ``(phase, what)``) and run in ``phase``."""
+        def wrapped(*a: Any, **k: Any) -> Any:
+            counter.counts[(phase, what)] += amount(*a)
+            with counter.in_phase(phase):
+                return fn(*a, **k)
+        return wrapped
 
     call = FederatedLoop.call
 
@@ -273,30 +268,7 @@ def counting() -> Iterator[TrafficCounter]:
         with counter.in_phase("aggregate"):  # (the server's work after it: FedPSE's DPS)
             return call(self, hook, *a)
 
-    logits = Evaluator.logits
     trainer_init, to, cuda, cpu = pl.Trainer.__init__, torch.nn.Module.to, torch.nn.Module.cuda, torch.nn.Module.cpu
-
-    def run_one_(self: Any, request: Any) -> Any:
-        counter.counts[("fit", "fits")] += 1
-        with counter.in_phase("fit"):
-            return run_one(self, request)
-
-    def step_(*a: Any, **k: Any) -> Any:
-        counter.counts[("step", "steps")] += 1
-        with counter.in_phase("step"):
-            return step(*a, **k)
-
-    def readjusting(fn: Any) -> Any:
-        def readjust(*a: Any, **k: Any) -> Any:
-            counter.counts[("readjust", "calls")] += 1
-            with counter.in_phase("readjust"):
-                return fn(*a, **k)
-        return readjust
-
-    def logits_(self: Any, *a: Any, **k: Any) -> Any:
-        counter.counts[("eval", "loaders")] += 1
-        with counter.in_phase("eval"):
-            return logits(self, *a, **k)
 
     def init_(self: Any, *a: Any, **k: Any) -> None:
         counter._count("trainers", "Trainer")
@@ -312,29 +284,22 @@ def counting() -> Iterator[TrafficCounter]:
     from pl_fedsparse.functional import transfer
     from pl_fedsparse.testing import device_paths
 
-    patch(InProcessExecutor, "run_one", run_one_)
-    patch(FederatedLoop, "client_message", client_message_)
-    patch(FederatedLoop, "aggregate", aggregate_)
+    patch(InProcessExecutor, "run_one", phased(InProcessExecutor.run_one, "fit", "fits"))
+    patch(FederatedLoop, "client_message", phased(FederatedLoop.client_message, "message", "messages"))
+    patch(FederatedLoop, "aggregate", phased(FederatedLoop.aggregate, "aggregate", "rounds"))
     patch(FederatedLoop, "call", call_)
-    patch(runner_mod.FitRunner, "_step", staticmethod(step_))
-    patch(pr, "drop_and_grow", readjusting(pr.drop_and_grow))  # (one tensor: masks on several devices)
-    patch(pr, "drop_and_grow_many", readjusting(pr.drop_and_grow_many))  # (every tensor of a fit at once)
-    patch(Evaluator, "logits", logits_)
-    # the VectorizedExecutor: a group's stacked training is one phase; its steps counted (one optimizer update each)
+    patch(runner_mod.FitRunner, "_step", staticmethod(phased(runner_mod.FitRunner._step, "step", "steps")))
+    # (one tensor: masks on several devices; every tensor of a fit at once)
+    patch(pr, "drop_and_grow", phased(pr.drop_and_grow, "readjust", "calls"))
+    patch(pr, "drop_and_grow_many", phased(pr.drop_and_grow_many, "readjust", "calls"))
+    patch(Evaluator, "logits", phased(Evaluator.logits, "eval", "loaders"))
+    # the VectorizedExecutor: a group's fits begun, stacked, trained and ended is one phase ("group": its updates),
+    # its stacked training another inside it, its steps counted (one optimizer update each)
     from pl_fedsparse.executors import vectorized as vec_mod
 
-    train, run_group = vec_mod.VectorizedExecutor._train, vec_mod.VectorizedExecutor._run_group
-
-    def run_group_(self: Any, *a: Any, **k: Any) -> Any:
-        # (a group's fits begun, stacked, trained — the "stacked" phase inside — and ended: its updates)
-        counter.counts[("group", "fits")] += len(a[0])
-        with counter.in_phase("group"):
-            return run_group(self, *a, **k)
-
-    def train_(self: Any, *a: Any, **k: Any) -> Any:
-        counter.counts[("stacked", "groups")] += 1
-        with counter.in_phase("stacked"):
-            return train(self, *a, **k)
+    vec = vec_mod.VectorizedExecutor
+    patch(vec, "_run_group", phased(vec._run_group, "group", "fits", lambda self, requests: len(requests)))
+    patch(vec, "_train", phased(vec._train, "stacked", "groups"))
 
     def stepping(fn: Any) -> Any:
         def step(*a: Any, **k: Any) -> Any:
@@ -342,8 +307,6 @@ def counting() -> Iterator[TrafficCounter]:
             return fn(*a, **k)
         return step
 
-    patch(vec_mod.VectorizedExecutor, "_train", train_)
-    patch(vec_mod.VectorizedExecutor, "_run_group", run_group_)
     patch(vec_mod, "sgd_step", stepping(vec_mod.sgd_step))
     patch(vec_mod, "adam_step", stepping(vec_mod.adam_step))
     patch(pl.Trainer, "__init__", init_)

@@ -75,7 +75,6 @@ import torch
 from torch import Tensor
 
 from pl_fedsparse.allocator import heap_only, tune_malloc
-from pl_fedsparse.callbacks.base import takes_device_update
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError, check
@@ -365,7 +364,7 @@ class VectorizedExecutor(ClientExecutor):
             # do: kept there through the callbacks' on_client_fit_end where all of them take it there, then in one
             # copy with the client's entries (end_fit) — and with no callback at a fit's end, every client's trained
             # weights in one copy for the whole group (one crossing and one wait, not one per client)
-            on_device = takes_device_update(callbacks)
+            on_device = self.sequential._device_update()  # (asked once a federation, as in process)
             rows = None
             if not at_end and transfer.on_a_device(stacked.values()):
                 rows = dict(zip(stacked, transfer.copy_tensors(list(stacked.values()), "cpu", share=True)))
