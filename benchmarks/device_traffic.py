@@ -159,6 +159,13 @@ class TrafficCounter(TorchFunctionMode):
         if len(examples) < 5 and what not in examples:
             examples.append(what)
 
+    def _sync(self, what: str, args: tuple[Any, ...]) -> None:
+        """A synchronising call: counted in every phase (an upper bound), and as a *wait* where it reads a value on
+        the simulated device (a read of a host copy, e.g. of the update after it crossed, waits for nothing)."""
+        self._count("syncs", what)
+        if not _on_the_host(args):
+            self._count("waits", what)
+
     @contextlib.contextmanager
     def in_phase(self, name: str) -> Iterator[None]:
         self.phase.append(name)
@@ -183,22 +190,23 @@ class TrafficCounter(TorchFunctionMode):
         if name in _SYNC_NAMES and self.phase[-1] in _HOST_AWARE and _on_the_host(args):
             pass  # (a host tensor's value read on the host: no wait, see "message" in the docstring)
         elif name in _SYNC_NAMES:
-            self._count("syncs", name)
+            self._sync(name, args)
         elif name in _TRANSFER_NAMES:
             self._count(moves, name)
             if name == "cpu":  # a copy to the host also waits for the device
-                self._count("syncs", name)
+                self._sync(name, args)
         elif name == "to" and (any(_is_device(a) for a in args[1:]) or _is_device(kwargs.get("device"))):
             self._count(moves, "to(device)")
         elif name in ("tensor", "as_tensor") and _is_device(kwargs.get("device")):
             # made from host values on a device: a copy from pageable memory, after which PyTorch waits for the stream
             self._count(moves, f"{name}(device=)")
             self._count("syncs", f"{name}(device=)")
+            self._count("waits", f"{name}(device=)")
         elif name in ("__getitem__", "__setitem__") and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             counted = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
             if counted:
-                self._count("syncs", f"{name}[bool]")
+                self._sync(f"{name}[bool]", args)
         else:
             counted = False
         if not counted:
@@ -229,7 +237,7 @@ class SyncOpCounter(TorchDispatchMode):
             syncs = name in _SYNC_OPS
         if syncs and not self.counter.counted_above and not (self.counter.phase[-1] in _HOST_AWARE
                                                              and _on_the_host(args)):
-            self.counter._count("syncs", f"aten.{name}")
+            self.counter._sync(f"aten.{name}", args)
         return func(*args, **(kwargs or {}))
 
 
@@ -357,7 +365,7 @@ def measure(name: str, rounds: int = 2, fit_runner: str = "auto", budget: str = 
     fits = max(1, c.counts[("fit", "fits")])
     steps = max(1, c.counts[("step", "steps")])
     per = {}
-    for kind in ("trainers", "module_moves", "transfers", "data_transfers", "sends", "syncs"):
+    for kind in ("trainers", "module_moves", "transfers", "data_transfers", "sends", "syncs", "waits"):
         inside_fit = sum(v for (ph, k), v in c.counts.items() if k == kind and ph in ("fit", "step", "readjust"))
         per[f"{kind}_per_fit"] = round(inside_fit / fits, 2)
     per["syncs_per_step"] = round(c.counts[("step", "syncs")] / steps, 3)
@@ -557,7 +565,7 @@ def main() -> None:
             "syncs_per_step", "transfers_per_step", "readjust_transfers", "readjust_syncs_per_call",
             "eval_transfers_per_loader", "eval_syncs_per_loader", "message_transfers_per_message",
             "message_syncs_per_message", "aggregate_transfers_per_round", "aggregate_syncs_per_round",
-            "ops_per_step", "ops_per_fit_outside_steps", "sends_per_fit", "sends_per_step"]
+            "ops_per_step", "ops_per_fit_outside_steps", "sends_per_fit", "sends_per_step", "waits_per_fit"]
     _report(rows, cols, a.json)
 
 

@@ -17,7 +17,7 @@ would add a per-client object and a host sync per batch for the same number.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 __all__ = ["summarize_accuracies", "summarize_metric", "EVAL_METRICS", "bottom_decile", "CommLedger", "TrainFlops",
-           "Accounting", "SERVER", "StepLosses"]
+           "Accounting", "SERVER", "StepLosses", "PendingMetric"]
 
 SERVER = -1  #: node id of the server in :class:`CommLedger`
 
@@ -73,19 +73,11 @@ class StepLosses:
         """``Σ loss_i · n_i`` as a Python float (``None`` before any step), in one read of the losses."""
         if not self._losses:
             return None
+        read = self.pending()
+        if read is not None:
+            stacked, total_of = read
+            return total_of(stacked)
         losses = [t.reshape(()) for t in self._losses]
-        dtypes = {t.dtype for t in losses}
-        if len(dtypes) == 1 and (self.cast_float or dtypes == {torch.float32}) and \
-                dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
-            # every loss exactly a float32 (a float16/bfloat16 one too): numpy's float32 products and sums round as
-            # the device's did (each step's product, then its sum, both rounded to float32)
-            values = torch.stack(losses).float().tolist()
-            acc = np.float32(0.0) if self.start_at_zero else None
-            with np.errstate(over="ignore", invalid="ignore"):  # (inf and NaN as the device makes them, silently)
-                for v, n in zip(values, self._sizes):
-                    p = np.float32(v) * np.float32(n)
-                    acc = p if acc is None else np.float32(acc + p)
-            return float(acc)  # type: ignore[arg-type]
         host = [t.cpu() for t in losses]  # (a rare dtype: the same operators, on the host copies)
         total: Tensor | None = torch.zeros((), dtype=torch.float32) if self.start_at_zero else None
         for t, n in zip(host, self._sizes):
@@ -98,6 +90,77 @@ class StepLosses:
                 total = total + p
         assert total is not None
         return float(total)
+
+    def pending(self) -> tuple[Tensor, Callable[[Tensor], float]] | None:
+        """The losses as one float32 tensor where they are (stacked: no wait) and the function that makes
+        :meth:`total`'s number from it (or from its host copy) — so that the read can go with another copy
+        (:meth:`~pl_fedsparse.client.ClientUpdate.on_host`). ``None`` before any step and where the losses are not
+        all exactly float32 (a rare dtype: :meth:`total` reads them its own way)."""
+        if not self._losses:
+            return None
+        losses = [t.reshape(()) for t in self._losses]
+        dtypes = {t.dtype for t in losses}
+        if not (len(dtypes) == 1 and (self.cast_float or dtypes == {torch.float32})
+                and dtypes <= {torch.float32, torch.float16, torch.bfloat16}):
+            return None
+        sizes, start_at_zero = list(self._sizes), self.start_at_zero
+
+        def total_of(stacked: Tensor) -> float:
+            # every loss exactly a float32 (a float16/bfloat16 one too): numpy's float32 products and sums round as
+            # the device's did (each step's product, then its sum, both rounded to float32)
+            acc = np.float32(0.0) if start_at_zero else None
+            with np.errstate(over="ignore", invalid="ignore"):  # (inf and NaN as the device makes them, silently)
+                for v, n in zip(stacked.tolist(), sizes):
+                    p = np.float32(v) * np.float32(n)
+                    acc = p if acc is None else np.float32(acc + p)
+            return float(acc)  # type: ignore[arg-type]
+
+        return torch.stack(losses).float(), total_of
+
+    def metrics(self) -> dict[str, float]:
+        """``{"train_loss": Σ loss_i · n_i / Σ n_i, "samples_seen": Σ n_i}`` of the fit (NaN loss without samples)."""
+        n = self.samples
+        total = self.total()
+        return {"train_loss": total / n if (total is not None and n) else float("nan"), "samples_seen": float(n)}
+
+    def metrics_on_host(self, update: Any) -> dict[str, float | PendingMetric]:
+        """:meth:`metrics` with the loss read when ``update`` crosses to the host, in its copy
+        (:meth:`~pl_fedsparse.client.ClientUpdate.on_host`): until then ``train_loss`` is a :class:`PendingMetric`.
+        The same numbers as :meth:`metrics`. Returns the dict to hand to the update (it fills it in)."""
+        read = self.pending()
+        if read is None:
+            return self.metrics()
+        n = self.samples
+        stacked, total_of = read
+        out: dict[str, float | PendingMetric] = {"train_loss": PendingMetric("train_loss"), "samples_seen": float(n)}
+
+        def fill(host: list[Tensor]) -> None:
+            out["train_loss"] = total_of(host[0]) / n if n else float("nan")
+
+        update.on_host([stacked], fill)
+        return out
+
+
+class PendingMetric:
+    """A fit's metric not read yet: it is read when the update crosses to the host, with it (a device would
+    otherwise make the host wait for the whole fit to read it). What ``update.metrics`` holds in its place during
+    ``on_client_fit_end`` where every callback takes the update on the device
+    (:attr:`~pl_fedsparse.callbacks.FederatedCallback.device_update`); a number once the fit has ended."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: read when the fit ends>"
+
+    def _refuse(self, *_: Any) -> Any:
+        raise TypeError(f"update.metrics[{self.name!r}] is read when the fit ends (with the update's copy to the "
+                        "host); in on_client_fit_end of a callback with device_update = True it is not a number yet "
+                        "— read it in on_before_aggregate, or leave device_update False")
+
+    __float__ = __int__ = __bool__ = __index__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = _refuse
 
 
 def bottom_decile(values: Sequence[float]) -> float:

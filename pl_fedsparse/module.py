@@ -104,10 +104,7 @@ class FederatedModule(pl.LightningModule):
 
     def fit_metrics(self) -> dict[str, float]:
         """Mean training loss and number of samples processed by the last fit."""
-        n = self._step_losses.samples
-        total = self._step_losses.total()
-        loss = total / n if (total is not None and n) else float("nan")
-        return {"train_loss": loss, "samples_seen": float(n)}
+        return self._step_losses.metrics()
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]

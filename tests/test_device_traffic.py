@@ -85,6 +85,33 @@ def test_the_counter_sees_what_it_counts(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(FederatedModule, "training_step", indexing)
     assert device_traffic.measure("fedavg")["syncs_per_step"] == 1
+    # a read of a host tensor is a synchronising call (counted: an upper bound) but no wait; of a device one, both
+    from pl_fedsparse.executors import base
+
+    end_fit = base.end_fit
+
+    def reading(loop: Any, request: Any, watch: Any, n: int, update: Any, *a: Any, **k: Any) -> Any:
+        out = end_fit(loop, request, watch, n, update, *a, **k)
+        next(iter(out.state.values())).sum().item()  # (the update crossed: a host copy)
+        return out
+
+    monkeypatch.setattr(FederatedModule, "training_step", step)
+    monkeypatch.setattr(base, "end_fit", reading)
+    import pl_fedsparse.executors.in_process as ip
+
+    monkeypatch.setattr(ip, "end_fit", reading)
+    base_r = device_traffic.measure("fedavg")
+    assert base_r["waits_per_fit"] == 0 and base_r["syncs_per_fit"] == 3, base_r  # (2 host reads before it)
+
+    def waiting(self: Any, batch: Any, batch_idx: int) -> Any:
+        loss = step(self, batch, batch_idx)
+        if batch_idx == 0:
+            loss.detach().item()  # (once an epoch, inside the step)
+        return loss
+
+    monkeypatch.setattr(FederatedModule, "training_step", waiting)
+    r = device_traffic.measure("fedavg")
+    assert r["waits_per_fit"] >= 1 and r["syncs_per_fit"] == 3 + r["waits_per_fit"], r
     monkeypatch.undo()
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     from pl_fedsparse.functional import sparse
@@ -165,6 +192,30 @@ def test_state_crosses_in_few_copies_per_fit(config: str) -> None:
     r = device_traffic.measure(config)
     assert r["transfers_per_fit"] <= STATE_TRANSFERS[config], r
     assert r["transfers_per_step"] == 0 and r["readjust_transfers"] == 0, r
+    # nothing in a fit waits for a device value: the training loss, which readjusted masks changed, DM-PFL's stored
+    # weights are read with the update's copy to the host or sized from host values (ClientUpdate.on_host)
+    assert r["waits_per_fit"] == 0, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, plant", [("fedavg", "loss"), ("fedspa", "changed"), ("dmpfl", "counts")])
+def test_the_counter_sees_a_wait_at_the_end_of_a_fit(config: str, plant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted, one each: the training loss read when the fit's training ends (as ``fit_metrics`` is asked without
+    the device update); which readjusted masks changed read in ``on_client_fit_end`` (every put-off read run at once);
+    DM-PFL's stored weights gathered by a bool index (its masks' counts not known on the host)."""
+    from pl_fedsparse.callbacks.dmpfl import DualMask
+    from pl_fedsparse.client import ClientUpdate
+    from pl_fedsparse.executors.in_process import InProcessExecutor
+
+    if plant == "loss":
+        monkeypatch.setattr(InProcessExecutor, "_losses_read_later", lambda self, module, meter: None)
+    elif plant == "changed":
+        monkeypatch.setattr(ClientUpdate, "on_host", lambda self, tensors, then: then(list(tensors)))
+    else:
+        monkeypatch.setattr(DualMask, "_mask_counts", lambda self, loop, k, like: None)
+    r = device_traffic.measure(config)
+    assert r["waits_per_fit"] >= 1, r
+    assert r["examples"]["fit/waits"] == (["__getitem__[bool]"] if plant == "counts" else ["tolist"]), r
 
 
 @pytest.mark.slow

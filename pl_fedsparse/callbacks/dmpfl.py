@@ -54,7 +54,7 @@ from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.aggregation import masked_weighted_average
 from pl_fedsparse.functional.dual import compose_personal, mask_coverage, select_global_mask
 from pl_fedsparse.functional.masks import check_density, layer_densities
-from pl_fedsparse.functional.sparse import expand_values, pack_masks, unpack_masks
+from pl_fedsparse.functional.sparse import expand_values, masked_values, pack_masks, packed_count, unpack_masks
 from pl_fedsparse.functional.transfer import to_device, to_where
 
 if TYPE_CHECKING:
@@ -209,9 +209,20 @@ class DualMask(UsesMaskedTraining):
         return out
 
     def _store_weights(self, loop: FederationView, client_idx: int, state: dict[str, Tensor],
-                       masks: dict[str, Tensor]) -> None:
-        self.set_client_state(loop, client_idx, "weights",
-                              {name: state[name][m].clone() for name, m in masks.items()})
+                       masks: dict[str, Tensor], counts: dict[str, int] | None = None) -> None:
+        """Keep ``w_c`` as its values at ``masks``' positions (``counts``: how many each holds, known on the host —
+        on a device the values are then gathered without a wait, :func:`~pl_fedsparse.functional.sparse.masked_values`)."""
+        names = list(masks)
+        values = masked_values([state[n] for n in names], [masks[n] for n in names],
+                               None if counts is None else [counts[n] for n in names])
+        self.set_client_state(loop, client_idx, "weights", dict(zip(names, values)))
+
+    def _mask_counts(self, loop: FederationView, client_idx: int, like: Tensor | None) -> dict[str, int] | None:
+        """How many positions each of ``m_c``'s masks holds, read from its bytes on the host (a readjustment keeps
+        them) — where the update is on a device; ``None`` on the host, where reading the masks waits for nothing."""
+        if like is None or not transfer.on_a_device([like]):
+            return None
+        return {n: packed_count(p) for n, p in self.get_client_state(loop, client_idx, "mask").items()}
 
     @override
     def setup_federation(self, loop: FederationView) -> None:
@@ -362,10 +373,11 @@ class DualMask(UsesMaskedTraining):
             update.message = Message({n: (v * glob[n].to(v.dtype) if self._masked(n) else v)
                                       for n, v in update.state.items()}, dict(glob))
             return
+        counts = self._mask_counts(loop, k, like)  # (before the readjusted mask is set)
         m_c = self.masks(loop, k, like)
         update.masks = m_c
         if mode == "personal":  # Alg. 3: keep w_c, upload nothing
-            self._store_weights(loop, k, update.state, m_c)
+            self._store_weights(loop, k, update.state, m_c, counts)
             update.message = None
             return
         new = m_c
@@ -375,7 +387,7 @@ class DualMask(UsesMaskedTraining):
             new = prune_regrow(m_c, {n: update.state[n].abs() for n in m_c}, grow, rate)
             self.set_masks(loop, k, new)
             update.extras["next_mask"] = new
-        self._store_weights(loop, k, update.state, new)  # regrown positions start at zero (RigL)
+        self._store_weights(loop, k, update.state, new, counts)  # regrown positions start at zero (RigL)
         # Alg. 1 line 13: upload w_c ⊙ m_c and m_c (the readjusted mask)
         update.message = Message({n: (v * new[n].to(v.dtype) if n in new else v) for n, v in update.state.items()},
                                  dict(new))

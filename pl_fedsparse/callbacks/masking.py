@@ -76,9 +76,21 @@ def top_masks(scores: dict[str, Tensor], densities: dict[str, float]) -> dict[st
 def _changed(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> list[str]:
     """The names whose mask in ``new`` differs from ``old``'s, decided where the masks are and read in one go (one
     wait for a device, not one per mask: ``torch.equal`` reads each answer on the host)."""
+    names, differs = _differences(new, old)
+    return [] if differs is None else _names_of(names, differs)
+
+
+def _names_of(names: list[str], differs: Tensor) -> list[str]:
+    """The names whose entry of :func:`_differences`' tensor (read here) is not 0."""
+    return [k for k, d in zip(names, differs.tolist()) if d]
+
+
+def _differences(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> tuple[list[str], Tensor | None]:
+    """``new``'s names and, where the masks are, one tensor of how many positions each mask differs by from
+    ``old``'s (or whether it differs) — not read (``None`` for no masks)."""
     names = list(new)
     if not names:
-        return []
+        return names, None
     a, b = [new[k] for k in names], [old[k] for k in names]
     first = a[0]
     if len(names) > 1 and all(x.shape == y.shape and x.dtype == y.dtype == first.dtype and x.device == y.device ==
@@ -86,11 +98,17 @@ def _changed(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> list[str]:
         # joined: one comparison of all the masks, its differences counted per mask (segment_layout: cached)
         segment, _ = segment_layout(tuple(x.numel() for x in a), first.device)
         diff = torch.cat([x.reshape(-1) for x in a]) != torch.cat([y.reshape(-1) for y in b])
-        counts = torch.zeros(len(names), dtype=torch.int64, device=first.device).index_add_(0, segment, diff.long())
-        differs = counts.tolist()
-    else:  # (shapes that broadcast, mixed dtypes or devices: mask by mask, still one read)
-        differs = torch.stack([torch.ne(x, y).any() for x, y in zip(a, b)]).tolist()
-    return [k for k, d in zip(names, differs) if d]
+        return names, torch.zeros(len(names), dtype=torch.int64, device=first.device).index_add_(0, segment,
+                                                                                              diff.long())
+    # (shapes that broadcast, mixed dtypes or devices: mask by mask, still one read)
+    return names, torch.stack([torch.ne(x, y).any() for x, y in zip(a, b)])
+
+
+def _send_changed(update: ClientUpdate, names: list[str], differs: Tensor, nxt: Mapping[str, Tensor]) -> None:
+    """The readjusted masks that changed (``differs``: :func:`_differences`, on the host) added to the message the
+    update holds when its fit ends, as ``next_mask/<name>`` (none where it uploads nothing)."""
+    if update.message is not None:
+        update.message.masks.update({f"next_mask/{k}": nxt[k] for k in _names_of(names, differs)})
 
 
 class MaskedTraining:
@@ -436,8 +454,11 @@ class SparseMask(UsesMaskedTraining):
         if nxt is not None:
             update.extras["next_mask"] = nxt
             self.set_masks(loop, update.client_idx, nxt)
-            # the next mask travels as a bitmap beside the sparse values (FedSpa Alg. 1: U_k and m_{k,t+1} up)
-            sent.update({f"next_mask/{k}": nxt[k] for k in _changed(nxt, here)})
+            # the next mask travels as a bitmap beside the sparse values (FedSpa Alg. 1: U_k and m_{k,t+1} up) where
+            # it changed: decided where the masks are, read with the update's copy when the fit ends (no wait now)
+            names, differs = _differences(nxt, here)
+            if differs is not None:
+                update.on_host([differs], lambda host: _send_changed(update, names, host[0], nxt))
         if update.message is not None:
             update.message = Message(apply_masks(update.message.tensors, here), sent)
 

@@ -220,12 +220,14 @@ class FitMeter(pl.Callback):
             return  # a manual-optimisation step that returned nothing: no loss to record
         self._losses.add(loss, self.batch_size(batch))
 
+    @property
+    def losses(self) -> StepLosses:
+        """The fit's losses as kept so far."""
+        return self._losses
+
     def metrics(self) -> dict[str, float]:
         """``{"train_loss", "samples_seen"}`` of the fit."""
-        n = self._losses.samples
-        total = self._losses.total()
-        loss = total / n if (total is not None and n) else float("nan")
-        return {"train_loss": loss, "samples_seen": float(n)}
+        return self._losses.metrics()
 
 
 def begin_fit(loop: FederationView, request: FitRequest, load: bool = True) -> tuple[Any, int]:
@@ -315,9 +317,12 @@ def update_to_host(update: ClientUpdate | None, copy: Callable[[list[Tensor]], l
     alongside them and returns their copies in order); a tensor held in several places stays one tensor."""
     message = update.message if update is not None else None
     trees = () if update is None else (update.state, update.masks, update.extras, update.metrics,
-                                       *((message.tensors, message.masks) if message is not None else ()))
+                                       *((message.tensors, message.masks) if message is not None else ()),
+                                       [tensors for tensors, _ in update.pending])
     found = {id(t): t for t in transfer.tensors_in(trees) if transfer.on_a_device([t])}
     host = dict(zip(found, copy(list(found.values()))))
+    if update is not None:
+        update.resolve_pending(host)  # (the reads put off until now: ClientUpdate.on_host)
     if update is None or not (host or any(isinstance(v, Tensor) for v in update.metrics.values())):
         return  # (the CPU's path: nothing to swap)
 

@@ -31,6 +31,7 @@ from pl_fedsparse.executors.base import (
     quiet_lightning,
 )
 from pl_fedsparse.executors.runner import FitRunner, RunnerUnsupported, _RequireOptimizer, runner_support
+from pl_fedsparse.metrics import StepLosses
 from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
@@ -121,8 +122,11 @@ class InProcessExecutor(ClientExecutor):
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
                 meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
                 runner = self._fit(ctx.epochs, module, loader, meter)
-                metrics = module.fit_metrics() if meter is None else meter.metrics()
+                losses = self._losses_read_later(module, meter)
+                metrics = {} if losses is not None else module.fit_metrics() if meter is None else meter.metrics()
                 update = fit_update(module, ctx, n_samples, metrics, on_device=self._device_update())
+                if losses is not None:  # (the loss read with the update's copy when the fit ends: no wait now)
+                    update.metrics = losses.metrics_on_host(update)
                 if runner is not None and runner.steps_run and runner.steps_without_loss == runner.steps_run:
                     update.extras[NO_LOSS_STEPS] = runner.steps_run  # (find_fault names it)
                 loop.call("on_client_fit_end", module, update)
@@ -133,6 +137,23 @@ class InProcessExecutor(ClientExecutor):
                 raise
             error = e
         return end_fit(loop, request, watch, n_samples, update, error)
+
+    def _losses_read_later(self, module: pl.LightningModule, meter: FitMeter | None) -> StepLosses | None:
+        """The fit's losses, where its metrics are the engine's own (a :class:`FitMeter`, or
+        :class:`~pl_fedsparse.module.FederatedModule`'s ``fit_metrics`` not overridden) and every callback takes the
+        update on the device (:meth:`_device_update`): their read then goes with the update's copy to the host
+        (:meth:`~pl_fedsparse.metrics.StepLosses.metrics_on_host`) instead of waiting for the fit on its own.
+        ``None``: ``fit_metrics`` (or the meter) is asked now."""
+        if not self._device_update():
+            return None
+        if meter is not None:
+            return meter.losses
+        from pl_fedsparse.module import FederatedModule
+
+        if type(module).fit_metrics is FederatedModule.fit_metrics and isinstance(
+                getattr(module, "_step_losses", None), StepLosses):
+            return module._step_losses  # type: ignore[return-value]
+        return None
 
     def _device_update(self) -> bool:
         """Whether the fits' updates stay where the weights trained until the fit ends (every callback takes them

@@ -13,6 +13,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +27,7 @@ __all__ = [
     "drop_and_grow_many",
     "expand_values",
     "group_average_stored",
+    "masked_values",
     "pack_mask",
     "pack_masks",
     "packed_count",
@@ -367,8 +369,52 @@ def packed_count(packed: Tensor) -> int:
     check(isinstance(packed, Tensor) and packed.dtype == torch.uint8 and packed.dim() == 1, "packed",
           f"{packed.dtype} {tuple(packed.shape)}" if isinstance(packed, Tensor) else type(packed).__name__,
           "a 1-D uint8 tensor (pack_mask's bytes)")
+    if packed.device.type == "cpu" and hasattr(np, "bitwise_count"):  # (NumPy 2: six times faster than the table)
+        return int(np.bitwise_count(packed.numpy()).sum(dtype=np.int64))
     table = _POPCOUNT if packed.device.type == "cpu" else _POPCOUNT.to(packed.device)
     return int(table[packed.long()].sum())
+
+
+def masked_values(tensors: Sequence[Tensor], masks: Sequence[Tensor],
+                  counts: Sequence[int] | None = None) -> list[Tensor]:
+    """Each tensor's values at its mask's positions, in row-major order: ``t[m]`` (a new tensor) for every pair —
+    what a sparse store keeps of a masked tensor (:func:`expand_values` puts it back).
+
+    ``t[m]`` on a device makes the host wait for it: the number of positions is read back to size the result. With
+    ``counts`` — how many positions each mask holds, known on the host (:func:`packed_count` of the mask's bytes kept
+    there; a prune-and-regrow readjustment keeps every count) — the positions are taken by ``torch.nonzero_static``
+    at that size, which waits for nothing, and the values gathered there: the same tensor. On the host the counts are
+    not needed (nothing to wait for) and not used. A wrong count would drop positions or gather padding on a device,
+    so they must be exact: they are checked against the masks wherever the masks are on the host.
+
+    Args:
+        tensors: the dense tensors.
+        masks: bool (or 0/1) tensors of the same shapes, where the tensors are.
+        counts: optional, per mask, the positions it holds.
+
+    Example:
+        >>> w = torch.tensor([[1., 2.], [3., 4.]])
+        >>> masked_values([w], [torch.tensor([[True, False], [False, True]])], counts=[2])
+        [tensor([1., 4.])]
+    """
+    check(len(masks) == len(tensors), "masks", len(masks), f"one mask per tensor ({len(tensors)})")
+    check(counts is None or len(counts) == len(tensors), "counts", None if counts is None else len(counts),
+          f"one count per tensor ({len(tensors)})")
+    out = []
+    for i, (t, m) in enumerate(zip(tensors, masks)):
+        check(tuple(m.shape) == tuple(t.shape), f"masks[{i}]", tuple(m.shape), f"the tensor's shape {tuple(t.shape)}")
+        m = m if m.dtype == torch.bool else m.to(torch.bool)
+        if counts is None or not transfer.on_a_device([t, m]):
+            if counts is not None:
+                check(int(m.sum()) == counts[i], f"counts[{i}]", counts[i],
+                      f"the number of positions the mask holds ({int(m.sum())})")
+            out.append(t[m])
+            continue
+        if transfer.on_a_device([t]) != transfer.on_a_device([m]):  # (the mask goes where the values are)
+            m = transfer.to_where({"mask": m}, t)["mask"]
+        where = torch.nonzero_static(m.reshape(-1), size=int(counts[i])).reshape(-1)
+        out.append(t.reshape(-1).index_select(0, where))
+    return out
 
 
 def unpack_masks(packed: Mapping[str, Tensor], shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> dict[str, Tensor]:

@@ -1,0 +1,127 @@
+"""Reads of device values put off until a fit's update crosses to the host (``ClientUpdate.on_host``): the training
+loss, which readjusted masks changed, and DM-PFL's stored weights gathered at host-known sizes
+(``functional.sparse.masked_values``) — the same numbers as reading them at once, with no wait of their own on a
+GPU. The counts per fit are held in ``tests/test_device_traffic.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pl_fedsparse.client import ClientUpdate, Message
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.metrics import PendingMetric, StepLosses
+
+
+def _on_device(monkeypatch: pytest.MonkeyPatch, module: Any, tensors: list[torch.Tensor]) -> None:
+    """``tensors`` are "on a device" for ``module``'s ``transfer.on_a_device``."""
+    ids = {id(t) for t in tensors}
+    monkeypatch.setattr(module.transfer, "on_a_device", lambda ts: any(id(t) in ids for t in ts))
+
+
+def test_a_put_off_read_crosses_with_the_update_in_its_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pl_fedsparse.executors import base
+
+    w, flags, mask = torch.ones(3), torch.tensor([2, 0]), torch.tensor([True, False, True])
+    _on_device(monkeypatch, base, [w, flags, mask])
+    u = ClientUpdate(0, 0, 1, {"w": w}, message=Message({"w": w}, {}), metrics={})
+    seen: list[Any] = []
+    u.on_host([flags], lambda host: seen.append(host[0]))
+    # (a second read, run after the first: it sees what the first did, and edits the message before its copy)
+    u.on_host([flags], lambda host: u.message.masks.update(m=mask) if seen else None)  # type: ignore[union-attr]
+    copies: list[list[torch.Tensor]] = []
+
+    def copy(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        copies.append(list(ts))
+        return [t.clone() for t in ts]
+
+    base.update_to_host(u, copy)
+    assert len(copies) == 1 and {id(t) for t in copies[0]} == {id(w), id(flags)}, "one copy, the read with the weights"
+    assert seen[0] is not flags and torch.equal(seen[0], flags), "the read gets the host copy"
+    assert u.pending == [] and u.message is not None and u.message.masks["m"] is mask  # (read after the scan)
+    assert u.state["w"] is not w and torch.equal(u.state["w"], w)
+
+
+def test_on_the_host_a_put_off_read_gets_the_tensors_as_they_are() -> None:
+    from pl_fedsparse.executors import base
+
+    flags = torch.tensor([1, 0])
+    u = ClientUpdate(0, 0, 1, {"w": torch.ones(2)}, metrics={})
+    seen: list[Any] = []
+    u.on_host([flags], lambda host: seen.append(host[0]))
+    base.update_to_host(u, lambda ts: [t.clone() for t in ts])
+    assert seen == [flags] and seen[0] is flags and u.pending == []
+
+
+@pytest.mark.parametrize("dtype, cast_float, start_at_zero", [(torch.float32, False, True),
+                                                               (torch.bfloat16, True, False),
+                                                               (torch.float16, True, True)])
+def test_the_loss_read_with_the_update_is_the_same_number(dtype: torch.dtype, cast_float: bool,
+                                                          start_at_zero: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    now, later = StepLosses(cast_float=cast_float, start_at_zero=start_at_zero), \
+        StepLosses(cast_float=cast_float, start_at_zero=start_at_zero)
+    for _ in range(37):
+        loss = (torch.rand((), generator=g) * 5).to(dtype)
+        n = int(torch.randint(1, 65, (), generator=g))
+        now.add(loss, n)
+        later.add(loss, n)
+    u = ClientUpdate(0, 0, 1, {})
+    u.metrics = later.metrics_on_host(u)  # type: ignore[assignment]
+    assert isinstance(u.metrics["train_loss"], PendingMetric) and len(u.pending) == 1
+    u.resolve_pending()
+    assert u.metrics == now.metrics() and list(u.metrics) == ["train_loss", "samples_seen"]
+
+
+def test_a_loss_not_read_yet_says_when_it_is() -> None:
+    s = StepLosses()
+    s.add(torch.tensor(0.5), 4)
+    u = ClientUpdate(0, 0, 1, {})
+    u.metrics = s.metrics_on_host(u)  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"update.metrics\['train_loss'\] is read when the fit ends"):
+        float(u.metrics["train_loss"])
+    with pytest.raises(TypeError, match="device_update"):
+        u.metrics["train_loss"] * 2  # type: ignore[operator]
+    u.resolve_pending()
+    assert u.metrics["train_loss"] == 0.5
+    empty = StepLosses()  # (no step: nothing to read, the numbers now)
+    assert empty.metrics_on_host(u) == {"train_loss": pytest.approx(float("nan"), nan_ok=True), "samples_seen": 0.0}
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 2, 3, 3)])
+def test_masked_values_at_host_known_counts_are_the_bool_index(shape: tuple[int, ...],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from pl_fedsparse.functional import sparse
+
+    g = torch.Generator().manual_seed(len(shape))
+    ts = [torch.randn(shape, generator=g) for _ in range(3)]
+    ms = [torch.rand(shape, generator=g) < 0.4, torch.zeros(shape, dtype=torch.bool),
+          torch.ones(shape, dtype=torch.bool)]
+    want = [t[m] for t, m in zip(ts, ms)]
+    counts = [int(m.sum()) for m in ms]
+    host = sparse.masked_values(ts, ms, counts)
+    _on_device(monkeypatch, sparse, ts + ms)  # the device's path: positions by nonzero_static at the counts
+    gathered: list[int] = []
+    nonzero_static = torch.nonzero_static
+    monkeypatch.setattr(torch, "nonzero_static", lambda m, size: gathered.append(size) or nonzero_static(m, size=size))
+    dev = sparse.masked_values(ts, ms, counts)
+    assert gathered == counts, "the device path sizes each gather from the host's count"
+    for a, b, c in zip(want, host, dev):
+        assert torch.equal(a, b) and torch.equal(a, c) and c.dim() == 1
+    # a wrong count: found where the masks are on the host
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"counts\[0\]"):
+        sparse.masked_values(ts, ms, [counts[0] + 1, *counts[1:]])
+
+
+def test_masked_values_refuses_mismatched_inputs() -> None:
+    from pl_fedsparse.functional.sparse import masked_values
+
+    with pytest.raises(ConfigError, match="masks"):
+        masked_values([torch.ones(2)], [])
+    with pytest.raises(ConfigError, match=r"masks\[0\]"):
+        masked_values([torch.ones(2)], [torch.ones(3, dtype=torch.bool)])
+    with pytest.raises(ConfigError, match="counts"):
+        masked_values([torch.ones(2)], [torch.ones(2, dtype=torch.bool)], [1, 2])
