@@ -33,6 +33,9 @@ sees every torch call (``torch.overrides.TorchFunctionMode``) and counts, per ph
   level down.) ``torch.tensor(data, device=...)`` and ``torch.as_tensor(..., device=...)`` count as a transfer and a
   synchronising call: on a GPU the values cross from pageable host memory, after which PyTorch waits for the stream
   (``transfer.send`` / ``transfer.host_tensor`` send them from pinned memory without the wait: a transfer only).
+  Of these, the ones made on a value on "the device" (not a host copy, e.g. of the update after it crossed) are
+  also counted as **waits** (``waits_per_fit``): what would make the host wait for a GPU; ``syncs_per_fit`` counts
+  every synchronising call in a fit (an upper bound).
 
 Phases: a **fit** (a client's local fit, from ``on_client_fit_start`` to its update), a **step** (one optimisation
 step of the fit runner: ``training_step``, backward, ``on_before_optimizer_step`` hooks, the optimizer) and

@@ -125,3 +125,63 @@ def test_masked_values_refuses_mismatched_inputs() -> None:
         masked_values([torch.ones(2)], [torch.ones(3, dtype=torch.bool)])
     with pytest.raises(ConfigError, match="counts"):
         masked_values([torch.ones(2)], [torch.ones(2, dtype=torch.bool)], [1, 2])
+
+
+def _reading_callback(tried: list[str], losses: list[float], shares: list[float]) -> Any:
+    """A user's callback with ``device_update = True``: a value computed on the device read at the fit's end
+    (``on_host``), the training loss tried in ``on_client_fit_end`` and read in ``on_before_aggregate``."""
+    from pl_fedsparse.callbacks import FederatedCallback
+
+    class Reads(FederatedCallback):
+        device_update = True
+
+        def on_client_fit_end(self, loop: Any, module: Any, update: ClientUpdate) -> None:
+            try:
+                float(update.metrics["train_loss"])
+                tried.append("a number")
+            except TypeError as e:
+                tried.append(str(e))
+            w = next(iter(update.state.values()))
+            share = (w > 0).float().mean()  # (where the update is: nothing read yet)
+            update.on_host([share], lambda host: update.extras.update(positive_share=float(host[0])))
+
+        def on_before_aggregate(self, loop: Any, updates: Any) -> None:
+            losses.extend(u.metrics["train_loss"] for u in updates)
+            shares.extend(u.extras["positive_share"] for u in updates)
+
+    return Reads()
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_a_users_callback_reads_on_the_host_what_it_computed_on_the_device(tmp_path: Any, device: bool) -> None:
+    import contextlib
+
+    from conftest import tiny_datamodule, tiny_loop, tiny_module
+
+    from pl_fedsparse.testing import simulated_device
+
+    tried: list[str] = []
+    losses: list[float] = []
+    shares: list[float] = []
+    loop = tiny_loop(tmp_path, callbacks=[_reading_callback(tried, losses, shares)], num_rounds=1)
+    with simulated_device() if device else contextlib.nullcontext():
+        loop.fit(tiny_module(), tiny_datamodule())
+    assert tried and all("is read when the fit ends" in t and "device_update" in t for t in tried), tried
+    assert losses and all(isinstance(x, float) and 0 < x < 10 for x in losses), losses
+    assert shares and all(isinstance(x, float) and 0 < x < 1 for x in shares), shares
+
+
+def test_without_the_device_update_the_loss_is_a_number_in_the_hook(tmp_path: Any) -> None:
+    """A callback that takes host copies (no ``device_update``): the loss is read before the callbacks, as ever."""
+    from conftest import tiny_datamodule, tiny_loop, tiny_module
+
+    from pl_fedsparse.callbacks import FederatedCallback
+
+    seen: list[Any] = []
+
+    class OnHost(FederatedCallback):
+        def on_client_fit_end(self, loop: Any, module: Any, update: ClientUpdate) -> None:
+            seen.append(update.metrics["train_loss"])
+
+    tiny_loop(tmp_path, callbacks=[OnHost()], num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    assert seen and all(isinstance(x, float) for x in seen), seen

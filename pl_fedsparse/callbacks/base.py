@@ -222,7 +222,10 @@ class FederatedCallback(pl.Callback):
     #: the update and in ``set_client_state`` — the engine brings all of them to the host in one copy when the fit
     #: ends. Read from the class that defines ``on_client_fit_end`` (a subclass overriding the hook says it again):
     #: when every callback's says so, a fit on a GPU moves its results to the host once instead of once before and
-    #: once after the callbacks (:func:`takes_device_update`). On the CPU nothing changes.
+    #: once after the callbacks (:func:`takes_device_update`). On the CPU nothing changes. Then, too, the fit's
+    #: ``train_loss`` is read with that copy where the metrics are the engine's own: in ``on_client_fit_end`` it is
+    #: a :class:`~pl_fedsparse.metrics.PendingMetric` (a number from the fit's end on); a value the hook computes on
+    #: the device can be read the same way (:meth:`~pl_fedsparse.client.ClientUpdate.on_host`).
     device_update: bool = False
 
     def on_before_aggregate(self, loop: FederationView, updates: Sequence[ClientUpdate]) -> None:
