@@ -185,3 +185,31 @@ def test_without_the_device_update_the_loss_is_a_number_in_the_hook(tmp_path: An
 
     tiny_loop(tmp_path, callbacks=[OnHost()], num_rounds=1).fit(tiny_module(), tiny_datamodule())
     assert seen and all(isinstance(x, float) for x in seen), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_gather_and_the_loss_stack_make_no_synchronising_call() -> None:
+    """CUDA's own check (``torch.cuda.set_sync_debug_mode("error")``): ``masked_values`` at host-known counts and
+    the loss's stack for the update's copy never read a device value on the host; the values are ``t[m]``'s."""
+    from pl_fedsparse.functional.sparse import masked_values
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [torch.randn(64, 27, device="cuda", generator=g), torch.randn(10, device="cuda", generator=g)]
+    ms = [torch.rand(64, 27, device="cuda", generator=g) < 0.3, torch.ones(10, dtype=torch.bool, device="cuda")]
+    counts = [int(m.sum()) for m in ms]
+    want = [t[m] for t, m in zip(ts, ms)]
+    s = StepLosses()
+    for i in range(5):
+        s.add(ts[1][i] ** 2, 8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = masked_values(ts, ms, counts)
+        read = s.pending()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert read is not None
+    stacked, total_of = read
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert total_of(stacked.cpu()) == s.total()
