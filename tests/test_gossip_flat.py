@@ -109,6 +109,47 @@ def test_flat_average_is_the_tensor_by_tensor_average_bit_for_bit(dtype: torch.d
             assert torch.equal(_bits(flat[name]), _bits(ref[name])), (name, seed)
 
 
+def _initial(group: list, shapes: dict[str, tuple[int, ...]], seed: int, special: bool) -> list:
+    """``group`` with each member's masked tensors stored dense (values off the mask too), as a client holding the
+    initial model under its first mask stores them."""
+    g = torch.Generator().manual_seed(100 + seed)
+    out = []
+    for values, packed in group:
+        dtype = next(v.dtype for n, v in values.items() if n in packed)
+        out.append(({n: (_special(shapes[n], g, dtype) if special else torch.randn(shapes[n], generator=g).to(dtype))
+                     if n in packed else v for n, v in values.items()}, packed))
+    return out
+
+
+def _by_tensor_stored(group: list, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """:func:`_by_tensor` as Gossip's ``_expand`` takes a stored model: a tensor at its dense shape as it is."""
+    masks = [unpack_masks(p, shapes) for _, p in group]
+    dense = [{n: expand_values(v, m[n]) if n in m and tuple(v.shape) != tuple(shapes[n]) else v
+              for n, v in w.items()} for (w, _), m in zip(group, masks)]
+    return weighted_average(dense, [1.0] * len(dense), [m or None for m in masks])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("special", [False, True])
+def test_members_still_holding_the_initial_dense_model_are_averaged_flat_bit_for_bit(dtype: torch.dtype,
+                                                                                    special: bool) -> None:
+    """Round 0 of DisPFL: every member's masked tensors at their dense shape (values off the mask too: the average
+    takes ``v·m``, NaN and infinities off the mask included); and later rounds' mixed groups, where a client that
+    has not trained yet still holds its initial model beside neighbours that store values."""
+    shapes = {**SHAPES, "steps": ()}
+    for seed in range(3):
+        sparse_group = _group(SHAPES, MASKED, 4, dtype, seed, special)
+        initial = _initial(sparse_group, shapes, seed, special)
+        for group in (initial, [initial[0], sparse_group[1], initial[2], sparse_group[3]]):
+            flat = group_average_stored(group, shapes, _counts(group))
+            ref = _by_tensor_stored(group, shapes)
+            assert flat is not None and list(flat) == list(ref)
+            for name in ref:
+                assert flat[name].dtype == ref[name].dtype and flat[name].shape == ref[name].shape, name
+                assert torch.equal(_bits(flat[name]), _bits(ref[name])), (name, seed)
+        assert group_average_stored(initial, shapes) is not None  # (no counts needed: every shape says dense)
+
+
 def test_flat_average_without_masks_is_dpsgds_average() -> None:
     shapes = dict(SHAPES)
     group = _group(SHAPES, [], 4, torch.float32, 0)
@@ -144,8 +185,13 @@ def test_the_flat_form_declines_what_it_does_not_take() -> None:
     assert group_average_stored([(w, p) for w, (_, p) in zip(dense_under_mask, base)], shapes) is None
     base_w3 = _group(SHAPES, ["w3"], 3, torch.float32, 5)
     flat_w3 = [(dict(w), p) for w, p in base_w3]
-    flat_w3[1][0]["w3"] = torch.randn(4)  # dense, though its mask holds fewer: the counts tell
-    assert group_average_stored(flat_w3, shapes, _counts(flat_w3)) is None
+    flat_w3[1][0]["w3"] = torch.randn(4)  # dense, though its mask holds fewer: taken as dense (v·m), as Gossip does
+    out_w3, ref_w3 = group_average_stored(flat_w3, shapes, _counts(flat_w3)), _by_tensor_stored(flat_w3, shapes)
+    assert out_w3 is not None and all(torch.equal(_bits(out_w3[n]), _bits(ref_w3[n])) for n in ref_w3)
+    # (without the counts a 1-D tensor at its dense shape beside stored values could be either: declined)
+    mixed_w3 = [(dict(w), p) for w, p in _group(SHAPES, ["w3", "fc"], 3, torch.float32, 6)]
+    mixed_w3[1][0]["w3"] = torch.randn(4)
+    assert group_average_stored(mixed_w3, shapes) is None
     # masked names that differ between members
     fewer = [(w, dict(p)) for w, p in base]
     del fewer[2][1]["fc"]
@@ -203,7 +249,7 @@ def test_a_dispfl_run_is_the_same_bit_for_bit_by_either_path(tmp_path: Path, mon
     monkeypatch.setattr(gossip_module, "group_average_stored", spy)
     flat = _dispfl(tmp_path / "flat", Gossip(), join_ratio=join_ratio)
     calls = len(taken)
-    assert any(taken) and not all(taken)  # round 0 (the initial dense models under their masks) declines
+    assert taken and all(taken)  # round 0 too: the initial dense models under their masks are averaged flat
     per_tensor = _dispfl(tmp_path / "tensor", _PerTensorGossip(), join_ratio=join_ratio)
     assert len(taken) == calls  # the subclass never takes the flat path
     for k in range(5):

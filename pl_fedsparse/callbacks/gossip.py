@@ -27,9 +27,9 @@ stored values and packed mask then cross to the device once a round and are kept
 message reaches its fit without crossing the link again. Each model of the group is added as one flat buffer — its
 masks' bytes and its values joined, unpacked, expanded and added in one go
 (:func:`~pl_fedsparse.functional.sparse.group_average_stored`: about ten operators a model instead of about ten a
-model and tensor, which on a GPU are kernel launches; the same bits) — except where a member of the group has not
-trained yet (it holds the initial dense model under its first mask: the first round), with mixed dtypes, or in a
-subclass overriding ``sender_message`` or ``_expand``, where the messages are expanded tensor by tensor. The
+model and tensor, which on a GPU are kernel launches; the same bits; a member that has not trained yet, holding
+the initial dense model under its first mask, is added as its values times its mask) — except with mixed dtypes, or
+in a subclass overriding ``sender_message`` or ``_expand``, where the messages are expanded tensor by tensor. The
 ledger's bytes are counted from the packed masks on the host (:func:`~pl_fedsparse.functional.sparse.packed_count`,
 once per sender and round), so nothing waits for the device. The arithmetic is the host's, element by element (a
 GPU may round a fused multiply-add differently in the last bit); a simulated device run on the CPU gives the same
@@ -261,7 +261,7 @@ class Gossip(FederatedCallback):
         if type(self).sender_message is Gossip.sender_message and type(self)._expand is Gossip._expand:
             # the group's stored models averaged as one flat buffer each (group_average_stored: the same numbers
             # bit for bit, a few operators per model); a subclass that changes what a sender sends, or a model
-            # the flat form does not take (still the initial dense one, mixed dtypes), is expanded tensor by tensor
+            # the flat form does not take (mixed dtypes), is expanded tensor by tensor
             stored = [self._stored_on(j, device) for j in group]
             avg = group_average_stored(stored, self._shapes, [self._packed_counts(j) for j in group])
             if avg is not None:

@@ -507,10 +507,11 @@ def group_average_stored(
     are summed with weight ``1/n`` as there (one fused multiply-add per coordinate, on a CPU in the vectorised body
     and the scalar tail alike: ``tests/test_gossip_flat.py`` checks tails of every length).
 
-    The flat form applies when every member stores the same names, the same masked names (each as its values at its
-    mask's positions), floating tensors of one dtype and device; otherwise it returns ``None`` and the caller
-    averages the expanded models (a client still holding the initial dense model under its first mask, or mixed
-    dtypes). A masked tensor's values are told from a dense tensor by their shape, as
+    The flat form applies when every member stores the same names, the same masked names — each as its values at its
+    mask's positions, or every one of a member's at its dense shape (a client still holding the initial dense model
+    under its first mask: it adds ``v·m``, as the expanded average does) — and floating tensors of one dtype and
+    device; otherwise it returns ``None`` and the caller averages the expanded models (a member with some masked
+    tensors dense and some not, mixed dtypes). A masked tensor's values are told from a dense tensor by their shape, as
     :class:`~pl_fedsparse.callbacks.Gossip` tells them; where the shapes cannot tell (a 1-D tensor whose mask holds
     every position), by ``counts`` — without them, such a group is declined.
 
@@ -537,13 +538,20 @@ def group_average_stored(
     ref = first[masked[0]] if masked else first[dense[0]] if dense else None
     if ref is None or not set(packed0) <= set(names):
         return None
+    at_shape: list[bool] = []  # per member: every masked tensor stored dense (the initial model under its first mask)
     for i, (values, packed) in enumerate(members):
         if (values.keys() != first.keys() or packed.keys() != packed0.keys()
                 or any(values[n].dtype != ref.dtype or values[n].device != ref.device for n in masked + dense)
-                or any(packed[n].device != ref.device or values[n].dim() != 1 for n in masked)):
+                or any(packed[n].device != ref.device for n in masked)):
+            return None
+        shaped = [tuple(values[n].shape) == tuple(shapes[n]) for n in masked]
+        at_shape.append(bool(masked) and all(shaped))
+        if at_shape[-1]:
+            continue
+        if any(values[n].dim() != 1 for n in masked):
             return None
         if counts is None:  # (a dense tensor has its dense shape; a 1-D one may be either: declined)
-            if any(tuple(values[n].shape) == tuple(shapes[n]) for n in masked):
+            if any(shaped):
                 return None
         elif any(values[n].numel() != counts[i][n] for n in masked):
             return None
@@ -554,10 +562,13 @@ def group_average_stored(
         nbytes = [packed0[n].numel() for n in masked]
         num = torch.zeros(8 * sum(nbytes), dtype=acc, device=ref.device)
         den = torch.zeros_like(num)
-        for values, packed in members:
+        for (values, packed), whole in zip(members, at_shape):
             bits = _joined_bits([packed[n] for n in masked])
-            vals = torch.cat([values[n] for n in masked])
-            num.add_(torch.zeros_like(num).masked_scatter_(bits, vals.to(acc)))
+            if whole:  # (dense values in the masks' layout, times the mask: v·m, as the expanded average takes them)
+                num.add_(_joined_padded([values[n].reshape(-1) for n in masked], nbytes).to(acc) * bits)
+            else:
+                vals = torch.cat([values[n] for n in masked])
+                num.add_(torch.zeros_like(num).masked_scatter_(bits, vals.to(acc)))
             den.add_(bits)
         avg = torch.where(den > 0, num / den.clamp_min(torch.finfo(acc).tiny), torch.zeros_like(num)).to(ref.dtype)
         parts = _regions(avg, [math.prod(shapes[n]) for n in masked], nbytes)
@@ -573,6 +584,16 @@ def group_average_stored(
         if n not in out:
             out[n] = first[n].clone()
     return {n: out[n] for n in names}
+
+
+def _joined_padded(flats: Sequence[Tensor], nbytes: Sequence[int]) -> Tensor:
+    """Flat tensors joined in :func:`_joined_bits`' layout: each padded with zeros to its ``8 * nbytes[i]``
+    positions (one concatenation)."""
+    pads = [8 * b - f.numel() for f, b in zip(flats, nbytes)]
+    if not any(pads):
+        return torch.cat(list(flats))
+    zeros = flats[0].new_zeros(max(pads))
+    return torch.cat([part for f, pad in zip(flats, pads) for part in ((f, zeros[:pad]) if pad else (f,))])
 
 
 def _shaped(flat: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor:
