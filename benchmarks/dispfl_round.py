@@ -262,7 +262,7 @@ def _count(a: argparse.Namespace, plain: PlainDisPFL, loop: FederatedLoop) -> No
                 row[name] = (counter.ops, in_messages[0], counter.syncs, counter.device_ops - in_messages[1])
             (po, pm, _, pd), (fo, fm, fs, fd) = row["plain"], row["pl_fedsparse"]
             n = a.clients
-            print(f"round {r}{' (the initial models: messages tensor by tensor)' if r == 0 else ''}: "
+            print(f"round {r}{' (the initial dense models under their first masks)' if r == 0 else ''}: "
                   f"plain {po:,} operators ({pm:,} in messages, {(po - pm) / n:,.0f} a client outside them)  "
                   f"pl_fedsparse {fo:,} ({fm:,} in messages, {(fo - fm) / n:,.0f} a client outside them, {fs} host "
                   f"reads)  ratio {fo / po:.3f}  messages {pm / max(fm, 1):.1f}x fewer  |  outside the messages, "

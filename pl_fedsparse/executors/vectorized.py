@@ -344,7 +344,7 @@ class VectorizedExecutor(ClientExecutor):
             try:
                 if len(by_signature) > 1:  # the hooks were captured for the whole group: it cannot be split
                     raise RuntimeError("clients of one group configured different optimizers")
-                trained = self._train(items, stacked)
+                states, loss_sum, seen = self._train(items, stacked)
             except (ConfigError, KeyboardInterrupt):
                 raise
             except Exception as e:  # contain it: this group's clients run one by one, as in process
@@ -359,7 +359,11 @@ class VectorizedExecutor(ClientExecutor):
                     results[item["index"]] = self.sequential.run_one(request)
                     self._stats["sequential_fits"] += 1
                 continue
-            finite = _finite_rows(stacked)  # every client's weights checked at once (find_fault skips them)
+            # every client's loss sum and whether its weights are finite (find_fault then skips them), read in one
+            # go: one wait on a device for the group, not one per client or per question
+            sums, finite = _read_group(loss_sum, _finite_rows(stacked))
+            trained = [(state, {"train_loss": sums[i] / n if n else float("nan"), "samples_seen": float(n)})
+                       for i, (state, n) in enumerate(zip(states, seen))]
             # where the fits' weights are on a device, their updates reach the host as the in-process executor's
             # do: kept there through the callbacks' on_client_fit_end where all of them take it there, then in one
             # copy with the client's entries (end_fit) — and with no callback at a fit's end, every client's trained
@@ -397,7 +401,7 @@ class VectorizedExecutor(ClientExecutor):
         return [u for u in results if u is not None]
 
     def _train(self, items: list[dict[str, Any]], stacked: dict[str, Tensor]
-               ) -> list[tuple[dict[str, Tensor], dict[str, float]]]:
+               ) -> tuple[list[dict[str, Tensor]], Tensor, list[int]]:
         """Train ``items`` (started fits, their start states the rows of ``stacked``) together; return each one's
         trained state and fit metrics."""
         loop = self.loop
@@ -571,14 +575,7 @@ class VectorizedExecutor(ClientExecutor):
             end = getattr(hooks, "end", None)  # (optional: forms written before it existed have none)
             if end is not None:
                 end(fit)
-        out = []
-        sums = loss_sum.tolist()  # (every client's loss sum read at once: one wait on a device, not one per client)
-        for i in range(K):
-            state = {n: t[i] for n, t in stacked.items()}  # views: loaded into the module, then copied out
-            n = seen[i]
-            loss = sums[i] / n if n else float("nan")
-            out.append((state, {"train_loss": loss, "samples_seen": float(n)}))
-        return out
+        return [{n: t[i] for n, t in stacked.items()} for i in range(K)], loss_sum, seen  # (views: loaded, copied)
 
 
 def _count_steps(fit: StackedFit, live: list[int], idle: set[str], trainable: list[str], steps_done: Tensor
@@ -639,15 +636,26 @@ def _copy_runs(out: Tensor, rows: list[tuple[int, Tensor]]) -> None:
         at = end
 
 
-def _finite_rows(stacked: dict[str, Tensor]) -> list[bool]:
+def _finite_rows(stacked: dict[str, Tensor]) -> Tensor | None:
     """Per row (client): whether all its floating-point tensors are certainly finite — their sum is (a NaN or an
-    infinity makes it non-finite; a sum that overflows only sends that client to the one-by-one check)."""
+    infinity makes it non-finite; a sum that overflows only sends that client to the one-by-one check); not read
+    (``None`` without floating-point tensors)."""
     ok: Tensor | None = None
     for t in stacked.values():
         if t.is_floating_point():
             rows = torch.isfinite(t.reshape(t.shape[0], -1).sum(dim=1))
             ok = rows if ok is None else ok & rows
-    return ok.tolist() if ok is not None else [True] * (next(iter(stacked.values())).shape[0] if stacked else 0)
+    return ok
+
+
+def _read_group(loss_sum: Tensor, finite: Tensor | None) -> tuple[list[float], list[bool]]:
+    """A group's loss sums (float32, one per client) and finite rows read in one copy: the float32 sums exactly
+    (widened to float64), the flags as 0/1."""
+    if finite is None:
+        return loss_sum.tolist(), [True] * loss_sum.numel()
+    both = torch.cat([loss_sum.double(), finite.to(device=loss_sum.device, dtype=torch.float64)]).tolist()
+    k = loss_sum.numel()
+    return both[:k], [bool(x) for x in both[k:]]
 
 
 def _overrides(callback: Any, hook: str) -> bool:
