@@ -653,7 +653,7 @@ def _read_group(loss_sum: Tensor, finite: Tensor | None) -> tuple[list[float], l
     (widened to float64), the flags as 0/1."""
     if finite is None:
         return loss_sum.tolist(), [True] * loss_sum.numel()
-    both = torch.cat([loss_sum.double(), finite.to(device=loss_sum.device, dtype=torch.float64)]).tolist()
+    both = torch.cat([loss_sum.double(), finite.double()]).tolist()  # (one device: the group's)
     k = loss_sum.numel()
     return both[:k], [bool(x) for x in both[k:]]
 
