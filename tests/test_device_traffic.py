@@ -359,3 +359,7 @@ def test_stacked_steps_wait_for_nothing_and_copy_no_state(config: str) -> None:
     else:  # (FedSpa: its masks found on the device where they crossed with the start weights, for every fit of
         # the group — not only the first to end)
         assert r["group_transfers_per_fit"] <= 2, r
+    # the only reads: the first step's gradient check (once a run) and, a group, its clients' loss sums read with
+    # whether their weights are finite (one copy; FedSpa's changed masks go with each update's copy)
+    fits_per_group = r["group_transfers_per_group"] / r["group_transfers_per_fit"]
+    assert r["syncs_outside_steps"] == 1 and round(r["group_syncs_per_fit"] * fits_per_group, 1) == 1, r
