@@ -411,6 +411,7 @@ class FederatedLoop:
         stops with one line that counts them)."""
         healthy, warnings = [], []
         for u in self.executor.run(requests):
+            u.resolve_pending()  # (an executor that ends its fits without end_fit: the reads put off, made now)
             if u.client_state is not None:
                 self.client_store.import_client(u.client_idx, u.client_state)
             self.accounting.book(u)

@@ -213,3 +213,31 @@ def test_on_cuda_the_gather_and_the_loss_stack_make_no_synchronising_call() -> N
     stacked, total_of = read
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert total_of(stacked.cpu()) == s.total()
+
+
+def test_reads_left_by_an_executor_that_ends_fits_its_own_way_are_made_when_the_loop_takes_them(
+        tmp_path: Any) -> None:
+    """A user's executor that returns updates without ``end_fit``: what ``on_host`` put off is read when the loop
+    takes the update (a wait then, on a device), so no placeholder reaches the round's numbers."""
+    from conftest import tiny_datamodule, tiny_loop, tiny_module
+
+    from pl_fedsparse.executors import InProcessExecutor
+
+    class Leaves(InProcessExecutor):
+        def run(self, requests: Any) -> list[ClientUpdate]:
+            out = super().run(requests)
+            for u in out:
+                u.metrics["late"] = PendingMetric("late")
+                u.on_host([torch.tensor([3.0])], lambda host, u=u: u.metrics.update(late=float(host[0][0])))
+            return out
+
+    seen: list[Any] = []
+    from pl_fedsparse.callbacks import FederatedCallback
+
+    class Reads(FederatedCallback):
+        def on_before_aggregate(self, loop: Any, updates: Any) -> None:
+            seen.extend(u.metrics["late"] for u in updates)
+
+    loop = tiny_loop(tmp_path, callbacks=[Reads()], num_rounds=1, executor=Leaves())
+    loop.fit(tiny_module(), tiny_datamodule())
+    assert seen and all(x == 3.0 for x in seen), seen
