@@ -74,10 +74,19 @@ def _counts(group: list) -> list[dict[str, int]]:
 
 
 def _by_tensor(group: list, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """What Gossip computed before: each tensor unpacked and expanded, then ``weighted_average``."""
+    """What Gossip computed before: each tensor unpacked and expanded (one stored at its dense shape taken as it is,
+    as Gossip's ``_expand`` does), then ``weighted_average``."""
     masks = [unpack_masks(p, shapes) for _, p in group]
-    dense = [{n: expand_values(v, m[n]) if n in m else v for n, v in w.items()} for (w, _), m in zip(group, masks)]
+    dense = [{n: expand_values(v, m[n]) if n in m and tuple(v.shape) != tuple(shapes[n]) else v
+              for n, v in w.items()} for (w, _), m in zip(group, masks)]
     return weighted_average(dense, [1.0] * len(dense), [m or None for m in masks])
+
+
+def _assert_same_bits(flat: dict[str, torch.Tensor] | None, ref: dict[str, torch.Tensor], seed: int) -> None:
+    assert flat is not None and list(flat) == list(ref)
+    for name in ref:
+        assert flat[name].dtype == ref[name].dtype and flat[name].shape == ref[name].shape, name
+        assert torch.equal(_bits(flat[name]), _bits(ref[name])), (name, seed)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -101,12 +110,7 @@ def test_flat_average_is_the_tensor_by_tensor_average_bit_for_bit(dtype: torch.d
     shapes = {**SHAPES, "steps": ()}
     for seed in range(4):
         group = _group(SHAPES, MASKED, members, dtype, seed, special)
-        flat = group_average_stored(group, shapes, _counts(group))
-        ref = _by_tensor(group, shapes)
-        assert flat is not None and list(flat) == list(ref)
-        for name in ref:
-            assert flat[name].dtype == ref[name].dtype and flat[name].shape == ref[name].shape, name
-            assert torch.equal(_bits(flat[name]), _bits(ref[name])), (name, seed)
+        _assert_same_bits(group_average_stored(group, shapes, _counts(group)), _by_tensor(group, shapes), seed)
 
 
 def _initial(group: list, shapes: dict[str, tuple[int, ...]], seed: int, special: bool) -> list:
@@ -121,14 +125,6 @@ def _initial(group: list, shapes: dict[str, tuple[int, ...]], seed: int, special
     return out
 
 
-def _by_tensor_stored(group: list, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """:func:`_by_tensor` as Gossip's ``_expand`` takes a stored model: a tensor at its dense shape as it is."""
-    masks = [unpack_masks(p, shapes) for _, p in group]
-    dense = [{n: expand_values(v, m[n]) if n in m and tuple(v.shape) != tuple(shapes[n]) else v
-              for n, v in w.items()} for (w, _), m in zip(group, masks)]
-    return weighted_average(dense, [1.0] * len(dense), [m or None for m in masks])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("special", [False, True])
 def test_members_still_holding_the_initial_dense_model_are_averaged_flat_bit_for_bit(dtype: torch.dtype,
@@ -141,12 +137,7 @@ def test_members_still_holding_the_initial_dense_model_are_averaged_flat_bit_for
         sparse_group = _group(SHAPES, MASKED, 4, dtype, seed, special)
         initial = _initial(sparse_group, shapes, seed, special)
         for group in (initial, [initial[0], sparse_group[1], initial[2], sparse_group[3]]):
-            flat = group_average_stored(group, shapes, _counts(group))
-            ref = _by_tensor_stored(group, shapes)
-            assert flat is not None and list(flat) == list(ref)
-            for name in ref:
-                assert flat[name].dtype == ref[name].dtype and flat[name].shape == ref[name].shape, name
-                assert torch.equal(_bits(flat[name]), _bits(ref[name])), (name, seed)
+            _assert_same_bits(group_average_stored(group, shapes, _counts(group)), _by_tensor(group, shapes), seed)
         assert group_average_stored(initial, shapes) is not None  # (no counts needed: every shape says dense)
 
 
@@ -186,7 +177,7 @@ def test_the_flat_form_declines_what_it_does_not_take() -> None:
     base_w3 = _group(SHAPES, ["w3"], 3, torch.float32, 5)
     flat_w3 = [(dict(w), p) for w, p in base_w3]
     flat_w3[1][0]["w3"] = torch.randn(4)  # dense, though its mask holds fewer: taken as dense (v·m), as Gossip does
-    out_w3, ref_w3 = group_average_stored(flat_w3, shapes, _counts(flat_w3)), _by_tensor_stored(flat_w3, shapes)
+    out_w3, ref_w3 = group_average_stored(flat_w3, shapes, _counts(flat_w3)), _by_tensor(flat_w3, shapes)
     assert out_w3 is not None and all(torch.equal(_bits(out_w3[n]), _bits(ref_w3[n])) for n in ref_w3)
     # (without the counts a 1-D tensor at its dense shape beside stored values could be either: declined)
     mixed_w3 = [(dict(w), p) for w, p in _group(SHAPES, ["w3", "fc"], 3, torch.float32, 6)]
