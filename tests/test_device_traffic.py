@@ -264,17 +264,19 @@ def test_the_counter_sees_the_update_cross_before_the_callbacks(monkeypatch: pyt
 def test_dispfl_messages_are_made_on_the_device_without_a_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """DisPFL's gossip average is made on the fits' device: each neighbour's stored model crosses once a round (read
     from the copy kept there for its other neighbours), the receiver's mask once, the ledger reads nothing on the
-    device, and the fit finds its start weights there. Planted: the ledger counting the masks on the device (a wait
-    per mask); the messages made on the host (the start weights cross in every fit)."""
+    device, and the fit finds its start weights there. Planted: the ledger counting the masks' bytes on the device (a
+    wait per mask); the messages made on the host (the start weights cross in every fit)."""
     from pl_fedsparse.callbacks import gossip as gossip_mod
-    from pl_fedsparse.client import Message
+    from pl_fedsparse.functional import transfer
 
     r = device_traffic.measure("dispfl")
     assert r["message_syncs_per_message"] == 0, r
     assert 0 < r["message_transfers_per_message"] <= 2, r
     assert r["transfers_per_fit"] <= 1, r
     with monkeypatch.context() as mp:
-        mp.setattr(Message, "know_count", lambda self, name, mask, count: None)  # counted on the device again
+        count = gossip_mod.packed_count  # (every round's messages are flat: the ledger's counts are these)
+        mp.setattr(gossip_mod, "packed_count",
+                   lambda p: count(transfer.to_device({"p": p}, torch.device("cpu"))["p"]))  # on the device
         assert device_traffic.measure("dispfl")["message_syncs_per_message"] > 0
     monkeypatch.setattr(gossip_mod, "message_device", lambda loop: None)
     host = device_traffic.measure("dispfl")
