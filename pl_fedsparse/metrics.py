@@ -119,9 +119,7 @@ class StepLosses:
 
     def metrics(self) -> dict[str, float]:
         """``{"train_loss": Σ loss_i · n_i / Σ n_i, "samples_seen": Σ n_i}`` of the fit (NaN loss without samples)."""
-        n = self.samples
-        total = self.total()
-        return {"train_loss": total / n if (total is not None and n) else float("nan"), "samples_seen": float(n)}
+        return {"train_loss": mean_loss(self.total(), self.samples), "samples_seen": float(self.samples)}
 
     def metrics_on_host(self, update: Any) -> dict[str, float | PendingMetric]:
         """:meth:`metrics` with the loss read when ``update`` crosses to the host, in its copy
@@ -135,10 +133,15 @@ class StepLosses:
         out: dict[str, float | PendingMetric] = {"train_loss": PendingMetric("train_loss"), "samples_seen": float(n)}
 
         def fill(host: list[Tensor]) -> None:
-            out["train_loss"] = total_of(host[0]) / n if n else float("nan")
+            out["train_loss"] = mean_loss(total_of(host[0]), n)
 
         update.on_host([stacked], fill)
         return out
+
+
+def mean_loss(total: float | None, samples: int) -> float:
+    """A fit's ``train_loss``: its loss sum over its samples (NaN without a step or a sample)."""
+    return total / samples if (total is not None and samples) else float("nan")
 
 
 class PendingMetric:

@@ -98,13 +98,19 @@ def test_the_sort_free_initial_masks_are_the_sorted_ones(tmp_path: Path, distrib
     loop.reporter.release()
 
 
+def _changed_names(new: dict, old: dict) -> list[str]:
+    """The names whose mask changed: the callback's two steps (decided on the device, read in one copy)."""
+    from pl_fedsparse.callbacks.masking import _differences, _names_of
+
+    names, differs = _differences(new, old)
+    return [] if differs is None else _names_of(names, differs)
+
+
 def test_only_the_masks_a_readjustment_changed_are_sent_again() -> None:
     """``SparseMask.on_client_fit_end`` sends a next mask (``next_mask/<name>``) only where the readjustment changed
-    it; which ones changed is decided where the masks are and read on the host once (``_changed``), not once a mask:
-    planted, comparing each by ``torch.equal`` would read once a mask."""
+    it; which ones changed is decided where the masks are and read on the host once (``_differences``, then
+    ``_names_of``), not once a mask: planted, comparing each by ``torch.equal`` would read once a mask."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from pl_fedsparse.callbacks.masking import _changed
 
     old = {"a": torch.tensor([True, False, True]), "b": torch.tensor([[True, False], [False, True]]),
            "c": torch.zeros(0, dtype=torch.bool), "d": torch.tensor(True)}
@@ -120,8 +126,8 @@ def test_only_the_masks_a_readjustment_changed_are_sent_again() -> None:
             return func(*args, **(kwargs or {}))
 
     with Reads():
-        got = _changed(new, old)
-    assert got == ["a", "d"] and _changed({}, {}) == []
+        got = _changed_names(new, old)
+    assert got == ["a", "d"] and _changed_names({}, {}) == []
     assert Reads.n == 0  # (the answers read by one ``tolist``, which dispatches no read; no ``equal`` a mask)
 
 
@@ -130,8 +136,6 @@ def test_which_masks_changed_costs_the_same_operators_for_any_number_of_masks() 
     grow with the masks; masks of other shapes, dtypes or devices than their old ones are compared one by one, with
     the same answers. Planted: a comparison per mask fails the count."""
     from conftest import count_operators
-
-    from pl_fedsparse.callbacks.masking import _changed
 
     g = torch.Generator().manual_seed(0)
 
@@ -143,12 +147,12 @@ def test_which_masks_changed_costs_the_same_operators_for_any_number_of_masks() 
         return new, old
 
     new, old = masks(9)
-    assert _changed(new, old) == ["m0", "m3", "m6"]
+    assert _changed_names(new, old) == ["m0", "m3", "m6"]
     mixed_old = {**old, "m1": old["m1"].float()}  # (another dtype: one by one, the same answer)
-    assert _changed(new, mixed_old) == ["m0", "m3", "m6"]
+    assert _changed_names(new, mixed_old) == ["m0", "m3", "m6"]
     wide = {**new, "m2": torch.ones(1, 3, dtype=torch.bool)}  # (a broadcast shape: as torch.ne broadcasts)
-    assert _changed(wide, {**old, "m2": torch.ones(4, 3, dtype=torch.bool)}) == ["m0", "m3", "m6"]
+    assert _changed_names(wide, {**old, "m2": torch.ones(4, 3, dtype=torch.bool)}) == ["m0", "m3", "m6"]
     a, b = masks(3)
     c, d = masks(30)
-    _changed(a, b), _changed(c, d)  # (each layout's segments are made once and kept: what every later fit pays)
-    assert count_operators(lambda: _changed(a, b)) == count_operators(lambda: _changed(c, d))
+    _changed_names(a, b), _changed_names(c, d)  # (each layout's segments are made once and kept: what every later fit pays)
+    assert count_operators(lambda: _changed_names(a, b)) == count_operators(lambda: _changed_names(c, d))

@@ -73,13 +73,6 @@ def top_masks(scores: dict[str, Tensor], densities: dict[str, float]) -> dict[st
     return {k: topk_mask(scores[k], math.floor(d * scores[k].numel())) for k, d in densities.items() if d < 1.0}
 
 
-def _changed(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> list[str]:
-    """The names whose mask in ``new`` differs from ``old``'s, decided where the masks are and read in one go (one
-    wait for a device, not one per mask: ``torch.equal`` reads each answer on the host)."""
-    names, differs = _differences(new, old)
-    return [] if differs is None else _names_of(names, differs)
-
-
 def _names_of(names: list[str], differs: Tensor) -> list[str]:
     """The names whose entry of :func:`_differences`' tensor (read here) is not 0."""
     return [k for k, d in zip(names, differs.tolist()) if d]
@@ -87,7 +80,8 @@ def _names_of(names: list[str], differs: Tensor) -> list[str]:
 
 def _differences(new: Mapping[str, Tensor], old: Mapping[str, Tensor]) -> tuple[list[str], Tensor | None]:
     """``new``'s names and, where the masks are, one tensor of how many positions each mask differs by from
-    ``old``'s (or whether it differs) — not read (``None`` for no masks)."""
+    ``old``'s (or whether it differs) — not read (``None`` for no masks): all of them decided in one go, read in one
+    copy (:func:`_names_of`), not one wait per mask as ``torch.equal`` would make."""
     names = list(new)
     if not names:
         return names, None

@@ -32,6 +32,7 @@ from pl_fedsparse.executors.base import (
 )
 from pl_fedsparse.executors.runner import FitRunner, RunnerUnsupported, _RequireOptimizer, runner_support
 from pl_fedsparse.metrics import StepLosses
+from pl_fedsparse.module import FederatedModule
 from pl_fedsparse.signals import interrupt_in
 
 if TYPE_CHECKING:
@@ -148,8 +149,6 @@ class InProcessExecutor(ClientExecutor):
             return None
         if meter is not None:
             return meter.losses
-        from pl_fedsparse.module import FederatedModule
-
         if type(module).fit_metrics is FederatedModule.fit_metrics and isinstance(
                 getattr(module, "_step_losses", None), StepLosses):
             return module._step_losses  # type: ignore[return-value]

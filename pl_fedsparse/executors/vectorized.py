@@ -94,6 +94,7 @@ from pl_fedsparse.executors.stacked import (
     stacked_gradient_error,
 )
 from pl_fedsparse.functional import transfer
+from pl_fedsparse.metrics import mean_loss
 from pl_fedsparse.protocol import training_loss
 
 if TYPE_CHECKING:
@@ -362,7 +363,7 @@ class VectorizedExecutor(ClientExecutor):
             # every client's loss sum and whether its weights are finite (find_fault then skips them), read in one
             # go: one wait on a device for the group, not one per client or per question
             sums, finite = _read_group(loss_sum, _finite_rows(stacked))
-            trained = [(state, {"train_loss": sums[i] / n if n else float("nan"), "samples_seen": float(n)})
+            trained = [(state, {"train_loss": mean_loss(sums[i], n), "samples_seen": float(n)})
                        for i, (state, n) in enumerate(zip(states, seen))]
             # where the fits' weights are on a device, their updates reach the host as the in-process executor's
             # do: kept there through the callbacks' on_client_fit_end where all of them take it there, then in one

@@ -344,13 +344,10 @@ def pack_masks(masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
     if len(items) < 2 or not all(isinstance(m, Tensor) for _, m in items) or len({m.device for _, m in items}) > 1:
         return {k: pack_mask(m)[0] for k, m in items}
     flats = [m.detach().reshape(-1) for _, m in items]
-    pads = [(-f.numel()) % 8 for f in flats]
-    zeros = flats[0].new_zeros(max(pads), dtype=torch.uint8)  # (each mask's region padded to whole bytes)
-    joined = torch.cat([part for f, pad in zip(flats, pads) for part in ((f, zeros[:pad]) if pad else (f,))])
-    bits = (joined != 0).to(torch.uint8).view(-1, 8)
+    bits = (_joined_padded(flats) != 0).to(torch.uint8).view(-1, 8)  # (each mask's region padded to whole bytes)
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     packed = (bits << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
-    sizes = [(f.numel() + pad) // 8 for f, pad in zip(flats, pads)]
+    sizes = [math.ceil(f.numel() / 8) for f in flats]
     return {k: part for (k, _), part in zip(items, packed.split(sizes))}
 
 
@@ -565,7 +562,7 @@ def group_average_stored(
         for (values, packed), whole in zip(members, at_shape):
             bits = _joined_bits([packed[n] for n in masked])
             if whole:  # (dense values in the masks' layout, times the mask: v·m, as the expanded average takes them)
-                num.add_(_joined_padded([values[n].reshape(-1) for n in masked], nbytes).to(acc) * bits)
+                num.add_(_joined_padded([values[n].reshape(-1) for n in masked]).to(acc) * bits)
             else:
                 vals = torch.cat([values[n] for n in masked])
                 num.add_(torch.zeros_like(num).masked_scatter_(bits, vals.to(acc)))
@@ -586,10 +583,10 @@ def group_average_stored(
     return {n: out[n] for n in names}
 
 
-def _joined_padded(flats: Sequence[Tensor], nbytes: Sequence[int]) -> Tensor:
-    """Flat tensors joined in :func:`_joined_bits`' layout: each padded with zeros to its ``8 * nbytes[i]``
-    positions (one concatenation)."""
-    pads = [8 * b - f.numel() for f, b in zip(flats, nbytes)]
+def _joined_padded(flats: Sequence[Tensor]) -> Tensor:
+    """Flat tensors joined in :func:`_joined_bits`' layout (:func:`pack_masks`' regions): each padded with zeros
+    to whole bytes of positions, a multiple of 8 (one concatenation)."""
+    pads = [(-f.numel()) % 8 for f in flats]
     if not any(pads):
         return torch.cat(list(flats))
     zeros = flats[0].new_zeros(max(pads))
