@@ -49,6 +49,7 @@ from pl_fedsparse.executors.base import (
     local_gradients,
     quiet_lightning,
 )
+from pl_fedsparse.executors.compiling import check_compile, check_compile_callbacks, unwrap_compiled
 from pl_fedsparse.executors.in_process import InProcessExecutor
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.resident import device_budget
@@ -138,6 +139,12 @@ class FederatedLoop:
             (about one fit's state) stay locked in host memory, cached by torch for reuse; ``false`` keeps that memory
             pageable. Where pinning fails the engine falls back to pageable memory with one warning. No effect
             without a CUDA device.
+        compile: compile the module the clients' fits run with ``torch.compile``: ``false`` (default), ``true``
+            (its defaults) or a mapping of its arguments (``mode``, ``fullgraph``, ``dynamic``, ``backend``,
+            ``options``; CUDA-graph modes are refused). Compiled once per process, as ``Trainer.fit(torch.compile(
+            model))`` compiles (:mod:`~pl_fedsparse.executors.compiling`); each Ray worker compiles its own. Numbers
+            may move in their last bits (fused kernels round differently). Passing ``torch.compile(model)`` to
+            :meth:`fit` does the same in this process.
 
     Example:
         .. code-block:: yaml
@@ -165,7 +172,7 @@ class FederatedLoop:
         client_state_codec: Literal["none", "lossless"] = "none",
         callback_contract: Literal["error", "warn"] = "error", flush_denormal: bool = False,
         fit_runner: Literal["auto", "fast", "trainer"] = "auto", device_state_budget: int | str = "auto",
-        pin_memory: bool = True,
+        pin_memory: bool = True, compile: bool | dict[str, Any] = False,
     ) -> None:
         check_arguments(num_rounds=num_rounds, join_ratio=join_ratio, clients_per_round=clients_per_round,
                         local_epochs=local_epochs, local_steps=local_steps, eval_every=eval_every,
@@ -202,6 +209,10 @@ class FederatedLoop:
         self.flush_denormal = flush_denormal
         check(isinstance(pin_memory, bool), "trainer.pin_memory", pin_memory, "true or false")
         self.pin_memory = pin_memory
+        #: ``trainer.compile`` as given, and as ``torch.compile``'s arguments (``None``: off)
+        self.compile, self.compile_kwargs = compile, check_compile(compile)
+        #: the ``torch.compile`` wrapper :meth:`fit` was given, if any (its module is :attr:`model`)
+        self._compiled_model: Any = None
         self.accounting = Accounting()
         self.evaluator = Evaluator(self)
         self.reporter = RunReporter(self)
@@ -620,10 +631,12 @@ class FederatedLoop:
         """Set the federation up (data, policies, accounting, client state, checkpoint restore, run directory)
         without running a round; `fit`, `validate` and `test` call it."""
         check_datamodule(datamodule)
+        model, self._compiled_model = unwrap_compiled(model)  # (compiled when the executor sets up: compiling)
         self.model, self.datamodule = model, datamodule
         datamodule.setup("fit")
         device = self.device  # (first: a one-line error when the accelerator asked for is not there)
         check_environment(self)
+        check_compile_callbacks(self.callbacks, self.compile, self._compiled_model)
         self._check_client_data(datamodule)
         self._resolve_policies()
         self.streams = Streams(self.seed)

@@ -162,6 +162,11 @@ class FederatedCallback(pl.Callback):
     #: (:class:`~pl_fedsparse.callbacks.ShiftEvaluation`): ``pl-fed report`` leaves the library's own such classes out
     #: of a run's method label (it never imports a user's module to ask)
     evaluation_only: bool = False
+    #: whether fits may run a module compiled by ``torch.compile`` (``trainer.compile``, or ``torch.compile(model)``
+    #: given to ``fit``) with this callback: ``False`` refuses the combination in one line — for a callback that
+    #: replaces the module's ``forward`` during fits (:class:`~pl_fedsparse.callbacks.PFedGate`,
+    #: :class:`~pl_fedsparse.callbacks.FedEM`), which shadows the compiled one
+    supports_compile: bool = True
 
     # ---- per-client state -------------------------------------------------------------------------------------
     @property

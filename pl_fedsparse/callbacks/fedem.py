@@ -102,6 +102,8 @@ class FedEM(FederatedCallback):
 
     #: per-fit state (the fit's context, the E-step's snapshot and running sums, the module whose forward and loss are
     #: replaced); what a fit produces leaves in client state ("weights") and the update
+    #: its mixture's forward replaces the module's during fits (a compiled one would be shadowed)
+    supports_compile = False
     scratch_attributes = ("_ctx", "_module", "_mixture", "_snapshot", "_weights", "_q_sum", "_q_n",
                           "_label_smoothing", "_captured")
 

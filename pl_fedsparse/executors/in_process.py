@@ -30,6 +30,7 @@ from pl_fedsparse.executors.base import (
     fit_update,
     quiet_lightning,
 )
+from pl_fedsparse.executors.compiling import compile_module
 from pl_fedsparse.executors.runner import FitRunner, RunnerUnsupported, _RequireOptimizer, runner_support
 from pl_fedsparse.metrics import StepLosses
 from pl_fedsparse.module import FederatedModule
@@ -59,6 +60,8 @@ class InProcessExecutor(ClientExecutor):
     def setup(self, loop: FederationView) -> None:
         self.loop = loop
         self.runner, self.runner_off, self.device_update = None, None, None
+        if loop.model is not None:  # (trainer.compile, or a module torch.compile returned: compiled here, once)
+            compile_module(loop.model, getattr(loop, "compile_kwargs", None), getattr(loop, "_compiled_model", None))
         mode = getattr(loop, "fit_runner", "auto")
         if mode == "trainer":
             return

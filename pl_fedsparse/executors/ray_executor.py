@@ -150,6 +150,9 @@ class RayExecutor(ClientExecutor):
             self.teardown()
         t0 = time.perf_counter()
         self.loop = loop
+        if getattr(loop, "_compiled_model", None) is not None:  # (its compiled methods do not pickle)
+            raise ConfigError("model=torch.compile(...) is invalid with trainer.executor=RayExecutor: expected the "
+                              "module uncompiled and trainer.compile set (each worker compiles its own module)")
         if self.vectorize:  # what a worker could not vectorise is refused here, once, in one line
             VectorizedExecutor().setup(loop)
         if self.num_gpus_per_worker > 0 and loop.device.type != "cuda":

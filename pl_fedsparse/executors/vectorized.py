@@ -79,6 +79,7 @@ from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError, check
 from pl_fedsparse.executors.base import ClientExecutor, FitRequest, begin_fit, end_fit, fit_update, load_state
+from pl_fedsparse.executors.compiling import running_uncompiled
 from pl_fedsparse.executors.eligibility import check_module, elementwise_optimizer
 from pl_fedsparse.executors.hooks import IN_FIT_HOOKS, StackedFit, VectorizedFitHooks, in_fit_hooks
 from pl_fedsparse.executors.in_process import InProcessExecutor
@@ -265,7 +266,10 @@ class VectorizedExecutor(ClientExecutor):
                 continue
             groups.setdefault((c.kind, c.requester, c.epochs), []).append(i)
         cap = self._group_cap()
-        with heap_only():  # a group's stacked tensors exceed the mmap threshold: keep them in the heap (see there)
+        # a group's stacked tensors exceed the mmap threshold: keep them in the heap (see there); the stacked layers
+        # call the module's own forward under vmap, not a compiled one (trainer.compile: the one-by-one fits' own)
+        assert self.loop is not None
+        with heap_only(), running_uncompiled(self.loop.model):
             for members in groups.values():
                 parts = -(-len(members) // cap)
                 base, extra = divmod(len(members), parts)  # equal groups: 100 fits, at most 64 per group -> 50 + 50

@@ -18,6 +18,7 @@ from pl_fedsparse.client import ClientStateStore, ClientUpdate
 from pl_fedsparse.contract import CallbackContractError
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.executors.base import FitRequest
+from pl_fedsparse.executors.compiling import uncompiled_copy
 from pl_fedsparse.executors.in_process import InProcessExecutor
 from pl_fedsparse.executors.vectorized import VectorizedExecutor
 from pl_fedsparse.executors.wire import _pack_update, _WireRequest
@@ -32,7 +33,8 @@ __all__ = ["FitWorker", "sync_state", "worker_spec"]
 
 #: loop attributes a worker never needs (state the driver keeps, or things that cannot travel)
 _DRIVER_ONLY = ("executor", "reporter", "history", "last_client_acc", "client_store", "global_state",
-                "server_update", "round_faults", "evaluator", "_owners", "callbacks", "config_text")
+                "server_update", "round_faults", "evaluator", "_owners", "callbacks", "config_text",
+                "_compiled_model")
 
 
 #: loop attributes shipped with every run (the driver changes them between fits)
@@ -46,6 +48,8 @@ def worker_spec(loop: FederationView) -> dict[str, Any]:
     an initialiser's closure usually holds the loop, whose pickle would carry every client's state (at 1,000
     ResNet18 clients resumed from a checkpoint, ~25 GB to every worker)."""
     spec = {k: v for k, v in vars(loop).items() if k not in _DRIVER_ONLY}
+    # uncompiled (compiled methods do not pickle): a worker compiles its own (trainer.compile, when it sets up)
+    spec["model"] = uncompiled_copy(spec.get("model"))
     spec["_state_keys"] = loop.client_store.keys
     spec["_loop_class"] = type(loop)  # the worker's replica is one (pickled by reference: nothing here imports it)
     # the driver evaluator's choice of evaluation batch size (what data.eval_batch_size: null is), on every worker

@@ -30,6 +30,7 @@ RESUME_MAY_CHANGE = (
     "trainer.fit_runner",  # (the same fits, bit for bit on the CPU: tests/test_fit_runner.py; a speed setting)
     "trainer.device_state_budget",  # (device copies of host values: the same numbers; a speed and memory setting)
     "trainer.pin_memory",  # (pinned or pageable staging of the same bytes: a speed setting)
+    "trainer.compile",  # (torch.compile: numbers move at most in their last bits, as fused kernels round; a speed setting)
 )
 
 #: the attribute by which a callback class lists the ``init_args`` a resume may change (``when`` of an evaluation-only

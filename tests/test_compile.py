@@ -1,0 +1,244 @@
+"""``torch.compile`` for the clients' fits: ``trainer.compile`` and a module the user compiled themselves.
+
+Most tests compile with the ``eager`` backend (dynamo captures the graphs and runs them with torch's own operators:
+the same arithmetic, bit for bit, in milliseconds instead of the C++ build of the default backend), so they check
+the plumbing — what is compiled, where, how often, what travels to another process — and that the numbers are the
+uncompiled run's. One slow test runs the default backend (inductor) end to end.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import METHODS, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
+
+from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.executors import VectorizedExecutor
+from pl_fedsparse.executors.compiling import (
+    check_compile,
+    compile_module,
+    is_compiled,
+    running_uncompiled,
+    uncompiled_copy,
+    unwrap_compiled,
+)
+from pl_fedsparse.models import MLP
+
+EAGER = {"backend": "eager"}
+IGNORED = ("time_s", "time_cum_s", "time_train_s")
+
+
+def _rows(loop: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in row.items() if k not in IGNORED} for row in loop.history]
+
+
+def _run(tmp_path: Path, method: str, model: Any = None, **kw: Any) -> Any:
+    make, topo = METHODS[method]
+    loop = tiny_loop(tmp_path, callbacks=make(), topology=topo() if topo else None, **kw)
+    loop.fit(model if model is not None else tiny_module(), tiny_datamodule())
+    return loop
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process since its last reset."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _reset() -> None:
+    """Dynamo's caches and counters emptied (``reset`` leaves the counters)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    _reset()
+    yield
+    _reset()
+
+
+# ------------------------------------------------------------------------------------------------ the setting
+@pytest.mark.parametrize("value, expected", [(False, None), (None, None), (True, {}),
+                                             ({"mode": "default", "dynamic": False}, {"mode": "default",
+                                                                                      "dynamic": False}),
+                                             ({"backend": "eager", "fullgraph": True},
+                                              {"backend": "eager", "fullgraph": True})])
+def test_the_setting_becomes_torch_compiles_arguments(value: Any, expected: Any) -> None:
+    assert check_compile(value) == expected
+
+
+@pytest.mark.parametrize("value, names", [
+    ("yes", "trainer.compile='yes' is invalid: expected true, false or a mapping"),
+    ({"modes": "default"}, "got 'modes'"),
+    ({"mode": "fastest"}, "trainer.compile.mode='fastest' is invalid: expected one of default, "
+                          "max-autotune-no-cudagraphs"),
+    ({"mode": "reduce-overhead"}, "trainer.compile.mode='reduce-overhead' is invalid"),
+    ({"mode": "max-autotune"}, "CUDA graphs"),
+    ({"fullgraph": "yes"}, "trainer.compile.fullgraph='yes' is invalid: expected true or false"),
+    ({"dynamic": 1}, "trainer.compile.dynamic=1 is invalid"),
+    ({"backend": "no_such_backend"}, "trainer.compile.backend='no_such_backend' is invalid: expected one of"),
+    ({"options": {"triton.cudagraphs": True}}, "no triton.cudagraphs"),
+    ({"options": {}, "mode": "default"}, "mode or options, not both"),
+])
+def test_a_bad_setting_is_one_line_naming_it(value: Any, names: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_compile(value)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cli_refuses_a_bad_setting_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(["fit", "--config", "configs/quickstart.yaml", "--trainer.default_root_dir",
+                             str(tmp_path), "--trainer.compile", "{mode: reduce-overhead}"], capsys)
+    assert code != 0
+    assert "trainer.compile.mode='reduce-overhead' is invalid" in one_line(err)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------------ in process
+@pytest.mark.parametrize("method", ["fedspa", pytest.param("dispfl", marks=pytest.mark.slow)])
+def test_compiled_fits_give_the_uncompiled_numbers(tmp_path: Path, method: str) -> None:
+    """The ``eager`` backend runs the captured graphs with torch's operators: the same bits, so any difference
+    is the engine's (a fit that lost its mask, a state loaded into other tensors than the graphs read)."""
+    ref = _run(tmp_path / "ref", method)
+    got = _run(tmp_path / "compiled", method, compile=EAGER)
+    assert is_compiled(got.model) and not is_compiled(ref.model)
+    assert _rows(got) == _rows(ref)
+
+
+@pytest.mark.parametrize("fit_runner", ["auto", pytest.param("trainer", marks=pytest.mark.slow)])
+def test_a_federation_compiles_once_not_per_fit(tmp_path: Path, fit_runner: str) -> None:
+    """Every client's fit reuses the one compiled module: the graphs of two rounds are those of four (a
+    recompilation per client, or per fit, would add graphs with the rounds)."""
+    _run(tmp_path / "two", "fedspa", compile=EAGER, num_rounds=2, fit_runner=fit_runner)
+    two = _graphs()
+    _reset()
+    _run(tmp_path / "four", "fedspa", compile=EAGER, num_rounds=4, fit_runner=fit_runner)
+    assert two > 0 and _graphs() == two
+
+
+def test_the_module_torch_compile_returned_is_taken_as_trainer_fit_takes_it(tmp_path: Path) -> None:
+    ref = _run(tmp_path / "ref", "fedavg_ft")
+    module = tiny_module()
+    got = _run(tmp_path / "wrapped", "fedavg_ft", model=torch.compile(module, backend="eager"))
+    assert got.model is module and is_compiled(module)  # the module inside, compiled in place (same names)
+    assert _graphs() > 0 and _rows(got) == _rows(ref)
+    assert list(got.initial_state) == list(tiny_module().state_dict())
+
+
+def test_a_compiled_plain_module_is_refused_in_one_line(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path)
+    with pytest.raises(ConfigError, match=r"model=torch.compile\(MLP\) is invalid: expected a compiled "
+                                          r"lightning.pytorch.LightningModule"):
+        loop.fit(torch.compile(MLP(num_classes=4, in_channels=1, input_size=8)), tiny_datamodule())
+
+
+@pytest.mark.parametrize("how", ["setting", "wrapped"])
+def test_a_callback_that_replaces_the_forward_refuses_compilation_in_one_line(tmp_path: Path, how: str) -> None:
+    """pFedGate and FedEM install their own forward during fits, which would shadow the compiled one (and under
+    inductor pFedGate's first fits came out as 1e29 and NaN losses): refused before anything runs; a user's callback
+    says the same with ``supports_compile = False``."""
+    from pl_fedsparse import FederatedCallback
+    from pl_fedsparse.callbacks import PFedGate
+
+    class Mine(FederatedCallback):
+        supports_compile = False
+
+    for cb, name in ((PFedGate(density=0.5), "PFedGate"), (Mine(), "Mine")):
+        loop = tiny_loop(tmp_path / name, callbacks=[cb], compile=True if how == "setting" else False)
+        model = tiny_module() if how == "setting" else torch.compile(tiny_module(), backend="eager")
+        what = "trainer.compile=True" if how == "setting" else r"model=torch.compile\(...\)"
+        with pytest.raises(ConfigError, match=f"^{what} is invalid with {name}: expected the module uncompiled"):
+            loop.fit(model, tiny_datamodule())
+        assert not (tmp_path / name / "metrics.jsonl").exists()
+    from pl_fedsparse.callbacks import FedEM
+    assert FedEM.supports_compile is False
+
+
+def test_without_the_setting_nothing_is_compiled(tmp_path: Path) -> None:
+    loop = _run(tmp_path, "fedavg_ft")
+    assert not is_compiled(loop.model) and _graphs() == 0
+
+
+# ------------------------------------------------------------------------------------------------ the helpers
+def test_compiling_replaces_the_methods_in_place_and_a_copy_undoes_it() -> None:
+    module = tiny_module()
+    own = type(module).forward
+    assert not compile_module(module, None)  # (off: nothing)
+    assert compile_module(module, EAGER) and is_compiled(module)
+    assert "forward" in vars(module) and "training_step" in vars(module)
+    copy = uncompiled_copy(module)
+    assert not is_compiled(copy) and "forward" not in vars(copy) and is_compiled(module)
+    assert copy.backbone is module.backbone  # (the same parameters: nothing is copied but the methods' table)
+    back = pickle.loads(pickle.dumps(copy))
+    assert type(back).forward is own and not is_compiled(back)
+    with running_uncompiled(module):
+        assert "forward" not in vars(module)
+    assert is_compiled(module) and "forward" in vars(module)
+    assert uncompiled_copy(tiny_module()) is not None
+    inner = tiny_module()
+    assert unwrap_compiled(inner) == (inner, None)
+
+
+def test_a_compiled_module_is_left_as_it_is() -> None:
+    module = tiny_module()
+    compile_module(module, EAGER)
+    forward = vars(module)["forward"]
+    compile_module(module, {"backend": "aot_eager"})
+    assert vars(module)["forward"] is forward
+
+
+# ------------------------------------------------------------------------------------------------ other executors
+def test_stacked_fits_run_the_modules_own_forward_and_give_the_same_numbers(tmp_path: Path) -> None:
+    """The VectorizedExecutor's stacked layers call the module under ``vmap``, where a compiled forward cannot
+    run: it runs uncompiled there (the one-by-one fits, compiled), the same numbers."""
+    ref = _run(tmp_path / "ref", "fedavg_ft", executor=VectorizedExecutor())
+    got = _run(tmp_path / "compiled", "fedavg_ft", executor=VectorizedExecutor(), compile=EAGER)
+    assert is_compiled(got.model) and _rows(got) == _rows(ref)
+
+
+def test_ray_refuses_a_compiled_module_in_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    from pl_fedsparse.executors import RayExecutor
+
+    loop = tiny_loop(tmp_path, executor=RayExecutor(num_workers=1))
+    with pytest.raises(ConfigError, match=r"model=torch.compile\(...\) is invalid with "
+                                          r"trainer.executor=RayExecutor: expected the module uncompiled and "
+                                          r"trainer.compile set"):
+        loop.fit(torch.compile(tiny_module(), backend="eager"), tiny_datamodule())
+
+
+def test_a_workers_copy_of_the_loop_travels_uncompiled_and_compiles_itself(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    from pl_fedsparse.executors import FitWorker, worker_spec
+
+    loop = tiny_loop(tmp_path, compile=EAGER)
+    loop.setup(tiny_module(), tiny_datamodule())
+    assert is_compiled(loop.model)
+    spec = pickle.loads(pickle.dumps(worker_spec(loop)))  # (what Ray's object store carries)
+    assert not is_compiled(spec["model"]) and is_compiled(loop.model)
+    worker = FitWorker(spec)
+    assert is_compiled(worker.loop.model)
+
+
+@pytest.mark.slow
+def test_the_default_backend_trains_a_federation(tmp_path: Path) -> None:
+    """Inductor (the default backend; a C++ build on the CPU) end to end: the numbers within float32 rounding of
+    the uncompiled run's (fused kernels round differently)."""
+    ref = _run(tmp_path / "ref", "fedspa")
+    got = _run(tmp_path / "compiled", "fedspa", compile=True)
+    assert is_compiled(got.model)
+    for a, b in zip(_rows(ref), _rows(got), strict=True):
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            if isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+            else:
+                assert b[k] == v, k
