@@ -143,7 +143,7 @@ def test_a_compiled_plain_module_is_refused_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("how", ["setting", "wrapped"])
 def test_a_callback_that_replaces_the_forward_refuses_compilation_in_one_line(tmp_path: Path, how: str) -> None:
     """pFedGate and FedEM install their own forward during fits, which would shadow the compiled one (and under
-    inductor pFedGate's first fits came out as 1e29 and NaN losses): refused before anything runs; a user's callback
+    inductor pFedGate's first fits' losses came out non-finite): refused before anything runs; a user's callback
     says the same with ``supports_compile = False``."""
     from pl_fedsparse import FederatedCallback
     from pl_fedsparse.callbacks import PFedGate

@@ -191,7 +191,8 @@ class PFedGate(FederatedCallback):
     #: per-fit / per-evaluation state: the client's gate budget, its optimizer and pending momentum, the step
     #: schedule and statistics; the trained gate and momentum leave in client state, the statistics in the update
     #: its gated forward replaces the module's during fits (a compiled one would be shadowed; under inductor on the
-    #: CPU, torch 2.14.1, the first fits' losses came out as 1e29 and NaN where the uncompiled fits' did not)
+    #: CPU, torch 2.14.1, the first compiled fits' losses came out non-finite where the uncompiled fits' did not:
+    #: benchmarks/_compile_fit_cpu_pfedgate_lenet.txt)
     supports_compile = False
     scratch_attributes = ("_ctx", "_client_density", "_clip_floor", "_reentrant", "_module", "_gate_opt",
                           "_pending_opt", "_pending_gate", "_captured", "_start", "_step_gate", "_step_model",
