@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import METHODS, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
+from conftest import METHODS, fit_until_interrupted, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.executors import VectorizedExecutor
@@ -165,6 +165,19 @@ def test_a_callback_that_replaces_the_forward_refuses_compilation_in_one_line(tm
 def test_without_the_setting_nothing_is_compiled(tmp_path: Path) -> None:
     loop = _run(tmp_path, "fedavg_ft")
     assert not is_compiled(loop.model) and _graphs() == 0
+
+
+def test_a_resume_may_turn_compilation_on(tmp_path: Path) -> None:
+    """The compiled module keeps its parameter names: a checkpoint of an uncompiled run resumes compiled (and the
+    rounds after it are the uncompiled run's, the eager backend's arithmetic being torch's own)."""
+    full = _run(tmp_path / "full", "fedspa", num_rounds=3)
+    make, _ = METHODS["fedspa"]
+    cut = tiny_loop(tmp_path / "cut", num_rounds=3, callbacks=make())
+    fit_until_interrupted(cut, 2, tiny_module(), tiny_datamodule())
+    resumed = tiny_loop(tmp_path / "cut", num_rounds=3, callbacks=make(), compile=EAGER)
+    resumed.fit(tiny_module(seed=1), tiny_datamodule(), ckpt_path=str(tmp_path / "cut" / "checkpoints" / "last.ckpt"))
+    assert is_compiled(resumed.model) and _graphs() > 0
+    assert _rows(resumed) == _rows(full)
 
 
 # ------------------------------------------------------------------------------------------------ the helpers
