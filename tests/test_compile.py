@@ -255,3 +255,22 @@ def test_the_default_backend_trains_a_federation(tmp_path: Path) -> None:
                 assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
             else:
                 assert b[k] == v, k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_fits_on_the_gpu_give_the_uncompiled_numbers(tmp_path: Path) -> None:
+    """Inductor's kernels on CUDA (Triton) for FedSpa's fits on the GPU: the same bytes and FLOPs as the uncompiled
+    run on the GPU, its accuracies and losses within what the GPU-vs-CPU test allows."""
+    ref = _run(tmp_path / "ref", "fedspa", accelerator="gpu")
+    got = _run(tmp_path / "compiled", "fedspa", accelerator="gpu", compile=True)
+    assert is_compiled(got.model) and got.model.device.type == "cuda"
+    approx = {"acc": dict(abs=0.03), "loss": dict(rel=0.03)}  # (as the GPU-vs-CPU test allows)
+    for a, b in zip(_rows(ref), _rows(got), strict=True):
+        assert a.keys() == b.keys() and b["client_faults"] == 0
+        for k, v in a.items():
+            kind = "acc" if "acc" in k else "loss" if "loss" in k else None
+            if kind is None:
+                assert b[k] == v, k  # (bytes, FLOPs, counts: the arithmetic's rounding does not reach them)
+            else:
+                assert b[k] == pytest.approx(v, **approx[kind]), k
