@@ -25,9 +25,9 @@ it runs one by one.
 CUDA graphs (``mode: reduce-overhead``, ``max-autotune``, ``options: {triton.cudagraphs: true}``) are refused for
 now: a graph's replay overwrites the previous step's outputs, and a fit keeps every step's loss until the fit ends
 (:class:`~pl_fedsparse.metrics.StepLosses`, what keeps the steps free of host syncs) — those would be read
-overwritten. Does compiling pay? On the CPU it does not for the papers' models (``benchmarks/compile_fit.py``,
-``benchmarks/ENGINE.md``: "Does torch.compile make fits faster?"); on a GPU, whose small steps are bound by kernel
-launches, it is measured by the GPU suite.
+overwritten. Does compiling pay? On the CPU it did not for the papers' models (``benchmarks/compile_fit.py``;
+``docs/scaling.md``: "Should I compile the model with torch.compile?"); on a GPU, whose small steps are bound by
+kernel launches, the next lease measures it (``benchmarks/gpu/lease_next.sh``).
 """
 
 from __future__ import annotations
