@@ -85,6 +85,7 @@ def test_the_setting_becomes_torch_compiles_arguments(value: Any, expected: Any)
     ({"fullgraph": "yes"}, "trainer.compile.fullgraph='yes' is invalid: expected true or false"),
     ({"dynamic": 1}, "trainer.compile.dynamic=1 is invalid"),
     ({"backend": "no_such_backend"}, "trainer.compile.backend='no_such_backend' is invalid: expected one of"),
+    ({"backend": "cudagraphs"}, "trainer.compile.backend='cudagraphs' is invalid"),
     ({"options": {"triton.cudagraphs": True}}, "no triton.cudagraphs"),
     ({"options": {}, "mode": "default"}, "mode or options, not both"),
 ])

@@ -93,9 +93,9 @@ def check_compile(value: Any) -> dict[str, Any] | None:
         check(kwargs["dynamic"] is None or isinstance(kwargs["dynamic"], bool), "trainer.compile.dynamic",
               kwargs["dynamic"], "true, false or null")
     if "backend" in kwargs:
-        check(isinstance(kwargs["backend"], str) and kwargs["backend"] in torch._dynamo.list_backends(None),
-              "trainer.compile.backend", kwargs["backend"],
-              "one of " + ", ".join(sorted(torch._dynamo.list_backends(None))))
+        allowed = sorted(b for b in torch._dynamo.list_backends(None) if b != "cudagraphs")
+        check(isinstance(kwargs["backend"], str) and kwargs["backend"] in allowed, "trainer.compile.backend",
+              kwargs["backend"], "one of " + ", ".join(allowed) + " (not cudagraphs: see trainer.compile.mode)")
     if "options" in kwargs:
         options = kwargs["options"]
         check(isinstance(options, Mapping), "trainer.compile.options", options, "a mapping of inductor options")
