@@ -106,15 +106,16 @@ class FederatedLoop:
         keep_checkpoints: keep the last this many round checkpoints (``checkpoints/round-<r>.ckpt``, besides
             ``last.ckpt``) so a run can be restarted from before a problem.
         seed: federation seed (``pl-fed`` sets it from ``--seed_everything``).
-        client_state_codec: ``"none"`` (default) or ``"lossless"``: keep every client's large float32 state
-            (personal models, residuals, ...) compressed between fits, 3.4-3.5 bytes per value instead of 4, decoded
-            bit for bit when read — the same results, ~12-15 % less memory for the client state, a few ms per
+        client_state_codec: ``"none"`` (default) or ``"lossless"``: client state compressed between fits. Every
+            client's large float32 state (personal models, residuals, ...) then takes 3.4-3.5 bytes per value instead
+            of 4, decoded bit for bit when read — the same results, ~12-15 % less memory for the client state, a few ms per
             million values per read and write. For federations whose client state is what fills the memory (e.g.
             1,000 DisPFL ResNet18 clients: ``benchmarks/client_memory.py``).
-        callback_contract: ``"error"`` (default) stops the run with one line when a callback breaks a checked rule of
-            the callback contract (``docs/extending.md``, "The rules the loop checks": an attribute set during a fit,
-            which an out-of-process executor would lose; state a checkpoint does not save); ``"warn"`` logs one
-            warning per callback attribute and goes on. Changes no number.
+        callback_contract: ``"error"`` (default) or ``"warn"`` when a callback breaks the callback contract. With
+            ``"error"`` the run stops with one line when a callback breaks a checked rule of the contract
+            (``docs/extending.md``, "The rules the loop checks": an attribute set during a fit, which an
+            out-of-process executor would lose; state a checkpoint does not save); ``"warn"`` logs one warning per
+            callback attribute and goes on. Changes no number.
         flush_denormal: treat subnormal floats (magnitudes below 1.2e-38) as zero on the CPU during ``fit``
             (``torch.set_flush_denormal``, here and in out-of-process workers). A CPU computes with subnormals many
             times slower, and they appear once models converge (tiny gradients and Adam moments): a FedPSE round on
@@ -139,12 +140,12 @@ class FederatedLoop:
             (about one fit's state) stay locked in host memory, cached by torch for reuse; ``false`` keeps that memory
             pageable. Where pinning fails the engine falls back to pageable memory with one warning. No effect
             without a CUDA device.
-        compile: compile the module the clients' fits run with ``torch.compile``: ``false`` (default), ``true``
-            (its defaults) or a mapping of its arguments (``mode``, ``fullgraph``, ``dynamic``, ``backend``,
-            ``options``; CUDA-graph modes are refused). Compiled once per process, as ``Trainer.fit(torch.compile(
-            model))`` compiles (:mod:`~pl_fedsparse.executors.compiling`); each Ray worker compiles its own. Numbers
-            may move in their last bits (fused kernels round differently). Passing ``torch.compile(model)`` to
-            :meth:`fit` does the same in this process.
+        compile: ``torch.compile`` the fits' module: false, true or its arguments. With true its defaults; a
+            mapping gives its ``mode``, ``fullgraph``, ``dynamic``, ``backend`` or ``options`` (CUDA-graph modes are
+            refused). Compiled once per process, as ``Trainer.fit(torch.compile(model))`` compiles
+            (:mod:`~pl_fedsparse.executors.compiling`); each Ray worker compiles its own. Numbers may move in their
+            last bits (fused kernels round differently). Passing ``torch.compile(model)`` to :meth:`fit` does the
+            same in this process.
 
     Example:
         .. code-block:: yaml
