@@ -9,6 +9,7 @@ uncompiled run's. One slow test runs the default backend (inductor) end to end.
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +244,8 @@ def test_a_workers_copy_of_the_loop_travels_uncompiled_and_compiles_itself(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                    reason="inductor builds C++ on the CPU: no compiler here")
 def test_the_default_backend_trains_a_federation(tmp_path: Path) -> None:
     """Inductor (the default backend; a C++ build on the CPU) end to end: the numbers within float32 rounding of
     the uncompiled run's (fused kernels round differently)."""
