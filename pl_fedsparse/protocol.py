@@ -19,9 +19,11 @@ Optional (the loop uses them when present, and says what it does without them):
 
 * ``loss(logits, y) -> Tensor``: the training loss, used where the loop itself needs gradients outside a fit
   (e.g. gradient-based regrowth: RigL/FedSpa ``GradientRegrow``, SNIP); without it, cross-entropy.
-* ``fit_metrics() -> dict[str, float]``: per-fit metrics, at least ``train_loss`` (mean over the samples seen) and
-  ``samples_seen`` (what FLOPs are charged for); without it, the loop measures both itself from the loss each
-  ``training_step`` returns and the size of each batch's labels.
+* ``fit_metrics() -> dict[str, float | Tensor]``: per-fit metrics, at least ``train_loss`` (mean over the samples
+  seen) and ``samples_seen`` (what FLOPs are charged for); without it, the loop measures both itself from the loss
+  each ``training_step`` returns and the size of each batch's labels. A value may be a 0-dim tensor where the fit
+  ran: it is read with the fit's update, in its one copy to the host (no wait for the device), and is a float from
+  the fit's end on.
 * a datamodule's ``place_data(device)``: called once after ``setup`` with the device the fits run on, where they
   run in the loop's process (not Ray's workers), to put in-memory data there
   (:meth:`~pl_fedsparse.data.FederatedDataModule.place_data`: ``data.device: auto``); without it the data stays

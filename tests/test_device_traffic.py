@@ -198,6 +198,41 @@ def test_state_crosses_in_few_copies_per_fit(config: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("as_tensors", [True, False])
+def test_a_modules_own_fit_metrics_as_tensors_make_no_wait(as_tensors: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module with its own ``fit_metrics`` (the engine then asks it when training ends): values returned as 0-dim
+    tensors on the device cross with the update's copy, no wait; as floats (the plant) they are read at once."""
+    from pl_fedsparse.executors.in_process import InProcessExecutor
+    from pl_fedsparse.module import FederatedModule
+
+    def step(self: Any, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        part = loss.detach() * y.shape[0]
+        self.own_sum = part if batch_idx == 0 and self.own_seen == 0 else self.own_sum + part
+        self.own_seen += int(y.shape[0])
+        return loss
+
+    def start(self: Any) -> None:
+        self.own_sum, self.own_seen = None, 0
+
+    def metrics(self: Any) -> dict[str, Any]:
+        mean = self.own_sum / self.own_seen
+        return {"train_loss": mean if as_tensors else float(mean), "samples_seen": self.own_seen}
+
+    monkeypatch.setattr(FederatedModule, "training_step", step)
+    monkeypatch.setattr(FederatedModule, "on_fit_start", start)
+    monkeypatch.setattr(FederatedModule, "fit_metrics", metrics)
+    # (the engine's own loss record is put off only where fit_metrics is FederatedModule's: here it is the module's)
+    monkeypatch.setattr(InProcessExecutor, "_losses_read_later", lambda self, module, meter: None)
+    r = device_traffic.measure("fedavg")
+    if as_tensors:
+        assert r["waits_per_fit"] == 0, r
+    else:
+        assert r["waits_per_fit"] == 1 and r["examples"]["fit/waits"] == ["__float__"], r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("config, plant", [("fedavg", "loss"), ("fedspa", "changed"), ("dmpfl", "counts")])
 def test_the_counter_sees_a_wait_at_the_end_of_a_fit(config: str, plant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planted, one each: the training loss read when the fit's training ends (as ``fit_metrics`` is asked without

@@ -187,6 +187,63 @@ def test_without_the_device_update_the_loss_is_a_number_in_the_hook(tmp_path: An
     assert seen and all(isinstance(x, float) for x in seen), seen
 
 
+def _own_metrics_module(as_tensors: bool) -> Any:
+    """:func:`tiny_module` with its own ``fit_metrics``: the loss sum kept on the device, returned as a 0-dim tensor
+    (read with the update's copy) or as a float (read when training ends: a wait on a device)."""
+    from conftest import tiny_module
+
+    from pl_fedsparse.module import FederatedModule
+
+    class OwnMetrics(FederatedModule):
+        def on_fit_start(self) -> None:
+            super().on_fit_start()
+            self.loss_sum, self.seen = torch.zeros(()), 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.loss_sum = self.loss_sum.to(loss.device) + loss.detach() * batch[1].shape[0]
+            self.seen += int(batch[1].shape[0])
+            return loss
+
+        def fit_metrics(self) -> dict[str, Any]:
+            mean = self.loss_sum / max(self.seen, 1)
+            return {"train_loss": mean if as_tensors else float(mean), "samples_seen": self.seen}
+
+    plain = tiny_module()
+    module = OwnMetrics(plain.backbone, lr=plain.lr)
+    return module
+
+
+@pytest.mark.parametrize("device_update", [False, True])
+def test_a_modules_fit_metrics_may_be_tensors_read_with_the_update(tmp_path: Any, device_update: bool) -> None:
+    """``fit_metrics`` returning 0-dim tensors where the fit ran: read with the update's one copy to the host (no
+    wait for the device), the same numbers as returned as floats; a callback that takes the update on the host sees
+    floats in ``on_client_fit_end``, as the protocol promised before."""
+    from conftest import tiny_datamodule, tiny_loop
+
+    from pl_fedsparse.callbacks import FederatedCallback
+    from pl_fedsparse.testing import simulated_device
+
+    seen: list[Any] = []
+
+    class Sees(FederatedCallback):
+        def on_client_fit_end(self, loop: Any, module: Any, update: ClientUpdate) -> None:
+            seen.append(update.metrics["train_loss"])
+
+    Sees.device_update = device_update
+    rows = {}
+    for as_tensors in (True, False):
+        seen.clear()
+        loop = tiny_loop(tmp_path / str(as_tensors), callbacks=[Sees()], num_rounds=2)
+        with simulated_device():
+            loop.fit(_own_metrics_module(as_tensors), tiny_datamodule())
+        rows[as_tensors] = [(r["train_loss"], r["flops_train"]) for r in loop.history]
+        if not device_update:
+            assert seen and all(isinstance(x, float) for x in seen), seen
+        assert all(isinstance(r["train_loss"], float) for r in loop.history)
+    assert rows[True] == rows[False]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_gather_and_the_loss_stack_make_no_synchronising_call() -> None:

@@ -269,7 +269,7 @@ def seed_fit(seed: int) -> None:
         torch.mps.manual_seed(seed)
 
 
-def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, metrics: dict[str, float],
+def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, metrics: Mapping[str, Any],
                state: Mapping[str, Tensor] | None = None, on_device: bool = False) -> ClientUpdate:
     """The update of a finished fit: the module's trained state (or ``state``), copied to the CPU, uploaded whole
     until a callback's ``on_client_fit_end`` says otherwise.
@@ -282,8 +282,11 @@ def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, 
         state = dict(zip(state, transfer.clone_tensors(list(state.values()))))
     else:
         state = to_cpu_state(state)
+        # (tensor-valued fit_metrics: read now, after the state's copy, for callbacks that take the update on the
+        # host; with the update on the device they cross in its one copy, update_to_host)
+        metrics = {k: float(v) if isinstance(v, Tensor) else v for k, v in metrics.items()}
     return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
-                        message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+                        message=Message(state), metrics=dict(metrics), kind=ctx.kind, context=ctx)
 
 
 def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
