@@ -45,8 +45,8 @@ from pl_fedsparse.errors import ConfigError, check
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COMPILE_KEYS", "COMPILE_MODES", "check_compile", "check_compile_callbacks", "compile_module", "is_compiled", "running_uncompiled",
-           "uncompiled_copy", "unwrap_compiled"]
+__all__ = ["COMPILE_KEYS", "COMPILE_MODES", "check_compile", "check_compile_callbacks", "compile_module",
+           "is_compiled", "running_uncompiled", "uncompiled_copy", "unwrap_compiled"]
 
 #: ``trainer.compile``'s keys: ``torch.compile``'s keyword arguments
 COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
@@ -86,9 +86,8 @@ def check_compile(value: Any) -> dict[str, Any] | None:
                           "(CUDA graphs overwrite a step's outputs at the next step, and a fit keeps each step's "
                           "loss until it ends)")
     check(mode is None or mode in COMPILE_MODES, "trainer.compile.mode", mode, "one of " + ", ".join(COMPILE_MODES))
-    for key in ("fullgraph",):
-        if key in kwargs:
-            check(isinstance(kwargs[key], bool), f"trainer.compile.{key}", kwargs[key], "true or false")
+    if "fullgraph" in kwargs:
+        check(isinstance(kwargs["fullgraph"], bool), "trainer.compile.fullgraph", kwargs["fullgraph"], "true or false")
     if "dynamic" in kwargs:
         check(kwargs["dynamic"] is None or isinstance(kwargs["dynamic"], bool), "trainer.compile.dynamic",
               kwargs["dynamic"], "true, false or null")
@@ -114,11 +113,10 @@ def check_compile_callbacks(callbacks: Any, value: Any, compiled: Any) -> None:
         return
     for cb in callbacks:
         if getattr(cb, "supports_compile", True) is False:
-            what = "trainer.compile" if compiled is None else "model=torch.compile(...)"
-            shown = f"={value!r}" if compiled is None else ""
-            raise ConfigError(f"{what}{shown} is invalid with {type(cb).__name__}: expected the module uncompiled "
-                              f"({type(cb).__name__} replaces the module's forward during fits; drop "
-                              "trainer.compile)")
+            what, hint = (f"trainer.compile={value!r}", "drop trainer.compile") if compiled is None else (
+                "model=torch.compile(...)", "pass the module itself, not torch.compile(module)")
+            raise ConfigError(f"{what} is invalid with {type(cb).__name__}: expected the module uncompiled "
+                              f"({type(cb).__name__} replaces the module's forward during fits; {hint})")
 
 
 def unwrap_compiled(model: Any) -> tuple[Any, Any]:
