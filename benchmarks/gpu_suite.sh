@@ -22,6 +22,9 @@
 #             gossip message, on the host and on the GPU (what the device path saves)      -> server_work.txt
 #   dispfl    benchmarks/dispfl_round.py: DisPFL's round at the paper's setting against a plain loop doing the same
 #             100 fits and gossip with state and data on the GPU (target: <= 1.1)          -> dispfl_round.txt
+#   compile   benchmarks/compile_fit.py on the GPU: trainer.compile (torch.compile of the module every fit reuses)
+#             against the uncompiled module, FedSpa's VGG11-GN fits, at the default mode and at
+#             max-autotune-no-cudagraphs (autotuned kernels, no CUDA graphs)          -> compile_fit_<mode>.txt
 #   overhead  benchmarks/overhead.py, engine vs a plain loop, at 32-true, bf16-mixed and 16-mixed
 #                                                                                       -> overhead_<precision>.txt
 #   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
@@ -55,7 +58,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-STEPS=(env tests runner traffic server dispfl overhead rounds paper ray vectorized profile)
+STEPS=(env tests runner traffic server dispfl compile overhead rounds paper ray vectorized profile)
 PAPER_SECONDS=${PAPER_SECONDS:-390}
 STEP_SECONDS=${STEP_SECONDS:-0}  # each step's time limit in seconds (0: none); a short lease sets it
 for s in "${ONLY[@]}"; do
@@ -127,6 +130,14 @@ if wanted dispfl; then  # DisPFL's round (100 ResNet18-GN clients, 10 neighbours
     step dispfl_round.txt "$PY" benchmarks/dispfl_round.py --accelerator gpu --data-device cuda --model resnet18 --clients 100 --neighbours 10 --epochs 5 --samples 500 --batch-size 128 --repeats 2 --data-root "$CIFAR10_ROOT"
   else say "dispfl round skipped: no CIFAR-10 at $CIFAR10_ROOT"; fi
   [ "$DRY" = 1 ] && "$PY" benchmarks/dispfl_round.py --help > /dev/null && echo "dispfl_round.py parses"
+fi
+
+if wanted compile; then  # torch.compile of the fits' module against uncompiled (synthetic 32x32 images: no data)
+  for m in default max-autotune-no-cudagraphs; do
+    step "compile_fit_$m.txt" "$PY" benchmarks/compile_fit.py --accelerator gpu --method fedspa --model vgg11 \
+      --clients 4 --samples 512 --batch-size 128 --rounds 5 --warmup 2 --compile "{\"mode\": \"$m\"}"
+  done
+  [ "$DRY" = 1 ] && "$PY" benchmarks/compile_fit.py --help > /dev/null && echo "compile_fit.py parses"
 fi
 
 if wanted overhead; then

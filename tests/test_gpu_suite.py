@@ -42,7 +42,7 @@ def test_a_bad_argument_is_one_line() -> None:
     res = _suite("--only", "nonsense")
     assert res.returncode == 2
     assert res.stderr.strip() == ("error: gpu_suite.sh: --only 'nonsense' is not a step "
-                                  "(allowed: env tests runner traffic server dispfl overhead rounds paper ray vectorized profile)")
+                                  "(allowed: env tests runner traffic server dispfl compile overhead rounds paper ray vectorized profile)")
 
 
 def _cuda() -> bool:
