@@ -26,6 +26,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 from pl_fedsparse import FederatedLoop, FederatedModule
 from pl_fedsparse.callbacks import FedSpaAggregation, GradientRegrow
@@ -98,8 +99,6 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
     for r in range(a.rounds):
         (we, ce, le), (wc, cc, lc) = _round(eager, r, cuda), _round(compiled, r, cuda)
-        from torch._dynamo.utils import counters
-
         graphs = int(counters["stats"]["unique_graphs"])
         what = f"warm-up, {graphs} graphs compiled so far" if r < a.warmup else f"measured, {graphs} graphs"
         print(f"round {r} ({what}): eager {we:.3f} s wall / {ce:.3f} s CPU, compiled {wc:.3f} s wall / "

@@ -210,8 +210,9 @@ class FederatedLoop:
         self.flush_denormal = flush_denormal
         check(isinstance(pin_memory, bool), "trainer.pin_memory", pin_memory, "true or false")
         self.pin_memory = pin_memory
-        #: ``trainer.compile`` as given, and as ``torch.compile``'s arguments (``None``: off)
-        self.compile, self.compile_kwargs = compile, check_compile(compile)
+        check_compile(compile)  # (a one-line error now; the executor compiles: compiling.compile_module)
+        #: ``trainer.compile`` as given
+        self.compile = compile
         #: the ``torch.compile`` wrapper :meth:`fit` was given, if any (its module is :attr:`model`)
         self._compiled_model: Any = None
         self.accounting = Accounting()

@@ -280,13 +280,17 @@ def fit_update(module: torch.nn.Module | None, ctx: FitContext, n_samples: int, 
     state = module.state_dict() if state is None else state  # type: ignore[union-attr]
     if on_device and transfer.on_a_device(state.values()):
         state = dict(zip(state, transfer.clone_tensors(list(state.values()))))
+        metrics = dict(metrics)  # (tensor-valued ones cross in the update's one copy: update_to_host)
     else:
         state = to_cpu_state(state)
-        # (tensor-valued fit_metrics: read now, after the state's copy, for callbacks that take the update on the
-        # host; with the update on the device they cross in its one copy, update_to_host)
-        metrics = {k: float(v) if isinstance(v, Tensor) else v for k, v in metrics.items()}
+        metrics = _as_floats(metrics)  # (read after the state's copy, for callbacks that take the update on the host)
     return ClientUpdate(client_idx=ctx.client_idx, round_idx=ctx.round_idx, n_samples=n_samples, state=state,
-                        message=Message(state), metrics=dict(metrics), kind=ctx.kind, context=ctx)
+                        message=Message(state), metrics=metrics, kind=ctx.kind, context=ctx)
+
+
+def _as_floats(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with each tensor-valued one read as a float (``fit_metrics`` may return scalar tensors)."""
+    return {k: float(v) if isinstance(v, Tensor) else v for k, v in metrics.items()}
 
 
 def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
@@ -333,7 +337,7 @@ def update_to_host(update: ClientUpdate | None, copy: Callable[[list[Tensor]], l
         return tree_map(lambda t: host.get(id(t), t) if isinstance(t, Tensor) else t, tree)
 
     update.state, update.masks, update.extras = swap(update.state), swap(update.masks), swap(update.extras)
-    update.metrics = {k: float(v) if isinstance(v, Tensor) else v for k, v in swap(update.metrics).items()}
+    update.metrics = _as_floats(swap(update.metrics))
     if update.message is not None:
         update.message.tensors, update.message.masks = swap(update.message.tensors), swap(update.message.masks)
 

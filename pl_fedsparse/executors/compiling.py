@@ -141,21 +141,28 @@ def is_compiled(module: Any) -> bool:
     return getattr(module, "_compiler_ctx", None) is not None
 
 
-def compile_module(module: pl.LightningModule, kwargs: Mapping[str, Any] | None, compiled: Any = None) -> bool:
+def compile_module(module: pl.LightningModule, setting: Any, compiled: Any = None) -> bool:
     """Compile ``module`` in place as ``Trainer.fit(torch.compile(module))`` does (Lightning's ``from_compiled``):
-    by ``compiled`` (the ``torch.compile`` wrapper the user passed, :func:`unwrap_compiled`) or else by ``kwargs``
-    (``trainer.compile``, :func:`check_compile`; ``None``: nothing). A module compiled already is left as it is.
+    by ``compiled`` (the ``torch.compile`` wrapper the user passed, :func:`unwrap_compiled`) or else as ``setting``
+    (``trainer.compile``, :func:`check_compile`; off: nothing). A module compiled already is left as it is.
     Returns whether the module is compiled."""
     if is_compiled(module):
         return True
+    kwargs = check_compile(setting)
     if compiled is None and kwargs is None:
         return False
     from lightning.pytorch.utilities.compile import from_compiled
 
     from_compiled(compiled if compiled is not None else torch.compile(module, **kwargs))  # type: ignore[arg-type]
     log.info("client fits run %s compiled by torch.compile (%s)", type(module).__name__,
-             "as passed" if compiled is not None else dict(kwargs or {}))
+             "as passed" if compiled is not None else kwargs)
     return True
+
+
+def _take_compiled(module: Any) -> dict[str, Any]:
+    """The compiled methods ``from_compiled`` set on ``module`` (instance attributes shadowing the class's), removed
+    from it."""
+    return {name: vars(module).pop(name) for name in _COMPILED_METHODS if name in vars(module)}
 
 
 def uncompiled_copy(module: Any) -> Any:
@@ -164,8 +171,7 @@ def uncompiled_copy(module: Any) -> Any:
     if not is_compiled(module):
         return module
     clone = copy.copy(module)
-    for name in _COMPILED_METHODS:
-        vars(clone).pop(name, None)
+    _take_compiled(clone)
     clone._compiler_ctx = None
     return clone
 
@@ -178,7 +184,7 @@ def running_uncompiled(module: Any) -> Iterator[None]:
     if not is_compiled(module):
         yield
         return
-    saved = {name: vars(module).pop(name) for name in _COMPILED_METHODS if name in vars(module)}
+    saved = _take_compiled(module)
     try:
         yield
     finally:

@@ -61,7 +61,7 @@ class InProcessExecutor(ClientExecutor):
         self.loop = loop
         self.runner, self.runner_off, self.device_update = None, None, None
         if loop.model is not None:  # (trainer.compile, or a module torch.compile returned: compiled here, once)
-            compile_module(loop.model, getattr(loop, "compile_kwargs", None), getattr(loop, "_compiled_model", None))
+            compile_module(loop.model, getattr(loop, "compile", False), getattr(loop, "_compiled_model", None))
         mode = getattr(loop, "fit_runner", "auto")
         if mode == "trainer":
             return
