@@ -197,9 +197,8 @@ def test_compiling_replaces_the_methods_in_place_and_a_copy_undoes_it() -> None:
     with running_uncompiled(module):
         assert "forward" not in vars(module)
     assert is_compiled(module) and "forward" in vars(module)
-    assert uncompiled_copy(tiny_module()) is not None
     inner = tiny_module()
-    assert unwrap_compiled(inner) == (inner, None)
+    assert uncompiled_copy(inner) is inner and unwrap_compiled(inner) == (inner, None)  # (uncompiled: as it is)
 
 
 def test_a_compiled_module_is_left_as_it_is() -> None:
