@@ -61,7 +61,7 @@ from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.base import FederatedCallback, replace_methods, restore_methods
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
@@ -101,11 +101,10 @@ class FedEM(FederatedCallback):
     """
 
     #: per-fit state (the fit's context, the E-step's snapshot and running sums, the module whose forward and loss are
-    #: replaced); what a fit produces leaves in client state ("weights") and the update
-    #: its mixture's forward replaces the module's during fits (a compiled one would be shadowed)
-    supports_compile = False
+    #: replaced, the methods installed there and what they shadow); what a fit produces leaves in client state
+    #: ("weights") and the update
     scratch_attributes = ("_ctx", "_module", "_mixture", "_snapshot", "_weights", "_q_sum", "_q_n",
-                          "_label_smoothing", "_captured")
+                          "_label_smoothing", "_captured", "_bound", "_shadowed")
 
     def __init__(self, *, num_components: int = 3, lr_milestones: list[float] | None = None,
                  lr_gamma: float = 0.1) -> None:
@@ -124,6 +123,7 @@ class FedEM(FederatedCallback):
         # per fit
         self._ctx: FitContext | None = None
         self._module: pl.LightningModule | None = None
+        self._shadowed: dict[str, Any] = {}
         self._mixture: Mixture | None = None
         self._snapshot: Mixture | None = None
         self._weights: Tensor | None = None
@@ -209,9 +209,10 @@ class FedEM(FederatedCallback):
         if factor != 1.0:  # the code's multi_step scheduler
             for group in trainer.optimizers[0].param_groups:
                 group["lr"] = group["lr"] * factor
-        # the module's forward and loss become the EM ones for this fit (instance attributes shadow the class's)
-        pl_module.forward = functools.partial(self._em_forward, pl_module)  # type: ignore[method-assign]
-        pl_module.loss = self._em_loss  # type: ignore[method-assign, assignment]
+        # the module's forward and loss become the EM ones for this fit (instance attributes shadow the class's and
+        # compiled ones, which come back after it); the same bound methods every fit (replace_methods)
+        forward, loss = self.__dict__.setdefault("_bound", (self._em_forward, self._em_loss))
+        self._shadowed = replace_methods(pl_module, forward=functools.partial(forward, pl_module), loss=loss)
         self._module = pl_module
 
     @override
@@ -232,7 +233,10 @@ class FedEM(FederatedCallback):
     def _em_loss(self, out: Tensor, y: Tensor) -> Tensor:
         """E-step on the batch, then the components' responsibility-weighted loss."""
         assert self._weights is not None
-        logits, received = out[:, 0], out[:, 1]
+        # the responsibilities are constants of the loss (the received components' logits, made without gradients):
+        # detached, so no step's graph reaches back into an earlier one through their running sum (a compiled
+        # step's autograd node joins every input to its loss)
+        logits, received = out[:, 0], out[:, 1].detach()
         q = e_step(component_log_likelihood(received, y), self._weights.to(out.device))
         batch_sum = q.sum(0)
         self._q_sum = batch_sum if self._q_sum is None else self._q_sum + batch_sum
@@ -241,9 +245,8 @@ class FedEM(FederatedCallback):
 
     def _uninstall(self) -> None:
         if self._module is not None:
-            self._module.__dict__.pop("forward", None)
-            self._module.__dict__.pop("loss", None)
-        self._module, self._mixture, self._snapshot = None, None, None
+            restore_methods(self._module, self._shadowed)
+        self._module, self._mixture, self._snapshot, self._shadowed = None, None, None, {}
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -103,7 +103,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback
+from pl_fedsparse.callbacks.base import FederatedCallback, replace_methods, restore_methods
 from pl_fedsparse.callbacks.fedpse import DELTA
 from pl_fedsparse.client import ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext
@@ -189,14 +189,11 @@ class PFedGate(FederatedCallback):
     """
 
     #: per-fit / per-evaluation state: the client's gate budget, its optimizer and pending momentum, the step
-    #: schedule and statistics; the trained gate and momentum leave in client state, the statistics in the update
-    #: its gated forward replaces the module's during fits (a compiled one would be shadowed; under inductor on the
-    #: CPU, torch 2.14.1, the first compiled fits' losses came out non-finite where the uncompiled fits' did not:
-    #: benchmarks/_compile_fit_cpu_pfedgate_lenet.txt)
-    supports_compile = False
+    #: schedule and statistics; the trained gate and momentum leave in client state, the statistics in the update;
+    #: the gated forward installed in the module and what it shadows (a compiled ``forward``, put back after it)
     scratch_attributes = ("_ctx", "_client_density", "_clip_floor", "_reentrant", "_module", "_gate_opt",
                           "_pending_opt", "_pending_gate", "_captured", "_start", "_step_gate", "_step_model",
-                          "_skip_step", "_stats")
+                          "_skip_step", "_stats", "_bound_forward", "_shadowed")
 
     def __init__(
         self, *, density: float = 0.5, client_densities: list[float] | None = None, num_splits: int = 5,
@@ -276,6 +273,7 @@ class PFedGate(FederatedCallback):
         self._clip_floor = 0.0
         self._reentrant = False
         self._module: nn.Module | None = None
+        self._shadowed: dict[str, Any] = {}
         self._gate_opt: torch.optim.Optimizer | None = None
         self._pending_opt: dict[str, Tensor] = {}
         # a fit's gate, on the working gate's device, until the fit trains in process (on_train_start loads it into
@@ -405,14 +403,20 @@ class PFedGate(FederatedCallback):
 
     # ---- the gated forward ------------------------------------------------------------------------------------
     def _install(self, module: nn.Module) -> None:
-        # the module's own forward stays the class's; the instance attribute shadows it while the gate is active
-        module.forward = functools.partial(self._gated_forward, module)  # type: ignore[method-assign]
+        """The gated forward in ``module`` while the gate is active (an instance attribute shadowing the class's
+        ``forward`` and a compiled one, which come back when it leaves)."""
+        if self._module is module:
+            return
+        self._uninstall()
+        # the same bound method every fit: compiled graphs are guarded on it (replace_methods)
+        gated = self.__dict__.setdefault("_bound_forward", self._gated_forward)
+        self._shadowed = replace_methods(module, forward=functools.partial(gated, module))
         self._module = module
 
     def _uninstall(self) -> None:
         if self._module is not None:
-            self._module.__dict__.pop("forward", None)
-        self._module = None
+            restore_methods(self._module, self._shadowed)
+        self._module, self._shadowed = None, {}
 
     def _gated_forward(self, module: nn.Module, x: Tensor) -> Tensor:
         """Alg. 1 lines 3-4 for one batch: ``G, M = φ(x)``, ``I* = knapsack(G)``, ``M' = I_ST ⊙ M``,

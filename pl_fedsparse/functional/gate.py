@@ -649,11 +649,14 @@ def _expand_pieces(first: Tensor, rest: Tensor | None, table: BlockTable, index:
     numel = math.prod(table.shapes[index])
     head = table.sizes[table.spans[index][0]]
     lead = first.shape[:-1]
-    parts = [first.expand(*lead, head)]
-    if rest is not None:
-        size = table.sizes[table.spans[index][0] + 1]  # every later block has this size except a shorter last one
-        parts.append(rest.repeat_interleave(size, dim=-1)[..., :numel - head])
-    return torch.cat(parts, -1).view(*lead, *table.shapes[index])
+    if rest is None:
+        return first.expand(*lead, head).contiguous().view(*lead, *table.shapes[index])
+    size = table.sizes[table.spans[index][0] + 1]  # every later block has this size except a shorter last one
+    # the shorter last block is cut off after the concatenation, not before: the same values and gradients bit for
+    # bit, and inductor (torch 2.14.1) miscompiles a cut repeat inside a concatenation (the last, partial block is
+    # left unwritten: garbage weights under trainer.compile; tests/test_compile.py)
+    whole = torch.cat([first.expand(*lead, head), rest.repeat_interleave(size, dim=-1)], -1)
+    return whole[..., :numel].view(*lead, *table.shapes[index])
 
 
 @functools.lru_cache(maxsize=64)
