@@ -7,9 +7,10 @@
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
 # left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked and
 # DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat), torch.compile of the module
-# against uncompiled (compile_fit.py: trainer.compile, FedSpa's VGG11-GN fits), then a stacked step's
-# convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's convolutions option); before it,
-# a fit's state across the host link staged in pinned memory against pageable (host_link.py: trainer.pin_memory);
+# against uncompiled (compile_fit.py: trainer.compile, FedSpa's VGG11-GN fits, then pFedGate's LeNet-CIFAR fits),
+# then a stacked step's convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's
+# convolutions option); before it, a fit's state across the host link staged in pinned memory against pageable
+# (host_link.py: trainer.pin_memory);
 # last, FedSpa's rounds stacked at bf16-mixed (allowed for GroupNorm models since the stacked layers cast as
 # autocast does).
 # Every record goes straight to $OUT, named as in README.md.
@@ -57,6 +58,9 @@ else
     echo "[$(el)s] torch.compile of the module (trainer.compile), FedSpa's VGG11-GN fits, against uncompiled"
     run compile_fit.txt 120 python3 benchmarks/compile_fit.py --accelerator gpu --method fedspa --model vgg11 \
         --clients 4 --samples 512 --batch-size 128 --rounds 5 --warmup 2
+    echo "[$(el)s] torch.compile of pFedGate's LeNet-CIFAR fits (the least busy config), against uncompiled"
+    run compile_fit_pfedgate.txt 90 python3 benchmarks/compile_fit.py --accelerator gpu --method pfedgate \
+        --model lenet --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2
     echo "[$(el)s] a fit's state across the host link, pinned and pageable"
     run host_link.txt 40 python3 benchmarks/host_link.py --repeats 10
     echo "[$(el)s] a stacked step's convolutions, per client and grouped"

@@ -195,9 +195,10 @@ class FederatedCallback(pl.Callback):
     #: of a run's method label (it never imports a user's module to ask)
     evaluation_only: bool = False
     #: whether fits may run a module compiled by ``torch.compile`` (``trainer.compile``, or ``torch.compile(model)``
-    #: given to ``fit``) with this callback: ``False`` refuses the combination in one line — for a callback that
-    #: replaces the module's ``forward`` during fits (:class:`~pl_fedsparse.callbacks.PFedGate`,
-    #: :class:`~pl_fedsparse.callbacks.FedEM`), which shadows the compiled one
+    #: given to ``fit``) with this callback: ``False`` refuses the combination in one line. A callback that puts its
+    #: own ``forward`` in the module during fits can run compiled when it does so with :func:`replace_methods` and
+    #: :func:`restore_methods` (as :class:`~pl_fedsparse.callbacks.PFedGate` and
+    #: :class:`~pl_fedsparse.callbacks.FedEM` do): the compiled training step then runs it
     supports_compile: bool = True
 
     # ---- per-client state -------------------------------------------------------------------------------------
