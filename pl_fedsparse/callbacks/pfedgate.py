@@ -405,9 +405,7 @@ class PFedGate(FederatedCallback):
     def _install(self, module: nn.Module) -> None:
         """The gated forward in ``module`` while the gate is active (an instance attribute shadowing the class's
         ``forward`` and a compiled one, which come back when it leaves)."""
-        if self._module is module:
-            return
-        self._uninstall()
+        self._uninstall()  # (one installed already comes off first: what it shadowed is what the new one shadows)
         # the same bound method every fit: compiled graphs are guarded on it (replace_methods)
         gated = self.__dict__.setdefault("_bound_forward", self._gated_forward)
         self._shadowed = replace_methods(module, forward=functools.partial(gated, module))
