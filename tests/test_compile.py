@@ -311,8 +311,8 @@ def test_the_default_backend_trains_a_federation(tmp_path: Path, method: str) ->
 def test_inductor_expands_block_weights_whose_last_block_is_shorter(lead: tuple[int, ...]) -> None:
     """pFedGate's ``θ' = θ ⊙ expand(M')`` where a parameter's last block is shorter than the others (1024 elements in
     5 blocks: 4 of 205 and 1 of 204), as one client and as stacked clients: compiled as uncompiled. Cut before the
-    concatenation, inductor (torch 2.14.1) left that last block unwritten, and pFedGate's compiled fits trained on
-    whatever the memory held."""
+    concatenation, inductor's C++ backend (torch 2.14.1) left that last block unwritten (its loop split cut 819
+    elements into 3 x 205), and pFedGate's compiled fits trained on whatever the memory held."""
     from pl_fedsparse.functional.gate import make_block_table, personalized_params
     from pl_fedsparse.functional.gate_stacked import stacked_personalized_params
 

@@ -653,8 +653,9 @@ def _expand_pieces(first: Tensor, rest: Tensor | None, table: BlockTable, index:
         return first.expand(*lead, head).contiguous().view(*lead, *table.shapes[index])
     size = table.sizes[table.spans[index][0] + 1]  # every later block has this size except a shorter last one
     # the shorter last block is cut off after the concatenation, not before: the same values and gradients bit for
-    # bit, and inductor (torch 2.14.1) miscompiles a cut repeat inside a concatenation (the last, partial block is
-    # left unwritten: garbage weights under trainer.compile; tests/test_compile.py)
+    # bit, and inductor's C++ backend (torch 2.14.1) miscompiles a cut repeat inside a concatenation: its loop split
+    # (CppScheduling.try_loop_split) cuts the 819 elements of 4 blocks of 205 into 3 x 205 and leaves the last,
+    # partial block unwritten (garbage weights under trainer.compile on a CPU; tests/test_compile.py)
     whole = torch.cat([first.expand(*lead, head), rest.repeat_interleave(size, dim=-1)], -1)
     return whole[..., :numel].view(*lead, *table.shapes[index])
 
