@@ -188,6 +188,29 @@ def test_a_compiled_plain_module_is_refused_in_one_line(tmp_path: Path) -> None:
         loop.fit(torch.compile(MLP(num_classes=4, in_channels=1, input_size=8)), tiny_datamodule())
 
 
+def test_the_docs_example_of_a_callbacks_own_forward_runs_compiled_once(tmp_path: Path) -> None:
+    """docs/extending.md's ``MyForward`` (its code block, run as written): trained with a compiled module, it
+    compiles no more graphs in four rounds than in two, and gives the compiled forward back."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    start = text.index("class MyForward(FederatedCallback):")
+    code = text[text.rindex("```python", 0, start) + len("```python"):text.index("```", start)]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/extending.md", "exec"), namespace)
+    graphs = []
+    for rounds in (2, 4):
+        _reset()
+        module = tiny_module()
+        compile_module(module, EAGER)
+        compiled = vars(module)["forward"]
+        loop = tiny_loop(tmp_path / str(rounds), callbacks=[namespace["MyForward"]()], compile=EAGER,
+                         num_rounds=rounds)
+        with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+            loop.fit(module, tiny_datamodule())
+        assert vars(module)["forward"] is compiled and loop.history[-1]["client_faults"] == 0
+        graphs.append(_graphs())
+    assert graphs[0] > 0 and graphs[1] == graphs[0]
+
+
 @pytest.mark.parametrize("how", ["setting", "wrapped"])
 def test_a_callback_that_does_not_support_compilation_refuses_it_in_one_line(tmp_path: Path, how: str) -> None:
     """A callback says it cannot run with a compiled module by ``supports_compile = False``: refused before
