@@ -5,15 +5,16 @@
 # corrected EWA test and the prepared-inputs test among them), the runner's overhead at 32-true and bf16-mixed
 # (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, then pFedGate's
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
-# left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked and
-# DisPFL's gossip message made flat against tensor by tensor (gossip_message.py --flat), torch.compile of the module
-# against uncompiled (compile_fit.py: trainer.compile, FedSpa's VGG11-GN fits, then pFedGate's LeNet-CIFAR fits),
+# left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked,
+# torch.compile of pFedGate's LeNet-CIFAR fits against uncompiled (compile_fit.py: trainer.compile), DisPFL's gossip
+# message made flat against tensor by tensor (gossip_message.py --flat), torch.compile of FedSpa's VGG11-GN fits,
 # then a stacked step's convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's
 # convolutions option); before it, a fit's state across the host link staged in pinned memory against pageable
 # (host_link.py: trainer.pin_memory);
 # last, FedSpa's rounds stacked at bf16-mixed (allowed for GroupNorm models since the stacked layers cast as
 # autocast does).
-# Every record goes straight to $OUT, named as in README.md.
+# Every record goes straight to $OUT, named as in README.md; each rounds step's run directories in $OUT/<step>.tgz
+# right after it, so a call cut by its time limit keeps what finished.
 set -u
 CALL=${1:?usage: lease_next.sh 1|2}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
@@ -30,6 +31,10 @@ run() {  # run NAME SECONDS CMD...: the command's output and exit code in $O/NAM
     local name=$1 secs=$2; shift 2
     ( echo "# $*  ($GPU, commit $COMMIT, $DAY)"; timeout -k 10 "$secs" "$@"; echo "rc $?" ) > "$O/$name" 2>&1
 }
+keep() {  # keep NAME DIR...: a rounds step's records in $O/NAME.tgz right after it (a call cut later keeps them)
+    local name=$1; shift
+    tar -czf "$O/$name.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl "$@" 2>/dev/null
+}
 if [ "$CALL" = 1 ]; then
     echo "[$(el)s] GPU tests"
     run tests.txt 150 env OMP_NUM_THREADS=3 python3 -m pytest -vv -p no:cacheprovider -m gpu -rA --tb=short -n 4 tests
@@ -41,26 +46,28 @@ if [ "$CALL" = 1 ]; then
     echo "[$(el)s] rounds"
     run rounds.log 150 python3 benchmarks/gpu_rounds.py run --force --only pfedgate fedspa_dst --rounds 3 \
         --eval-every 3 --seconds 70 --data-root data/cifar10
+    keep rounds benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/fedspa_dst
     run rounds_pfedgate_vec.log 90 python3 benchmarks/gpu_rounds.py run --force --only pfedgate --tag vec \
         --rounds 3 --eval-every 3 --seconds 80 --data-root data/cifar10 -- \
         --trainer.executor pl_fedsparse.executors.VectorizedExecutor
-    tar -czf "$O/rounds.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
-        benchmarks/gpu/rounds/pfedgate benchmarks/gpu/rounds/pfedgate+vec benchmarks/gpu/rounds/fedspa_dst 2>/dev/null
+    keep rounds_pfedgate_vec benchmarks/gpu/rounds/pfedgate+vec
 else
     echo "[$(el)s] DM-PFL's 8 rounds; FedSpa's rounds stacked"
     run rounds_dmpfl.log 100 python3 benchmarks/gpu_rounds.py run --force --only dmpfl --rounds 8 --eval-every 8 \
         --seconds 95 --data-root data/cifar10
+    keep rounds_dmpfl benchmarks/gpu/rounds/dmpfl
     run rounds_fedspa_vec.log 90 python3 benchmarks/gpu_rounds.py run --force --only fedspa_dst --tag vec \
         --rounds 3 --eval-every 3 --seconds 80 --data-root data/cifar10 -- \
         --trainer.executor pl_fedsparse.executors.VectorizedExecutor
+    keep rounds_fedspa_vec benchmarks/gpu/rounds/fedspa_dst+vec
+    echo "[$(el)s] torch.compile of pFedGate's LeNet-CIFAR fits (the least busy config), against uncompiled"
+    run compile_fit_pfedgate.txt 90 python3 benchmarks/compile_fit.py --accelerator gpu --method pfedgate \
+        --model lenet --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2
     echo "[$(el)s] DisPFL's gossip message, flat and tensor by tensor"
     run gossip_flat.txt 60 python3 benchmarks/gossip_message.py --flat --device cuda --repeats 10
     echo "[$(el)s] torch.compile of the module (trainer.compile), FedSpa's VGG11-GN fits, against uncompiled"
     run compile_fit.txt 120 python3 benchmarks/compile_fit.py --accelerator gpu --method fedspa --model vgg11 \
         --clients 4 --samples 512 --batch-size 128 --rounds 5 --warmup 2
-    echo "[$(el)s] torch.compile of pFedGate's LeNet-CIFAR fits (the least busy config), against uncompiled"
-    run compile_fit_pfedgate.txt 90 python3 benchmarks/compile_fit.py --accelerator gpu --method pfedgate \
-        --model lenet --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2
     echo "[$(el)s] a fit's state across the host link, pinned and pageable"
     run host_link.txt 40 python3 benchmarks/host_link.py --repeats 10
     echo "[$(el)s] a stacked step's convolutions, per client and grouped"
@@ -70,9 +77,7 @@ else
     run rounds_fedspa_vec_bf16.log 75 python3 benchmarks/gpu_rounds.py run --force --only fedspa_dst --tag vecbf16 \
         --rounds 3 --eval-every 3 --seconds 65 --precision bf16-mixed --data-root data/cifar10 -- \
         --trainer.executor pl_fedsparse.executors.VectorizedExecutor
-    tar -czf "$O/rounds2.tgz" --exclude='*.ckpt' --exclude='events.out*' benchmarks/gpu/rounds.jsonl \
-        benchmarks/gpu/rounds/dmpfl benchmarks/gpu/rounds/fedspa_dst+vec benchmarks/gpu/rounds/fedspa_dst+vecbf16 \
-        2>/dev/null
+    keep rounds_fedspa_vec_bf16 benchmarks/gpu/rounds/fedspa_dst+vecbf16
 fi
 kill $SMI 2>/dev/null
 echo "[$(el)s] done"
