@@ -131,6 +131,20 @@ def test_compiled_fits_give_the_uncompiled_numbers(tmp_path: Path, method: str) 
     assert _rows(got) == _rows(ref)
 
 
+@pytest.mark.parametrize("method", ["fedspa", "dispfl", "dmpfl", "ditto_masked", "pfedgate", "fedem"])
+def test_a_compiled_step_has_no_graph_break(tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every method's compiled training step is whole graphs, with no break: a break splits the step's kernels
+    into pieces with Python between them, and most breaks read a tensor on the host (a wait for the GPU). pFedGate
+    with its knapsack where the gate is, as on a GPU (on the CPU it solves it on the host, by design a break)."""
+    from torch._dynamo.utils import counters
+
+    import pl_fedsparse.functional.gate as gate
+
+    monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", False)
+    _run(tmp_path, method, compile=EAGER, num_rounds=2)
+    assert _graphs() > 0 and dict(counters["graph_break"]) == {}
+
+
 @pytest.mark.parametrize("method", ["pfedgate", "fedem"])
 def test_autograd_compiled_steps_train_the_methods_that_replace_the_forward(tmp_path: Path, method: str) -> None:
     """``aot_eager``: AOTAutograd's one autograd node per compiled graph (inductor's too), with torch's operators.
