@@ -120,7 +120,8 @@ def test_the_cli_refuses_a_bad_setting_in_one_line(tmp_path: Path, capsys: pytes
 
 
 # ------------------------------------------------------------------------------------------------ in process
-@pytest.mark.parametrize("method", ["fedspa", "pfedgate", "fedem", pytest.param("dispfl", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["fedspa", "pfedgate", *(pytest.param(m, marks=pytest.mark.slow)
+                                                           for m in ("fedem", "dispfl"))])
 def test_compiled_fits_give_the_uncompiled_numbers(tmp_path: Path, method: str) -> None:
     """The ``eager`` backend runs the captured graphs with torch's operators: the same bits, so any difference
     is the engine's (a fit that lost its mask, a state loaded into other tensors than the graphs read). pFedGate
@@ -131,21 +132,7 @@ def test_compiled_fits_give_the_uncompiled_numbers(tmp_path: Path, method: str) 
     assert _rows(got) == _rows(ref)
 
 
-@pytest.mark.parametrize("method", ["fedspa", "dispfl", "dmpfl", "ditto_masked", "pfedgate", "fedem"])
-def test_a_compiled_step_has_no_graph_break(tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every method's compiled training step is whole graphs, with no break: a break splits the step's kernels
-    into pieces with Python between them, and most breaks read a tensor on the host (a wait for the GPU). pFedGate
-    with its knapsack where the gate is, as on a GPU (on the CPU it solves it on the host, by design a break)."""
-    from torch._dynamo.utils import counters
-
-    import pl_fedsparse.functional.gate as gate
-
-    monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", False)
-    _run(tmp_path, method, compile=EAGER, num_rounds=2)
-    assert _graphs() > 0 and dict(counters["graph_break"]) == {}
-
-
-@pytest.mark.parametrize("method", ["pfedgate", "fedem"])
+@pytest.mark.parametrize("method", ["fedem", pytest.param("pfedgate", marks=pytest.mark.slow)])
 def test_autograd_compiled_steps_train_the_methods_that_replace_the_forward(tmp_path: Path, method: str) -> None:
     """``aot_eager``: AOTAutograd's one autograd node per compiled graph (inductor's too), with torch's operators.
     FedEM's running sum of responsibilities, carried from step to step, must not join one step's graph to the
@@ -158,22 +145,35 @@ def test_autograd_compiled_steps_train_the_methods_that_replace_the_forward(tmp_
             assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-7) if isinstance(v, float) else b[k] == v, k
 
 
-@pytest.mark.parametrize("method, fit_runner", [("fedspa", "auto"), ("pfedgate", "auto"), ("fedem", "auto"),
-                                                pytest.param("fedspa", "trainer", marks=pytest.mark.slow)])
-def test_a_federation_compiles_once_not_per_fit(tmp_path: Path, method: str, fit_runner: str) -> None:
+@pytest.mark.parametrize("method, fit_runner", [
+    ("fedspa", "auto"), ("pfedgate", "auto"),
+    *(pytest.param(m, "auto", marks=pytest.mark.slow) for m in ("fedem", "dispfl", "dmpfl", "ditto_masked")),
+    pytest.param("fedspa", "trainer", marks=pytest.mark.slow)])
+def test_a_federation_compiles_once_not_per_fit_and_without_a_graph_break(
+        tmp_path: Path, method: str, fit_runner: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every client's fit reuses the one compiled module: the graphs of two rounds are those of four (a
     recompilation per client, or per fit, would add graphs with the rounds) — also where a callback puts its own
     ``forward`` in the module for each fit (the same bound method each time: the graphs are guarded on it).
-    Dynamo's limit of recompilations per function is raised well above the fits, so that it does not hide them."""
+    Dynamo's limit of recompilations per function is raised well above the fits, so that it does not hide them.
+
+    And every method's compiled step is whole graphs, with no break: a break splits the step's kernels into pieces
+    with Python between them, and most breaks read a tensor on the host (a wait for the GPU). pFedGate with its
+    knapsack where the gate is, as on a GPU (on the CPU it solves it on the host, by design a break)."""
+    from torch._dynamo.utils import counters
+
+    import pl_fedsparse.functional.gate as gate
+
+    monkeypatch.setattr(gate, "HOST_KNAPSACK_ON_CPU", False)
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
         _run(tmp_path / "two", method, compile=EAGER, num_rounds=2, fit_runner=fit_runner)
         two = _graphs()
         _reset()
         _run(tmp_path / "four", method, compile=EAGER, num_rounds=4, fit_runner=fit_runner)
     assert two > 0 and _graphs() == two
+    assert dict(counters["graph_break"]) == {}
 
 
-@pytest.mark.parametrize("method", ["pfedgate", "fedem"])
+@pytest.mark.parametrize("method", ["pfedgate", pytest.param("fedem", marks=pytest.mark.slow)])
 def test_a_callbacks_own_forward_gives_the_compiled_one_back(tmp_path: Path, method: str) -> None:
     """The forward a callback installs for a fit (or a personal evaluation) shadows the compiled one, which is
     the module's again after it: later evaluations and fits find the module as compiled."""
