@@ -52,6 +52,7 @@ from torch import Tensor
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
 from pl_fedsparse.functional import transfer
+from pl_fedsparse.functional.shadowing import replace_methods, restore_methods
 from pl_fedsparse.view import EvalView
 
 if TYPE_CHECKING:
@@ -63,37 +64,6 @@ __all__ = ["POLICIES", "FederatedCallback", "declares", "fits_device", "message_
 DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared", "evaluation_batch_matters")
 
 POLICIES: tuple[str, ...] = ("select_clients", "client_message", "aggregate", "personal_state", "client_masks")
-
-
-def replace_methods(module: Any, **methods: Any) -> dict[str, Any]:
-    """Put ``methods`` on ``module`` for a fit as instance attributes (``forward=...``, ``loss=...``), shadowing the
-    class's methods and the compiled ones ``trainer.compile`` set on the instance; :func:`restore_methods` with what
-    this returns puts back what was there.
-
-    A compiled module's graphs are guarded on the methods they call: install the same bound method every fit (keep
-    it in an attribute), or each fit compiles them again until ``torch.compile`` gives up and runs them uncompiled.
-
-    Example:
-        >>> import torch
-        >>> m = torch.nn.Linear(2, 2)
-        >>> before = replace_methods(m, forward=lambda x: x)
-        >>> m(torch.ones(1, 2)).tolist()
-        [[1.0, 1.0]]
-        >>> restore_methods(m, before); "forward" in vars(m)
-        False
-    """
-    before = {name: vars(module).get(name) for name in methods}
-    vars(module).update(methods)
-    return before
-
-
-def restore_methods(module: Any, before: dict[str, Any]) -> None:
-    """Undo :func:`replace_methods`: each replaced name gets its earlier instance attribute back, or none."""
-    for name, method in before.items():
-        if method is None:
-            vars(module).pop(name, None)
-        else:
-            vars(module)[name] = method
 
 
 def takes_device_update(callbacks: Sequence[Any]) -> bool:

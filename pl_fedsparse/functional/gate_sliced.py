@@ -73,6 +73,7 @@ from torch import Tensor, nn
 
 from pl_fedsparse.errors import check
 from pl_fedsparse.functional.gate import BlockTable
+from pl_fedsparse.functional.shadowing import replace_methods, restore_methods
 
 __all__ = ["active_rows", "sliceable_layers", "sliced_forward"]
 
@@ -251,24 +252,19 @@ def _sliced_layer(module: nn.Module, plan: _RowPlan, dropped_grad: bool, x: Tens
 
 @contextlib.contextmanager
 def _rows_installed(model: nn.Module, plans: Mapping[str, _RowPlan], dropped_grad: bool) -> Iterator[None]:
-    patched: list[tuple[nn.Module, Any]] = []
+    patched: list[tuple[nn.Module, dict[str, Any]]] = []
     try:
         for name, plan in plans.items():
             module = model.get_submodule(name)
-            previous = module.__dict__.get("forward")
 
             def forward(x: Tensor, _m: nn.Module = module, _p: _RowPlan = plan) -> Tensor:
                 return _sliced_layer(_m, _p, dropped_grad, x)
 
-            module.forward = forward  # type: ignore[method-assign]
-            patched.append((module, previous))
+            patched.append((module, replace_methods(module, forward=forward)))
         yield
     finally:
-        for module, previous in reversed(patched):
-            if previous is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous  # type: ignore[method-assign]
+        for module, before in reversed(patched):
+            restore_methods(module, before)
 
 
 def sliced_forward(model: nn.Module, params: Mapping[str, Tensor], x: Tensor, keep: Tensor, table: BlockTable, *,
