@@ -26,6 +26,7 @@
 #             against the uncompiled module, FedSpa's VGG11-GN fits, at the default mode and at
 #             max-autotune-no-cudagraphs (autotuned kernels, no CUDA graphs)          -> compile_fit_<mode>.txt
 #             and pFedGate's LeNet-CIFAR fits (its paper model and batch), default mode -> compile_fit_pfedgate.txt
+#             and as CUDA graphs (mode reduce-overhead)                    -> compile_fit_pfedgate_cudagraphs.txt
 #   overhead  benchmarks/overhead.py, engine vs a plain loop, at 32-true, bf16-mixed and 16-mixed
 #                                                                                       -> overhead_<precision>.txt
 #   rounds    benchmarks/gpu_rounds.py: each seed method's paper config for a few rounds: seconds per round, GPU
@@ -140,6 +141,9 @@ if wanted compile; then  # torch.compile of the fits' module against uncompiled 
   done
   step compile_fit_pfedgate.txt "$PY" benchmarks/compile_fit.py --accelerator gpu --method pfedgate --model lenet \
     --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2
+  step compile_fit_pfedgate_cudagraphs.txt "$PY" benchmarks/compile_fit.py --accelerator gpu --method pfedgate \
+    --model lenet --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2 \
+    --compile '{"mode": "reduce-overhead"}'
   [ "$DRY" = 1 ] && "$PY" benchmarks/compile_fit.py --help > /dev/null && echo "compile_fit.py parses"
 fi
 

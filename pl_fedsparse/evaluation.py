@@ -47,6 +47,7 @@ from torch import Tensor
 from pl_fedsparse.data.loaders import TensorBatchLoader, batch_to
 from pl_fedsparse.errors import ConfigError, UserCodeError, check, user_code
 from pl_fedsparse.executors.base import load_state
+from pl_fedsparse.executors.compiling import graph_outputs_reused
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_host
 from pl_fedsparse.metrics import summarize_accuracies, summarize_metric
@@ -319,6 +320,7 @@ class Evaluator:
         dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(loop.precision)
         autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         logits, labels = [], []
+        copy = graph_outputs_reused(module)  # (CUDA graphs: a batch's logits are overwritten by the next batch's)
         where = f"{where}, " if where else ""
         where += f"round {loop.round_idx}, evaluation"
         with torch.inference_mode():
@@ -330,7 +332,7 @@ class Evaluator:
                     shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
                     raise UserCodeError(f"{type(module).__qualname__}.forward returned {shape} for a batch of "
                                         f"{x.shape[0]} inputs ({where}); expected logits [batch, classes]")
-                logits.append(out.float())  # kept where they are: no wait for the device per batch
+                logits.append(out.to(torch.float32, copy=copy))  # kept where they are: no wait for the device
                 labels.append(y)
             if logits:  # all of them to the host in one copy
                 both = to_host({"logits": torch.cat(logits), "labels": torch.cat(labels)})
@@ -419,9 +421,10 @@ class Evaluator:
             transfer.mark_placed((x,), loop.device)  # (a device run simulated on the CPU: on "the device")
             module.to(loop.device).eval()
             try:
+                copy = graph_outputs_reused(module)  # (CUDA graphs: each call's outputs overwritten by the next's)
                 with torch.no_grad():
-                    together = module(x).float()
-                    alone = torch.cat([module(x[i:i + 1]).float() for i in range(len(x))])
+                    together = module(x).to(torch.float32, copy=copy)
+                    alone = torch.cat([module(x[i:i + 1]).to(torch.float32, copy=copy) for i in range(len(x))])
                 self._independent = (module, bool(torch.allclose(together, alone, rtol=1e-4, atol=1e-5)))
             finally:
                 module.train(was_training)

@@ -25,6 +25,8 @@ import torch  # noqa: F401 - used by the doctests
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from pl_fedsparse.executors.compiling import outside_graphs
+
 __all__ = ["summarize_accuracies", "summarize_metric", "EVAL_METRICS", "bottom_decile", "CommLedger", "TrainFlops",
            "Accounting", "SERVER", "StepLosses", "PendingMetric"]
 
@@ -50,8 +52,12 @@ class StepLosses:
         (6.0, 14)
     """
 
-    def __init__(self, *, cast_float: bool = False, start_at_zero: bool = True) -> None:
+    def __init__(self, *, cast_float: bool = False, start_at_zero: bool = True, copy: bool = False) -> None:
         self.cast_float, self.start_at_zero = cast_float, start_at_zero
+        #: keep a copy of each loss, made outside any compiled graph (one operator a step), instead of the loss
+        #: itself: where the steps run as CUDA graphs (``trainer.compile: {mode: reduce-overhead}``), whose replays
+        #: overwrite their outputs at the next step (:func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`)
+        self.copy = copy
         self.reset()
 
     def reset(self) -> None:
@@ -64,8 +70,9 @@ class StepLosses:
         return len(self._losses)
 
     def add(self, loss: Tensor, n: int) -> None:
-        """One step's loss (one value, any shape) and its batch size; no operator runs."""
-        self._losses.append(loss.detach())
+        """One step's loss (one value, any shape) and its batch size; no operator runs (one copy where
+        :attr:`copy`)."""
+        self._losses.append(outside_graphs(Tensor.clone, loss.detach()) if self.copy else loss.detach())
         self._sizes.append(int(n))
         self.samples += int(n)
 

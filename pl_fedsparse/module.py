@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from pl_fedsparse.context import current_fit
 from pl_fedsparse.errors import check
+from pl_fedsparse.executors.compiling import graph_outputs_reused
 from pl_fedsparse.metrics import StepLosses
 
 __all__ = ["FederatedModule"]
@@ -94,6 +95,8 @@ class FederatedModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._step_losses.reset()
+        # compiled to CUDA graphs, a step's loss is overwritten by the next step's: the fit keeps copies
+        self._step_losses.copy = graph_outputs_reused(self)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch

@@ -1,5 +1,7 @@
 """Testing tools: fault injection, to test that a federation survives failing clients (``trainer.on_client_fault``),
-and a device run simulated on the CPU, to find a tensor left on the wrong side without a GPU (:func:`simulated_device`).
+a device run simulated on the CPU, to find a tensor left on the wrong side without a GPU (:func:`simulated_device`),
+and CUDA graphs' reuse of their outputs simulated on the CPU, to find a step's output kept past the next step without
+a GPU (:func:`simulated_cuda_graphs`).
 
 :class:`FaultInjection` breaks one client's fit in chosen rounds, the way real clients fail: NaN weights (a
 diverged or corrupted model), NaN gradients, an infinite value in the upload, an exception (a crashed device), or no
@@ -29,12 +31,14 @@ from pl_fedsparse.callbacks.base import FederatedCallback
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext, current_fit
 from pl_fedsparse.errors import check
+from pl_fedsparse.executors import compiling
 from pl_fedsparse.functional import gate, sparse, transfer
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["FAULT_KINDS", "FaultInjection", "device_paths", "simulated_device"]
+__all__ = ["FAULT_KINDS", "SIMULATED_CUDA_GRAPHS", "FaultInjection", "GraphRuns", "device_paths",
+           "simulated_cuda_graphs", "simulated_device"]
 
 FaultKind = Literal["nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data"]
 FAULT_KINDS = ("nan_weights", "nan_gradients", "inf_upload", "exception", "empty_data")
@@ -196,3 +200,104 @@ def _clear_device_caches() -> None:
     gate._device_groups.cache_clear()
     gate._device_capacities.cache_clear()
     sparse.segment_layout.cache_clear()
+
+
+# ---- CUDA graphs' output reuse, on the CPU -------------------------------------------------------------------------
+#: the ``torch.compile`` backend :func:`simulated_cuda_graphs` runs (``trainer.compile: {backend: ...}``)
+SIMULATED_CUDA_GRAPHS = "pl_fedsparse_simulated_cudagraphs"
+
+
+class GraphRuns:
+    """What :func:`simulated_cuda_graphs` saw: ``calls`` of compiled graphs, ``generations`` begun (a call while no
+    call's backward is pending: as CUDA graph trees start one), ``overwritten`` outputs of earlier generations."""
+
+    def __init__(self) -> None:
+        self.calls = self.generations = self.overwritten = 0
+        self._live: list[torch.Tensor] = []
+        self._pending = 0
+
+    def _new_generation(self) -> None:
+        with torch.no_grad():
+            for t in self._live:
+                d = t.detach()
+                if d.is_floating_point() or d.is_complex():
+                    d.fill_(float("nan"))
+                elif d.dtype == torch.bool:
+                    d.logical_not_()
+                else:
+                    d.bitwise_not_()
+        self.overwritten += len(self._live)
+        self._live = []
+        self.generations += 1
+
+    def _run(self, gm: Any, args: tuple[Any, ...]) -> Any:
+        self.calls += 1
+        if self._pending == 0:
+            self._new_generation()
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        outs = gm(*args)
+        leaves = [t for t in (outs if isinstance(outs, (list, tuple)) else [outs]) if isinstance(t, torch.Tensor)]
+        with_grad = [t for t in leaves if t.requires_grad]
+        if with_grad and torch.is_grad_enabled():  # a backward pending until one of them gets its gradient
+            self._pending += 1
+            done = [False]
+
+            def backward_ran(grad: torch.Tensor) -> None:
+                if not done[0]:
+                    done[0] = True
+                    self._pending -= 1
+
+            for t in with_grad:
+                t.register_hook(backward_ran)
+        # outputs in the graph's own memory (not an input's, nor a view of one)
+        self._live += [t for t in leaves if t.untyped_storage().data_ptr() not in inputs]
+        return outs
+
+
+_graph_runs: GraphRuns | None = None
+
+
+def _simulated_backend(gm: Any, example_inputs: Any) -> Any:
+    """The backend: each graph run by torch's own operators (``eager``), its outputs overwritten when the next
+    generation begins."""
+
+    def run(*args: Any) -> Any:
+        if _graph_runs is None:
+            return gm(*args)
+        return _graph_runs._run(gm, args)
+
+    return run
+
+
+@contextlib.contextmanager
+def simulated_cuda_graphs() -> Iterator[GraphRuns]:
+    """CUDA graphs' reuse of their outputs, on the CPU, for a module compiled with ``trainer.compile: {backend:
+    pl_fedsparse_simulated_cudagraphs}`` (:data:`SIMULATED_CUDA_GRAPHS`) inside the block: each compiled graph runs
+    by torch's own operators, and when a new generation begins — a compiled graph called while no earlier call's
+    backward is pending, CUDA graph trees' rule — every output of the earlier generations is overwritten (NaN,
+    flipped bits), as a replay overwrites them on a GPU (where reading one raises "accessing tensor output of
+    CUDAGraphs that has been overwritten"). The engine treats the backend as CUDA graphs
+    (:func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`): it keeps copies where it keeps a step's
+    outputs. A module or callback that keeps an output past the next step without a copy
+    (:func:`~pl_fedsparse.executors.compiling.outside_graphs`) reads garbage: a federation that gives other numbers
+    than uncompiled has one. Stricter than CUDA graph trees (they begin a generation per compiled call of a frame;
+    here per graph, and a frame broken in two graphs counts twice).
+
+    Example:
+        >>> import torch
+        >>> f = torch.compile(lambda x: x * 2, backend=SIMULATED_CUDA_GRAPHS)
+        >>> with simulated_cuda_graphs() as runs:
+        ...     a = f(torch.ones(2)); b = f(torch.ones(2))
+        >>> a.isnan().all().item(), b.tolist(), runs.generations
+        (True, [2.0, 2.0], 2)
+    """
+    global _graph_runs
+    saved, _graph_runs = _graph_runs, GraphRuns()
+    try:
+        yield _graph_runs
+    finally:
+        _graph_runs = saved
+
+
+torch._dynamo.register_backend(_simulated_backend, name=SIMULATED_CUDA_GRAPHS)
+compiling.OUTPUT_REUSING_BACKENDS.add(SIMULATED_CUDA_GRAPHS)

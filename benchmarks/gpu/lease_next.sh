@@ -6,7 +6,8 @@
 # (batches from the prepared inputs, no per-step loss operators), pFedGate's and FedSpa's rounds, then pFedGate's
 # rounds with its fits stacked (VectorizedExecutor: every client's gate and step at once). Call 2 (what the lease has
 # left, about 3 minutes): DM-PFL's 8 rounds (both kinds of Phase-2 round), FedSpa's rounds with its fits stacked,
-# torch.compile of pFedGate's LeNet-CIFAR fits against uncompiled (compile_fit.py: trainer.compile), DisPFL's gossip
+# torch.compile of pFedGate's LeNet-CIFAR fits against uncompiled (compile_fit.py: trainer.compile), the same as CUDA
+# graphs (trainer.compile's mode reduce-overhead), DisPFL's gossip
 # message made flat against tensor by tensor (gossip_message.py --flat), torch.compile of FedSpa's VGG11-GN fits,
 # then a stacked step's convolutions per client against grouped (stacked_layers.py: VectorizedExecutor's
 # convolutions option); before it, a fit's state across the host link staged in pinned memory against pageable
@@ -37,7 +38,7 @@ keep() {  # keep NAME DIR...: a rounds step's records in $O/NAME.tgz right after
 }
 if [ "$CALL" = 1 ]; then
     echo "[$(el)s] GPU tests"
-    run tests.txt 150 env OMP_NUM_THREADS=3 python3 -m pytest -vv -p no:cacheprovider -m gpu -rA --tb=short -n 4 tests
+    run tests.txt 180 env OMP_NUM_THREADS=3 python3 -m pytest -vv -p no:cacheprovider -m gpu -rA --tb=short -n 4 tests
     echo "[$(el)s] overhead, alone on the GPU"
     run overhead_runner_32-true.txt 60 python3 benchmarks/overhead.py --data-root data/cifar10 --accelerator gpu \
         --precision 32-true --repeats 5
@@ -63,6 +64,10 @@ else
     echo "[$(el)s] torch.compile of pFedGate's LeNet-CIFAR fits (the least busy config), against uncompiled"
     run compile_fit_pfedgate.txt 90 python3 benchmarks/compile_fit.py --accelerator gpu --method pfedgate \
         --model lenet --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2
+    echo "[$(el)s] the same as CUDA graphs (mode reduce-overhead: each compiled step's kernels as one launch)"
+    run compile_fit_pfedgate_cudagraphs.txt 90 python3 benchmarks/compile_fit.py --accelerator gpu \
+        --method pfedgate --model lenet --clients 10 --samples 500 --batch-size 128 --rounds 5 --warmup 2 \
+        --compile '{"mode": "reduce-overhead"}'
     echo "[$(el)s] DisPFL's gossip message, flat and tensor by tensor"
     run gossip_flat.txt 60 python3 benchmarks/gossip_message.py --flat --device cuda --repeats 10
     echo "[$(el)s] torch.compile of the module (trainer.compile), FedSpa's VGG11-GN fits, against uncompiled"

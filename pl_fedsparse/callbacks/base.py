@@ -52,14 +52,15 @@ from torch import Tensor
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
 from pl_fedsparse.functional import transfer
+from pl_fedsparse.executors.compiling import graph_outputs_reused, outside_graphs
 from pl_fedsparse.functional.shadowing import replace_methods, restore_methods
 from pl_fedsparse.view import EvalView
 
 if TYPE_CHECKING:
     from pl_fedsparse.view import FederationView
 
-__all__ = ["POLICIES", "FederatedCallback", "declares", "fits_device", "message_device", "replace_methods",
-           "restore_methods", "takes_device_update"]
+__all__ = ["POLICIES", "FederatedCallback", "declares", "fits_device", "graph_outputs_reused", "message_device",
+           "outside_graphs", "replace_methods", "restore_methods", "takes_device_update"]
 #: methods a callback overrides to declare something, asked once when the federation starts (not hooks that fire)
 DECLARATIONS = ("vectorized_fit", "evaluation_start_is_shared", "evaluation_batch_matters")
 
@@ -168,7 +169,9 @@ class FederatedCallback(pl.Callback):
     #: given to ``fit``) with this callback: ``False`` refuses the combination in one line. A callback that puts its
     #: own ``forward`` in the module during fits can run compiled when it does so with :func:`replace_methods` and
     #: :func:`restore_methods` (as :class:`~pl_fedsparse.callbacks.PFedGate` and
-    #: :class:`~pl_fedsparse.callbacks.FedEM` do): the compiled training step then runs it
+    #: :class:`~pl_fedsparse.callbacks.FedEM` do): the compiled training step then runs it. What it keeps from one
+    #: step to the next (a running sum) is made with :func:`outside_graphs` where :func:`graph_outputs_reused` (the
+    #: steps run as CUDA graphs, whose outputs the next step overwrites)
     supports_compile: bool = True
 
     # ---- per-client state -------------------------------------------------------------------------------------

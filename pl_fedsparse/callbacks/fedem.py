@@ -61,7 +61,13 @@ from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback, replace_methods, restore_methods
+from pl_fedsparse.callbacks.base import (
+    FederatedCallback,
+    graph_outputs_reused,
+    outside_graphs,
+    replace_methods,
+    restore_methods,
+)
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
@@ -104,7 +110,7 @@ class FedEM(FederatedCallback):
     #: replaced, the methods installed there and what they shadow); what a fit produces leaves in client state
     #: ("weights") and the update
     scratch_attributes = ("_ctx", "_module", "_mixture", "_snapshot", "_weights", "_q_sum", "_q_n",
-                          "_label_smoothing", "_captured", "_bound", "_shadowed")
+                          "_label_smoothing", "_captured", "_bound", "_shadowed", "_sum_outside")
 
     def __init__(self, *, num_components: int = 3, lr_milestones: list[float] | None = None,
                  lr_gamma: float = 0.1) -> None:
@@ -129,6 +135,7 @@ class FedEM(FederatedCallback):
         self._weights: Tensor | None = None
         self._q_sum: Tensor | None = None
         self._q_n = 0
+        self._sum_outside = False
         self._label_smoothing = 0.0
         self._captured: Tensor | None = None
 
@@ -214,6 +221,9 @@ class FedEM(FederatedCallback):
         forward, loss = self.__dict__.setdefault("_bound", (self._em_forward, self._em_loss))
         self._shadowed = replace_methods(pl_module, forward=functools.partial(forward, pl_module), loss=loss)
         self._module = pl_module
+        # compiled to CUDA graphs, a step's outputs are overwritten by the next step's: the running sum is made
+        # outside the graphs (_em_loss)
+        self._sum_outside = graph_outputs_reused(pl_module)
 
     @override
     def vectorized_fit(self) -> Any:
@@ -239,7 +249,10 @@ class FedEM(FederatedCallback):
         logits, received = out[:, 0], out[:, 1].detach()
         q = e_step(component_log_likelihood(received, y), self._weights.to(out.device))
         batch_sum = q.sum(0)
-        self._q_sum = batch_sum if self._q_sum is None else self._q_sum + batch_sum
+        if self._sum_outside:
+            self._q_sum = outside_graphs(_running_sum, self._q_sum, batch_sum)
+        else:
+            self._q_sum = batch_sum if self._q_sum is None else self._q_sum + batch_sum
         self._q_n += int(y.shape[0])
         return weighted_nll(logits, y, q, self._label_smoothing)
 
@@ -286,3 +299,8 @@ class FedEM(FederatedCallback):
     @override
     def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("FedEM mean max π", "fedem_pi_max")]
+
+
+def _running_sum(total: Tensor | None, batch_sum: Tensor) -> Tensor:
+    """``total + batch_sum`` (``batch_sum`` itself first), as the compiled step adds it."""
+    return batch_sum.clone() if total is None else total + batch_sum

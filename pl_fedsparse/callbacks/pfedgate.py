@@ -103,7 +103,13 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
-from pl_fedsparse.callbacks.base import FederatedCallback, replace_methods, restore_methods
+from pl_fedsparse.callbacks.base import (
+    FederatedCallback,
+    graph_outputs_reused,
+    outside_graphs,
+    replace_methods,
+    restore_methods,
+)
 from pl_fedsparse.callbacks.fedpse import DELTA
 from pl_fedsparse.client import ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext
@@ -193,7 +199,7 @@ class PFedGate(FederatedCallback):
     #: the gated forward installed in the module and what it shadows (a compiled ``forward``, put back after it)
     scratch_attributes = ("_ctx", "_client_density", "_clip_floor", "_reentrant", "_module", "_gate_opt",
                           "_pending_opt", "_pending_gate", "_captured", "_start", "_step_gate", "_step_model",
-                          "_skip_step", "_stats", "_bound_forward", "_shadowed")
+                          "_skip_step", "_stats", "_bound_forward", "_shadowed", "_stats_outside")
 
     def __init__(
         self, *, density: float = 0.5, client_densities: list[float] | None = None, num_splits: int = 5,
@@ -284,6 +290,7 @@ class PFedGate(FederatedCallback):
         self._step_gate = self._step_model = True
         self._skip_step = False
         self._stats: dict[str, Any] = {}
+        self._stats_outside = False
         self._eval_density: dict[int, float] = {}
         self._round_train: list[tuple[float, float]] = []
 
@@ -410,6 +417,9 @@ class PFedGate(FederatedCallback):
         gated = self.__dict__.setdefault("_bound_forward", self._gated_forward)
         self._shadowed = replace_methods(module, forward=functools.partial(gated, module))
         self._module = module
+        # compiled to CUDA graphs, a step's outputs are overwritten by the next step's: the statistics are summed
+        # outside the graphs (_record)
+        self._stats_outside = graph_outputs_reused(module)
 
     def _uninstall(self) -> None:
         if self._module is not None:
@@ -444,7 +454,10 @@ class PFedGate(FederatedCallback):
                 out = adapted_forward(module, theta, x, relu_logits=self.relu_logits)
         finally:
             self._reentrant = False
-        self._record(keep, int(x.shape[0]))
+        if self._stats_outside:
+            outside_graphs(self._record, keep, int(x.shape[0]))
+        else:
+            self._record(keep, int(x.shape[0]))
         if single:
             self._skip_step = True
         return out

@@ -22,12 +22,17 @@ applied when the executor sets up, after them); the ``VectorizedExecutor``'s sta
 layers (:mod:`~pl_fedsparse.executors.stacked`), not the module's ``forward``, so compilation reaches only the fits
 it runs one by one.
 
-CUDA graphs (``mode: reduce-overhead``, ``max-autotune``, ``options: {triton.cudagraphs: true}``) are refused for
-now: a graph's replay overwrites the previous step's outputs, and a fit keeps every step's loss until the fit ends
-(:class:`~pl_fedsparse.metrics.StepLosses`, what keeps the steps free of host syncs) — those would be read
-overwritten. Does compiling pay? On the CPU it did not for the papers' models (``benchmarks/compile_fit.py``;
-``docs/scaling.md``: "Should I compile the model with torch.compile?"); on a GPU, whose small steps are bound by
-kernel launches, the next lease measures it (``benchmarks/gpu/lease_next.sh``).
+CUDA graphs (``mode: reduce-overhead`` or ``max-autotune``, ``options: {triton.cudagraphs: true}``, ``backend:
+cudagraphs``): on a GPU, each compiled step's kernels are launched as one graph — what pays where a step's time is
+its launches (small models, small batches). A graph's replay overwrites its previous outputs, so whatever is kept past
+a step is a copy made outside the graphs (:func:`outside_graphs`): the library does so where
+:func:`graph_outputs_reused` (each step's loss, one copy a step; pFedGate's and FedEM's running sums; the evaluation's
+logits), and a module or callback of the user's that keeps a step's output past the next step gets torch's own
+error naming the tensor ("accessing tensor output of CUDAGraphs that has been overwritten"). On the CPU these modes
+compile as ``default`` (CUDA graphs are for CUDA tensors). Does compiling pay? On the CPU it did not for the
+papers' models (``benchmarks/compile_fit.py``; ``docs/scaling.md``: "Should I compile the model with
+torch.compile?"); on a GPU, whose small steps are bound by kernel launches, the next lease measures it
+(``benchmarks/gpu/lease_next.sh``).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -44,16 +49,16 @@ import torch
 from pl_fedsparse.errors import ConfigError, check
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-__all__ = ["COMPILE_KEYS", "COMPILE_MODES", "check_compile", "check_compile_callbacks", "compile_module",
-           "is_compiled", "running_uncompiled", "uncompiled_copy", "unwrap_compiled"]
+__all__ = ["COMPILE_KEYS", "COMPILE_MODES", "OUTPUT_REUSING_BACKENDS", "check_compile", "check_compile_callbacks",
+           "compile_module", "graph_outputs_reused", "is_compiled", "outside_graphs", "running_uncompiled",
+           "uncompiled_copy", "unwrap_compiled"]
 
 #: ``trainer.compile``'s keys: ``torch.compile``'s keyword arguments
 COMPILE_KEYS = ("mode", "fullgraph", "dynamic", "backend", "options")
-#: ``trainer.compile.mode`` values accepted (the others use CUDA graphs: see the module docstring)
-COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-#: ``torch.compile`` modes that capture CUDA graphs
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+#: ``trainer.compile.mode`` values accepted (torch.compile's modes)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: the methods Lightning's ``from_compiled`` replaces by compiled ones (kept to undo it on a copy)
 _COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 
@@ -65,10 +70,10 @@ def check_compile(value: Any) -> dict[str, Any] | None:
     Example:
         >>> check_compile(False), check_compile(True), check_compile({"mode": "default", "dynamic": False})
         (None, {}, {'mode': 'default', 'dynamic': False})
-        >>> check_compile({"mode": "reduce-overhead"})
+        >>> check_compile({"mode": "fastest"})
         Traceback (most recent call last):
         ...
-        pl_fedsparse.errors.ConfigError: trainer.compile.mode='reduce-overhead' is invalid: expected one of default, max-autotune-no-cudagraphs (CUDA graphs overwrite a step's outputs at the next step, and a fit keeps each step's loss until it ends)
+        pl_fedsparse.errors.ConfigError: trainer.compile.mode='fastest' is invalid: expected one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs
     """
     if value is None or value is False:
         return None
@@ -81,10 +86,6 @@ def check_compile(value: Any) -> dict[str, Any] | None:
         check(key in COMPILE_KEYS, "trainer.compile", value,
               f"keys among {', '.join(COMPILE_KEYS)} (torch.compile's arguments); got {key!r}")
     mode = kwargs.get("mode")
-    if mode in _CUDA_GRAPH_MODES:
-        raise ConfigError(f"trainer.compile.mode={mode!r} is invalid: expected one of {', '.join(COMPILE_MODES)} "
-                          "(CUDA graphs overwrite a step's outputs at the next step, and a fit keeps each step's "
-                          "loss until it ends)")
     check(mode is None or mode in COMPILE_MODES, "trainer.compile.mode", mode, "one of " + ", ".join(COMPILE_MODES))
     if "fullgraph" in kwargs:
         check(isinstance(kwargs["fullgraph"], bool), "trainer.compile.fullgraph", kwargs["fullgraph"], "true or false")
@@ -92,15 +93,12 @@ def check_compile(value: Any) -> dict[str, Any] | None:
         check(kwargs["dynamic"] is None or isinstance(kwargs["dynamic"], bool), "trainer.compile.dynamic",
               kwargs["dynamic"], "true, false or null")
     if "backend" in kwargs:
-        allowed = sorted(b for b in torch._dynamo.list_backends(None) if b != "cudagraphs")
+        allowed = sorted(torch._dynamo.list_backends(None))
         check(isinstance(kwargs["backend"], str) and kwargs["backend"] in allowed, "trainer.compile.backend",
-              kwargs["backend"], "one of " + ", ".join(allowed) + " (not cudagraphs: see trainer.compile.mode)")
+              kwargs["backend"], "one of " + ", ".join(allowed))
     if "options" in kwargs:
         options = kwargs["options"]
         check(isinstance(options, Mapping), "trainer.compile.options", options, "a mapping of inductor options")
-        check(not options.get("triton.cudagraphs", False), "trainer.compile.options", options,
-              "no triton.cudagraphs (CUDA graphs overwrite a step's outputs at the next step, and a fit keeps each "
-              "step's loss until it ends)")
         check("mode" not in kwargs, "trainer.compile", value, "mode or options, not both (torch.compile's rule)")
     return kwargs
 
@@ -117,6 +115,58 @@ def check_compile_callbacks(callbacks: Any, value: Any, compiled: Any) -> None:
                 "model=torch.compile(...)", "pass the module itself, not torch.compile(module)")
             raise ConfigError(f"{what} is invalid with {type(cb).__name__}: expected the module uncompiled "
                               f"({type(cb).__name__} replaces the module's forward during fits; {hint})")
+
+
+#: ``torch.compile`` backends whose graphs give their outputs in memory the next run overwrites, as CUDA graphs do
+#: (besides inductor with ``triton.cudagraphs``, what the CUDA-graph modes set): their fits keep copies of what they
+#: keep from a step (:func:`graph_outputs_reused`)
+OUTPUT_REUSING_BACKENDS = {"cudagraphs"}
+
+
+def _backend(dynamo_ctx: Any) -> Any:
+    """The backend ``torch.compile`` was given, behind dynamo's wrappers (``None`` where they are not as torch 2.x
+    makes them)."""
+    fn = getattr(getattr(dynamo_ctx, "callback", None), "_torchdynamo_orig_backend", None)
+    return getattr(fn, "_torchdynamo_orig_backend", None)
+
+
+def graph_outputs_reused(module: Any) -> bool:
+    """Whether ``module`` runs compiled (:func:`compile_module`) with graphs whose outputs are overwritten when they
+    run again — CUDA graphs (``mode: reduce-overhead`` or ``max-autotune``, ``options: {triton.cudagraphs: true}``,
+    ``backend: cudagraphs``): what a fit keeps of a step past the next must then be a copy (each step's loss: one
+    copy a step). Where the backend cannot be told, assumed so (a copy a step is the safe side).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> graph_outputs_reused(pl.LightningModule())
+        False
+    """
+    ctx = getattr(module, "_compiler_ctx", None)
+    if not ctx:
+        return False
+    backend = _backend(ctx.get("dynamo_ctx"))
+    if backend is None:
+        return True
+    config = getattr(backend, "config", None) or {}
+    return bool(config.get("triton.cudagraphs")) or getattr(backend, "__name__", None) in OUTPUT_REUSING_BACKENDS
+
+
+@torch.compiler.disable
+def outside_graphs(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)`` run by torch's own operators, outside any compiled graph (called from a compiled
+    method, it ends the graph there and the method resumes in another after it).
+
+    For what code running in a compiled step keeps past the step (a copy of the loss, a running sum) where the steps
+    run as CUDA graphs (:func:`graph_outputs_reused`): a graph's outputs are overwritten when it runs again, so what
+    is kept must be made outside it, from outputs read before the next step. Elsewhere keep it in the graph (no
+    break)::
+
+        if graph_outputs_reused(module):
+            self.total = outside_graphs(torch.add, self.total, batch_sum)
+        else:
+            self.total = self.total + batch_sum
+    """
+    return fn(*args, **kwargs)
 
 
 def unwrap_compiled(model: Any) -> tuple[Any, Any]:
