@@ -209,7 +209,8 @@ SIMULATED_CUDA_GRAPHS = "pl_fedsparse_simulated_cudagraphs"
 
 class GraphRuns:
     """What :func:`simulated_cuda_graphs` saw: ``calls`` of compiled graphs, ``generations`` begun (a call while no
-    call's backward is pending: as CUDA graph trees start one), ``overwritten`` outputs of earlier generations."""
+    call's backward is pending: as CUDA graph trees start one), ``overwritten`` outputs (and gradients) of earlier
+    generations."""
 
     def __init__(self) -> None:
         self.calls = self.generations = self.overwritten = 0
@@ -235,6 +236,10 @@ class GraphRuns:
         if self._pending == 0:
             self._new_generation()
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for a in args:  # the gradients a graph's backward gives its parameters live in the graphs' memory too
+            if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad and not hasattr(a, _HOOKED):
+                setattr(a, _HOOKED, True)
+                a.register_post_accumulate_grad_hook(_gradient_made)
         outs = gm(*args)
         leaves = [t for t in (outs if isinstance(outs, (list, tuple)) else [outs]) if isinstance(t, torch.Tensor)]
         with_grad = [t for t in leaves if t.requires_grad]
@@ -255,6 +260,14 @@ class GraphRuns:
 
 
 _graph_runs: GraphRuns | None = None
+#: the mark of a parameter whose gradients the simulation watches (a hook each, once)
+_HOOKED = "_pl_fedsparse_simulated_cudagraphs_hook"
+
+
+def _gradient_made(param: torch.Tensor) -> None:
+    """A parameter's gradient, made by a backward, overwritten with the generation's outputs."""
+    if _graph_runs is not None and param.grad is not None:
+        _graph_runs._live.append(param.grad)
 
 
 def _simulated_backend(gm: Any, example_inputs: Any) -> Any:
@@ -275,8 +288,8 @@ def simulated_cuda_graphs() -> Iterator[GraphRuns]:
     pl_fedsparse_simulated_cudagraphs}`` (:data:`SIMULATED_CUDA_GRAPHS`) inside the block: each compiled graph runs
     by torch's own operators, and when a new generation begins — a compiled graph called while no earlier call's
     backward is pending, CUDA graph trees' rule — every output of the earlier generations is overwritten (NaN,
-    flipped bits), as a replay overwrites them on a GPU (where reading one raises "accessing tensor output of
-    CUDAGraphs that has been overwritten"). The engine treats the backend as CUDA graphs
+    flipped bits), and so is every gradient their backwards gave the graphs' parameters, as a replay overwrites them
+    on a GPU (where reading one raises "accessing tensor output of CUDAGraphs that has been overwritten"). The engine treats the backend as CUDA graphs
     (:func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`): it keeps copies where it keeps a step's
     outputs. A module or callback that keeps an output past the next step without a copy
     (:func:`~pl_fedsparse.executors.compiling.outside_graphs`) reads garbage: a federation that gives other numbers

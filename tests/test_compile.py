@@ -28,6 +28,7 @@ from pl_fedsparse.executors.compiling import (
     uncompiled_copy,
     unwrap_compiled,
 )
+from pl_fedsparse.callbacks import FineTune
 from pl_fedsparse.models import MLP
 from pl_fedsparse.testing import SIMULATED_CUDA_GRAPHS, simulated_cuda_graphs
 
@@ -164,6 +165,35 @@ def test_autograd_compiled_steps_train_the_methods_that_replace_the_forward(tmp_
     for a, b in zip(_rows(ref), _rows(got), strict=True):
         for k, v in a.items():
             assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-7) if isinstance(v, float) else b[k] == v, k
+
+
+def test_the_simulation_finds_a_gradient_read_after_the_next_step_began(tmp_path: Path) -> None:
+    """Gradients a compiled backward made live in the graphs' memory too: read once the next step's forward has run
+    (``on_before_zero_grad`` sees the last step's gradients), they are overwritten — on a GPU torch raises."""
+    import lightning.pytorch as pl
+
+    class GradSum(pl.Callback):
+        scratch_attributes = ("sums",)
+
+        def __init__(self) -> None:
+            self.sums: list[float] = []
+
+        def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            if grads:
+                self.sums.append(float(sum(g.sum() for g in grads)))
+
+    def sums(name: str, setting: Any) -> list[float]:
+        cb = GradSum()
+        loop = tiny_loop(tmp_path / name, callbacks=[FineTune(epochs=1), cb], compile=setting, num_rounds=1)
+        with simulated_cuda_graphs():
+            loop.fit(tiny_module(), tiny_datamodule())
+        return cb.sums
+
+    ref = sums("ref", None)
+    assert ref and all(t == t for t in ref)
+    assert sums("eager", EAGER) == ref
+    assert all(t != t for t in sums("graphs", {"backend": SIMULATED_CUDA_GRAPHS}))
 
 
 @pytest.mark.parametrize("method, fit_runner", [
