@@ -49,11 +49,25 @@ def _mixture() -> Any:
     return FederatedModule(Mixture(MLP(num_classes=4, in_channels=1, input_size=8, hidden=[16]), 3), lr=0.1)
 
 
+def _more() -> dict[str, Any]:
+    """Methods beyond the tiny task's (``conftest.METHODS``): FedPSE, DM-PFL+, FedRep (two local epochs)."""
+    from pl_fedsparse import callbacks as C
+
+    return {"fedpse": (lambda: [C.TopKUpload(sparsity=0.5), C.ElementwiseAggregation(),
+                                C.PersonalizedDownstream(sparsity=0.5)], {}),
+            "dmpfl_plus": (lambda: [C.DualMask(density=0.5, iterations=1), C.AdaptiveInference()], {}),
+            "fedrep": (lambda: [C.PersonalLayers(head_epochs=1)], {"local_epochs": 2})}
+
+
 def _run(tmp_path: Path, method: str, model: Any = None, **kw: Any) -> Any:
     if method == "fedem":  # (not among the tiny task's methods: its module is a mixture)
         from pl_fedsparse.callbacks import FedEM
 
         callbacks, topology, model = [FedEM()], None, model if model is not None else _mixture()
+    elif method in _more():
+        make, extra = _more()[method]
+        callbacks, topology = make(), None
+        kw = {**extra, **kw}
     else:
         make, topo = METHODS[method]
         callbacks, topology = make(), topo() if topo else None
@@ -198,7 +212,8 @@ def test_the_simulation_finds_a_gradient_read_after_the_next_step_began(tmp_path
 
 @pytest.mark.parametrize("method, fit_runner", [
     ("fedspa", "auto"), ("pfedgate", "auto"), ("fedem", "auto"),
-    *(pytest.param(m, "auto", marks=pytest.mark.slow) for m in ("fedavg_ft", "dispfl", "dmpfl", "ditto_masked")),
+    *(pytest.param(m, "auto", marks=pytest.mark.slow)
+      for m in ("fedavg_ft", "dispfl", "dmpfl", "ditto_masked", "fedpse", "dmpfl_plus", "fedrep")),
     pytest.param("fedspa", "trainer", marks=pytest.mark.slow), pytest.param("pfedgate", "trainer",
                                                                             marks=pytest.mark.slow)])
 def test_every_method_under_cuda_graphs_gives_the_uncompiled_numbers(tmp_path: Path, method: str,
