@@ -51,8 +51,8 @@ from torch import Tensor
 
 from pl_fedsparse.client import ClientUpdate, Message, StateInit, TensorTree
 from pl_fedsparse.context import FitContext, FitSpec, FitStage
-from pl_fedsparse.functional import transfer
 from pl_fedsparse.executors.compiling import graph_outputs_reused, outside_graphs
+from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.shadowing import replace_methods, restore_methods
 from pl_fedsparse.view import EvalView
 
