@@ -289,9 +289,9 @@ def simulated_cuda_graphs() -> Iterator[GraphRuns]:
     by torch's own operators, and when a new generation begins — a compiled graph called while no earlier call's
     backward is pending, CUDA graph trees' rule — every output of the earlier generations is overwritten (NaN,
     flipped bits), and so is every gradient their backwards gave the graphs' parameters, as a replay overwrites them
-    on a GPU (where reading one raises "accessing tensor output of CUDAGraphs that has been overwritten"). The engine treats the backend as CUDA graphs
-    (:func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`): it keeps copies where it keeps a step's
-    outputs. A module or callback that keeps an output past the next step without a copy
+    on a GPU (where reading one raises "accessing tensor output of CUDAGraphs that has been overwritten"). The
+    engine treats the backend as CUDA graphs (:func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`): it
+    keeps copies where it keeps a step's outputs. A module or callback that keeps an output past the next step without a copy
     (:func:`~pl_fedsparse.executors.compiling.outside_graphs`) reads garbage: a federation that gives other numbers
     than uncompiled has one. Stricter than CUDA graph trees (they begin a generation per compiled call of a frame;
     here per graph, and a frame broken in two graphs counts twice).
