@@ -291,10 +291,10 @@ def simulated_cuda_graphs() -> Iterator[GraphRuns]:
     flipped bits), and so is every gradient their backwards gave the graphs' parameters, as a replay overwrites them
     on a GPU (where reading one raises "accessing tensor output of CUDAGraphs that has been overwritten"). The
     engine treats the backend as CUDA graphs (:func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`): it
-    keeps copies where it keeps a step's outputs. A module or callback that keeps an output past the next step without a copy
-    (:func:`~pl_fedsparse.executors.compiling.outside_graphs`) reads garbage: a federation that gives other numbers
-    than uncompiled has one. Stricter than CUDA graph trees (they begin a generation per compiled call of a frame;
-    here per graph, and a frame broken in two graphs counts twice).
+    keeps copies where it keeps a step's outputs. A module or callback that keeps an output past the next step
+    without a copy (:func:`~pl_fedsparse.executors.compiling.outside_graphs`) reads garbage: a federation that gives
+    other numbers than uncompiled has one. Stricter than CUDA graph trees (they begin a generation per compiled call
+    of a frame; here per graph, and a frame broken in two graphs counts twice).
 
     Example:
         >>> import torch
