@@ -64,8 +64,8 @@ def _run(tmp_path: Path, method: str, model: Any = None, **kw: Any) -> Any:
         from pl_fedsparse.callbacks import FedEM
 
         callbacks, topology, model = [FedEM()], None, model if model is not None else _mixture()
-    elif method in _more():
-        make, extra = _more()[method]
+    elif (more := _more().get(method)) is not None:
+        make, extra = more
         callbacks, topology = make(), None
         kw = {**extra, **kw}
     else:
@@ -74,6 +74,16 @@ def _run(tmp_path: Path, method: str, model: Any = None, **kw: Any) -> Any:
     loop = tiny_loop(tmp_path, callbacks=callbacks, topology=topology, **kw)
     loop.fit(model if model is not None else tiny_module(), tiny_datamodule())
     return loop
+
+
+def _extending_example(cls: str) -> dict[str, Any]:
+    """The names docs/extending.md's code block defining ``cls`` makes, run as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    start = text.index(f"class {cls}(FederatedCallback):")
+    code = text[text.rindex("```python", 0, start) + len("```python"):text.index("```", start)]
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/extending.md", "exec"), namespace)
+    return namespace
 
 
 def _graphs() -> int:
@@ -300,11 +310,7 @@ def test_a_compiled_plain_module_is_refused_in_one_line(tmp_path: Path) -> None:
 def test_the_docs_example_of_a_callbacks_own_forward_runs_compiled_once(tmp_path: Path) -> None:
     """docs/extending.md's ``MyForward`` (its code block, run as written): trained with a compiled module, it
     compiles no more graphs in four rounds than in two, and gives the compiled forward back."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
-    start = text.index("class MyForward(FederatedCallback):")
-    code = text[text.rindex("```python", 0, start) + len("```python"):text.index("```", start)]
-    namespace: dict[str, Any] = {}
-    exec(compile(code, "docs/extending.md", "exec"), namespace)
+    namespace = _extending_example("MyForward")
     graphs = []
     for rounds in (2, 4):
         _reset()
@@ -324,11 +330,7 @@ def test_the_docs_example_of_a_running_sum_keeps_it_under_cuda_graphs(tmp_path: 
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/extending.md's ``LogitSum`` (run as written): the sums of its fits uncompiled, compiled, and compiled as
     (simulated) CUDA graphs are the same; kept in the graph under CUDA graphs, they are read overwritten (NaN)."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
-    start = text.index("class LogitSum(FederatedCallback):")
-    code = text[text.rindex("```python", 0, start) + len("```python"):text.index("```", start)]
-    namespace: dict[str, Any] = {}
-    exec(compile(code, "docs/extending.md", "exec"), namespace)
+    namespace = _extending_example("LogitSum")
 
     def totals(name: str, setting: Any) -> list[float]:
         cb = namespace["LogitSum"]()
