@@ -23,7 +23,7 @@ from conftest import fit_rows, fit_until_interrupted, one_line, run_main, tiny_d
 
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import KeepOptimizerState, NovelClients, PFedGate
-from pl_fedsparse.callbacks.pfedgate import BLOCKS, UNION
+from pl_fedsparse.callbacks.pfedgate import BLOCKS, UNION, fold_density
 from pl_fedsparse.client import ClientUpdate, Message
 from pl_fedsparse.functional.gate import adapt_gated_weights, block_table, make_block_table, personalized_params
 from pl_fedsparse.functional.gate_upload import pack_blocks
@@ -272,7 +272,54 @@ def test_density_one_is_dense_training_of_theta_times_m(tmp_path: Path) -> None:
         F.cross_entropy(out, y).backward()
         for name, p in module.named_parameters():  # dL/dθ = expand(M) ⊙ dL/dθ' (every block kept)
             torch.testing.assert_close(p.grad, scales[name] * scaled[name].grad, rtol=1e-5, atol=1e-7)
-        assert cb._stats["density"] / cb._stats["n"] == 1.0  # s' = 1
+        tally = cb._stats["batches"]
+        assert fold_density(tally.numels().tolist(), tally.counts, tally.table.numel) / tally.n == 1.0  # s' = 1
+
+
+def test_kept_blocks_reduced_at_the_end_equal_running_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fit's kept blocks, kept batch by batch and reduced once (also in chunks, as a long fit folds them), give the
+    running sums' numbers: per tensor Σ n_b · kept elements, the union, and the density's float64 terms in order."""
+    import pl_fedsparse.callbacks.pfedgate as pg
+
+    table = make_block_table([("a", (7, 3), True), ("b", (10,), True), ("c", (2, 2), False)], num_splits=4)
+    gen = torch.Generator().manual_seed(3)
+    masks = [torch.rand(table.num_blocks, generator=gen) < 0.5 for _ in range(11)]
+    counts = [8, 8, 8, 3, 8, 8, 8, 3, 5, 8, 1]  # runs of equal counts, as epochs' last batches make them
+    owner = [i for i, (b, e) in enumerate(table.spans) for _ in range(b, e)]
+    kept = [0] * len(table.spans)
+    density: float | None = None
+    for m, n in zip(masks, counts):  # the running sums, by hand
+        per = [0] * len(table.spans)
+        for j, k in enumerate(m.tolist()):
+            per[owner[j]] += table.sizes[j] * k
+        kept = [a + p * n for a, p in zip(kept, per)]
+        term = float(sum(per) * n) / table.numel
+        density = term if density is None else density + term
+    for chunk in (256, 3, 1):
+        monkeypatch.setattr(pg._KeptBlocks, "CHUNK", chunk)
+        tally = pg._KeptBlocks(table, fit=True, copy=False)
+        for i, (m, n) in enumerate(zip(masks, counts)):
+            tally.add(m, n, gate_trained=i % 2 == 0)
+        got_kept, union = tally.totals()
+        assert got_kept.tolist() == kept, chunk
+        assert torch.equal(union, torch.stack(masks).any(0)), chunk
+        assert fold_density(tally.numels().tolist(), tally.counts, table.numel) == density, chunk
+        assert (tally.n, tally.gate_n) == (sum(counts), sum(counts[::2])), chunk
+
+
+def test_a_fit_folding_its_kept_blocks_in_chunks_gives_the_same_run(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import pl_fedsparse.callbacks.pfedgate as pg
+
+    def run(name: str) -> list[dict[str, Any]]:
+        loop = tiny_loop(tmp_path / name, num_rounds=2, callbacks=[PFedGate(density=0.5)])
+        loop.fit(tiny_module(), tiny_datamodule(num_clients=3, batch_size=11))
+        return _rows(tmp_path / name)
+
+    whole = run("whole")
+    monkeypatch.setattr(pg._KeptBlocks, "CHUNK", 2)
+    assert run("chunks") == whole
+    assert any(r.get("gate_density") for r in whole) and any(r.get("gate_density_train") for r in whole)
 
 
 def _block_owner() -> list[str]:

@@ -114,6 +114,7 @@ from pl_fedsparse.callbacks.fedpse import DELTA
 from pl_fedsparse.client import ClientUpdate, Message, to_cpu_state
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.metrics import PendingMetric
 from pl_fedsparse.functional.aggregation import weighted_average
 from pl_fedsparse.functional.gate import (
     BlockTable,
@@ -463,11 +464,18 @@ class PFedGate(FederatedCallback):
         return out
 
     def _record(self, keep: Tensor, n: int) -> None:
-        """A batch's kept blocks into the fit's (or evaluation's) statistics, accumulated where ``keep`` is: no host
-        sync per step; read once, at the end (the same numbers as Python sums: integer counts, the density's
-        float64 terms added in the same order)."""
-        table, s = self.table, self._stats
+        """A batch's kept blocks into the fit's (or evaluation's) statistics: kept as they are and reduced once at
+        the end (:class:`_KeptBlocks`; a copy where CUDA graphs overwrite them) — or, traced into a compiled step
+        (not as CUDA graphs: those call this outside their graphs), added to running sums in the step's graph,
+        where the compiler fuses them (masks kept in a list across steps would recompile the step every step)."""
+        s, table = self._stats, self.table
         assert table is not None
+        if not torch.compiler.is_compiling():
+            tally = s.get("batches")
+            if tally is None:
+                s["batches"] = tally = _KeptBlocks(table, fit=bool(s.get("fit")), copy=self._stats_outside)
+            tally.add(keep, n, self._step_gate)
+            return
         owner, sizes = block_span_tensors(table, keep.device)
         kept = torch.zeros(len(table.spans), dtype=torch.int64, device=keep.device).index_add_(0, owner, sizes * keep)
         s["n"] = s.get("n", 0) + n
@@ -604,19 +612,29 @@ class PFedGate(FederatedCallback):
         self._captured = None
         table = self.table
         assert table is not None
-        n = int(stats.get("n", 0))
+        tally: _KeptBlocks | None = stats.get("batches")
+        n = int(stats.get("n", 0)) + (tally.n if tally is not None else 0)
         if n == 0:
             return
         # the fit's statistics stay where they were summed: figures as 0-dim tensors, read on the host with the rest
         # of the update when the fit ends (update_to_host) — the same numbers as Python's: integer sums, float64
         # divisions, round half to even
-        union = stats["union"].to(torch.bool)
+        union, kept_elements = stats.get("union"), stats.get("kept")
+        if tally is not None and tally.n:  # (and running sums too where dynamo left some steps eager: both added)
+            kept_t, union_t = tally.totals()
+            union = union_t if union is None else union | union_t
+            kept_elements = kept_t if kept_elements is None else kept_elements + kept_t
+            stats["gate_trained"] = stats.get("gate_trained", 0) + tally.gate_n
+            _pending_density(update, tally, stats.get("density"), n)
+        else:
+            update.metrics["gate_density"] = stats["density"] / n  # type: ignore[assignment]
+        assert union is not None and kept_elements is not None
+        union = union.to(torch.bool)
         _, sizes = block_span_tensors(table, union.device)
         update.extras[UNION] = union
-        update.metrics["gate_density"] = stats["density"] / n  # type: ignore[assignment]
         update.metrics["gate_upload_ratio"] = (sizes * union).sum().double() / table.numel  # type: ignore[assignment]
         # FLOPs at the achieved per-batch density: per tensor, a mask of its batch-averaged kept share
-        limits = torch.round(stats["kept"].double() / n)
+        limits = torch.round(kept_elements.double() / n)
         numels = tuple(math.prod(shape) for shape in table.shapes)
         segment, rank = segment_layout(numels, union.device)  # (every tensor's mask at once: the first limits[i])
         kept = (rank < limits[segment]).split(numels)
@@ -675,10 +693,15 @@ class PFedGate(FederatedCallback):
         self._uninstall()
         assert self.gate is not None
         self.gate.train()
-        n = int(self._stats.get("n", 0))
-        if n:
-            self._eval_density[client_idx] = float(self._stats["density"]) / n
-        self._stats = {}
+        stats, self._stats = self._stats, {}
+        tally: _KeptBlocks | None = stats.get("batches")
+        n = int(stats.get("n", 0)) + (tally.n if tally is not None else 0)
+        if not n:
+            return
+        density = float(stats["density"]) if "density" in stats else 0.0
+        if tally is not None and tally.n:  # (one read of the batches' kept elements: one wait, as a float's)
+            density += fold_density(tally.numels().tolist(), tally.counts, tally.table.numel)
+        self._eval_density[client_idx] = density / n
 
     @override
     def on_evaluation_end(self, loop: FederationView, metrics: dict[str, Any]) -> None:
@@ -700,6 +723,106 @@ class PFedGate(FederatedCallback):
     @override
     def report_rows(self, loop: FederationView) -> list[tuple[str, str]]:
         return [("gate density s'", "gate_density"), ("upload ratio q", "gate_upload_ratio")]
+
+
+
+class _KeptBlocks:
+    """A fit's (or a personal evaluation's) kept blocks ``I*`` batch by batch (Alg. 1 line 3), reduced once at its
+    end: a training step adds no operator for them (each batch's mask is kept as it is, or one copy of it where CUDA
+    graphs overwrite a step's outputs: :func:`~pl_fedsparse.executors.compiling.graph_outputs_reused`), so a
+    launch-bound step on a GPU launches nothing for the statistics. The same numbers as a running sum: integer
+    counts, and the achieved density's float64 terms ``|I*_b · W| · n_b / d`` added in batch order, on the host
+    (:func:`fold_density`). Every :attr:`CHUNK` batches the masks kept so far are folded into the counts (a long fit
+    keeps at most that many)."""
+
+    #: batches whose masks are kept before they are folded into the counts
+    CHUNK = 256
+
+    def __init__(self, table: BlockTable, *, fit: bool, copy: bool) -> None:
+        self.table, self.fit, self.copy = table, fit, copy
+        self.n = self.gate_n = 0
+        self.counts: list[int] = []  # every batch's samples, in order
+        self._masks: list[Tensor] = []  # the batches not folded yet
+        self._numels: list[Tensor] = []  # per folded chunk: its batches' kept elements |I*_b · W| [b] (int64)
+        self._weighted: Tensor | None = None  # Σ_b n_b · I*_b per block [L] (int64; a fit's only)
+        self._union: Tensor | None = None  # ∪_b I*_b [L] (a fit's only)
+
+    def add(self, keep: Tensor, n: int, gate_trained: bool) -> None:
+        """One batch of ``n`` samples whose kept blocks are ``keep`` (``[L]`` bool)."""
+        self._masks.append(keep.clone() if self.copy else keep)
+        self.counts.append(n)
+        self.n += n
+        self.gate_n += n if gate_trained else 0
+        if len(self._masks) >= self.CHUNK:
+            self._fold()
+
+    def _fold(self) -> None:
+        masks, self._masks = self._masks, []
+        if not masks:
+            return
+        counts = self.counts[len(self.counts) - len(masks):]
+        stacked = torch.stack(masks)  # [b, L]
+        _, sizes = block_span_tensors(self.table, stacked.device)
+        self._numels.append((stacked * sizes).sum(1))
+        if not self.fit:
+            return
+        # the batches' sample counts where the masks are, with no copy: a fill for each run of equal counts (the
+        # batches of an epoch but its last, shorter one: a few runs a fit)
+        n = torch.empty(len(counts), dtype=torch.int64, device=stacked.device)
+        start = 0
+        for end in range(1, len(counts) + 1):
+            if end == len(counts) or counts[end] != counts[start]:
+                n[start:end].fill_(counts[start])
+                start = end
+        weighted = (stacked * n.unsqueeze(1)).sum(0)
+        union = stacked.any(0)
+        self._weighted = weighted if self._weighted is None else self._weighted + weighted
+        self._union = union if self._union is None else self._union | union
+
+    def numels(self) -> Tensor:
+        """Every batch's kept elements ``|I*_b · W|`` in order (``[batches]`` int64, where the masks are)."""
+        self._fold()
+        return self._numels[0] if len(self._numels) == 1 else torch.cat(self._numels)
+
+    def totals(self) -> tuple[Tensor, Tensor]:
+        """A fit's ``(kept, union)``: per tensor of the table ``Σ_b n_b · (kept elements of I*_b in it)`` (int64
+        ``[tensors]``) and the union of its batches' kept blocks (bool ``[L]``)."""
+        self._fold()
+        assert self._weighted is not None and self._union is not None, "a fit's statistics, after a batch"
+        owner, sizes = block_span_tensors(self.table, self._weighted.device)
+        kept = torch.zeros(len(self.table.spans), dtype=torch.int64, device=owner.device)
+        return kept.index_add_(0, owner, sizes * self._weighted), self._union
+
+
+def _pending_density(update: ClientUpdate, tally: _KeptBlocks, running: Tensor | None, n: int) -> None:
+    """``update.metrics["gate_density"]`` (``Σ_b s'_b n_b / n``), read when the update crosses to the host
+    (:meth:`~pl_fedsparse.client.ClientUpdate.on_host`), with the batches' kept elements: a
+    :class:`~pl_fedsparse.metrics.PendingMetric` until then. ``running``: the float64 sum of batches whose steps
+    were traced by a compiler (none unless dynamo ran some of a fit's steps eagerly), added first."""
+    update.metrics["gate_density"] = PendingMetric("gate_density")  # type: ignore[assignment]
+    counts, numel = list(tally.counts), tally.table.numel
+    tensors = [tally.numels()] + ([] if running is None else [running])
+
+    def fill(host: list[Tensor]) -> None:
+        total = fold_density(host[0].tolist(), counts, numel)
+        update.metrics["gate_density"] = ((float(host[1]) + total) if running is not None else total) / n
+
+    update.on_host(tensors, fill)
+
+
+def fold_density(numels: Sequence[int], counts: Sequence[int], numel: int) -> float:
+    """``Σ_b |I*_b · W| · n_b / d`` over the batches in order, each term a float64 division (the paper's achieved
+    density ``s'`` of each batch, weighted by its samples), as the running sum of float64 tensors made it.
+
+    Example:
+        >>> fold_density([3, 4], [2, 1], 10)
+        1.0
+    """
+    total: float | None = None
+    for k, n in zip(numels, counts, strict=True):
+        term = float(k * n) / numel
+        total = term if total is None else total + term
+    return 0.0 if total is None else total
 
 
 def _gate_flops(gate: GatingLayer, x: Tensor) -> tuple[float, float]:
