@@ -24,8 +24,9 @@ class and attribute and goes on):
    value derived from the configuration belongs in ``setup_federation``, not ``on_federation_start``; at every
    checkpoint it loads the callback's ``state_dict()`` (the one being saved) into a
    fresh copy of that version and compares the plain attributes — numbers, strings, ``None``, tensors, numpy arrays
-   and lists/tuples/dicts/sets of them — with the live callback's, by value. Attributes holding other objects
-   (modules, helper objects, messages, contexts) are not compared; an attribute the callback did not have after
+   and lists/tuples/dicts/sets/deques of them, and objects of the user's own classes holding such data (a counter, a
+   history) — with the live callback's, by value. Attributes holding other objects (modules, a library's objects:
+   messages, contexts, generators) are not compared; an attribute the callback did not have after
    ``setup_federation`` counts unless it is ``None`` or an empty container. The copy shares the loop, its model
    (and its parameters and buffers), its data and the loop's other parts with the live callback instead of
    copying them; an attribute that cannot be deep-copied is shared too.
@@ -42,6 +43,7 @@ check also skips ``driver_only_attributes``.
 
 from __future__ import annotations
 
+import collections
 import copy
 import enum
 import logging
@@ -202,13 +204,27 @@ def _plain(value: Any, depth: int = 8) -> bool:
         return False
     if isinstance(value, dict):
         return all(type(k) in _SCALARS for k in value) and all(_plain(v, depth - 1) for v in value.values())
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         return all(_plain(v, depth - 1) for v in value)
-    return False
+    return _record_object(value) and _plain(vars(value), depth - 1)
+
+
+#: packages whose objects are the engine's or a library's (modules, messages, contexts, generators): not compared
+_FOREIGN_PACKAGES = ("pl_fedsparse", "torch", "lightning", "pytorch_lightning", "lightning_fabric", "numpy",
+                     "builtins", "collections", "typing", "functools", "threading", "logging", "ray")
+
+
+def _record_object(value: Any) -> bool:
+    """An instance of the user's own class holding data in its ``__dict__`` (a small helper object: a counter, a
+    history), compared by its class and attributes; not a class, function or module, not a library's object."""
+    cls = type(value)
+    return (hasattr(value, "__dict__") and not isinstance(value, (type, torch.nn.Module)) and not callable(value)
+            and cls.__module__.split(".")[0] not in _FOREIGN_PACKAGES and not hasattr(cls, "__slots__"))
 
 
 def _empty(value: Any) -> bool:
-    return value is None or (isinstance(value, (dict, list, tuple, set, frozenset)) and len(value) == 0)
+    return value is None or (isinstance(value, (dict, list, tuple, set, frozenset, collections.deque))
+                             and len(value) == 0)
 
 
 def plain_equal(a: Any, b: Any) -> bool:
@@ -237,13 +253,15 @@ def plain_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict) or isinstance(b, dict):
         return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
                 and all(plain_equal(v, b[k]) for k, v in a.items()))
-    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(plain_equal(x, y) for x, y in zip(a, b)))
+    if isinstance(a, (list, tuple, collections.deque)) or isinstance(b, (list, tuple, collections.deque)):
+        return (isinstance(a, (list, tuple, collections.deque)) and isinstance(b, (list, tuple, collections.deque))
+                and len(a) == len(b) and all(plain_equal(x, y) for x, y in zip(a, b)))
     if isinstance(a, (set, frozenset)) or isinstance(b, (set, frozenset)):
         return isinstance(a, (set, frozenset)) and isinstance(b, (set, frozenset)) and a == b
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
+    if _record_object(a) or _record_object(b):
+        return type(a) is type(b) and plain_equal(vars(a), vars(b))
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an exotic scalar: count it as changed

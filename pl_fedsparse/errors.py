@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 __all__ = [
@@ -24,7 +24,9 @@ __all__ = [
     "UserCodeError",
     "cause_of",
     "check",
+    "debugging",
     "one_line_text",
+    "raised_in",
     "user_code",
     "storage_error",
     "with_path",
@@ -95,6 +97,46 @@ def user_code(owner: Any, hook: str, where: str = "") -> Iterator[None]:
         name = owner if isinstance(owner, str) else type(owner).__qualname__
         context = f" ({where})" if where else ""
         raise UserCodeError(f"{name}.{hook} raised {type(e).__name__}: {one_line_text(e)}{context}") from e
+
+
+def debugging() -> bool:
+    """Whether ``PL_FED_DEBUG`` asks for the tracebacks behind the one-line errors (any value but empty or 0)."""
+    return os.environ.get("PL_FED_DEBUG", "") not in ("", "0")
+
+
+def raised_in(error: BaseException, owners: Iterable[Any]) -> str:
+    """``error`` as one line naming where in the user's code it was raised: the innermost frame of its traceback
+    that runs a method of one of ``owners`` (the module, the data module, the callbacks) in code of their own
+    (not torch's or Lightning's) — ``"MyNet.training_step raised KeyError: 'x'"``; ``"KeyError: 'x'"`` when no such
+    frame is found.
+
+    Example:
+        >>> class Net:
+        ...     def training_step(self):
+        ...         return {}["x"]
+        >>> net = Net()
+        >>> try:
+        ...     net.training_step()
+        ... except KeyError as e:
+        ...     print(raised_in(e, [net]))
+        Net.training_step raised KeyError: 'x'
+    """
+    ids = {id(o) for o in owners if o is not None}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if id(frame.f_locals.get("self")) in ids and not _foreign(frame.f_code.co_filename):
+            found = f"{type(frame.f_locals['self']).__qualname__}.{frame.f_code.co_name}"
+        tb = tb.tb_next
+    text = f"{type(error).__name__}: {one_line_text(error)}"
+    return f"{found} raised {text}" if found else text
+
+
+def _foreign(filename: str) -> bool:
+    """Code of torch or Lightning (their frames name no user's method)."""
+    parts = filename.replace("\\", "/").split("/")
+    return any(p in ("torch", "lightning", "lightning_fabric", "pytorch_lightning") for p in parts[-6:-1])
 
 
 class ConfigError(ValueError):

@@ -93,7 +93,7 @@ def check_model(model: Any, example: Tensor, num_classes: int, data_label: str) 
                           "torch.nn.Module as the backbone of pl_fedsparse.FederatedModule)")
     for hook, what in (("training_step", "training_step(batch, batch_idx) returning the loss"),
                        ("configure_optimizers", "configure_optimizers() returning the optimizer of a local fit")):
-        if not _overrides(model, hook):
+        if not _overrides(model, hook) or not callable(getattr(model, hook, None)):
             raise ConfigError(f"model={name} is invalid: expected a LightningModule that defines {what} (see "
                               "docs/your-own-model.md)")
     if not any(p.requires_grad for p in model.parameters()):

@@ -7,6 +7,7 @@ numbers. The loop now stops such a run with one line (``trainer.callback_contrac
 
 from __future__ import annotations
 
+import collections
 import logging
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, t
 
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.callbacks import Ditto
-from pl_fedsparse.contract import CallbackContractError, FitWatch, checked_callbacks, plain_equal
+from pl_fedsparse.client import Message
+from pl_fedsparse.contract import CallbackContractError, FitWatch, _plain, checked_callbacks, plain_equal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,6 +226,59 @@ def test_plain_equal() -> None:
                        {"a": [1, 2.0], "t": torch.tensor([float("nan"), 1.0])})
     assert not plain_equal(torch.zeros(2), torch.zeros(2, dtype=torch.long))
     assert not plain_equal({"a": 1}, {"a": 1, "b": 2})
+
+
+class Tally:  # a user's helper object holding plain data
+    def __init__(self) -> None:
+        self.n = 0
+        self.seen: list[int] = []
+
+
+class DequeOfRounds(FederatedCallback):
+    """Breaks rule 2: the last rounds in a deque, not saved."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[int] = collections.deque(maxlen=3)
+
+    def on_round_end(self, loop: Any, round_idx: int, metrics: dict[str, Any]) -> None:
+        self.recent.append(round_idx)
+
+
+class HelperObjectCount(FederatedCallback):
+    """Breaks rule 2: a helper object's count, not saved."""
+
+    def __init__(self) -> None:
+        self.tally = Tally()
+
+    def on_round_end(self, loop: Any, round_idx: int, metrics: dict[str, Any]) -> None:
+        self.tally.n += 1
+
+
+class SavedHelperObjectCount(HelperObjectCount):
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.tally.n}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.tally.n = int(state_dict["n"])
+
+
+@pytest.mark.parametrize("callback, attr", [(DequeOfRounds, "recent"), (HelperObjectCount, "tally")])
+def test_unsaved_state_in_a_deque_or_a_helper_object_is_found(tmp_path: Path, callback: type, attr: str) -> None:
+    """A deque, and an object of the user's own class holding plain data, are compared as lists and dicts are (a
+    resume would rebuild them empty: another run)."""
+    loop = tiny_loop(tmp_path, callbacks=[callback()])
+    with pytest.raises(CallbackContractError, match=f"{callback.__name__}.{attr} changed since setup_federation"):
+        loop.fit(tiny_module(), tiny_datamodule())
+
+
+def test_a_saved_helper_object_passes_and_library_objects_are_not_compared(tmp_path: Path) -> None:
+    assert len(_fit(tmp_path, [SavedHelperObjectCount()]).history) == 2
+    t, u = Tally(), Tally()
+    assert plain_equal(t, u) and plain_equal(collections.deque([1, 2]), [1, 2])
+    u.seen.append(1)
+    assert not plain_equal(t, u)
+    assert _plain(t) and not _plain(torch.Generator()) and not _plain(torch.nn.Linear(1, 1))
+    assert not _plain(Message({"w": torch.ones(1)}))  # (the engine's own objects: not the user's state)
 
 
 # ------------------------------------------------------------------------------------------------ the switch

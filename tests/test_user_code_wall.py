@@ -46,6 +46,29 @@ class StepNone(FederatedModule):
     def training_step(self, batch, batch_idx):
         return None
 
+class DictWithoutLoss(FederatedModule):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return {"Loss": out} if batch_idx % 2 else {"loss": out}
+
+class DictLossNone(FederatedModule):
+    def training_step(self, batch, batch_idx):
+        return {"loss": None}
+
+class FloatLoss(FederatedModule):
+    def training_step(self, batch, batch_idx):
+        return float(super().training_step(batch, batch_idx))
+
+class OptimizersNone(FederatedModule):
+    configure_optimizers = None
+
+class StepIndexesBatch(FederatedModule):
+    def training_step(self, batch, batch_idx):
+        return self.helper(batch)
+
+    def helper(self, batch):
+        return batch["x"]
+
 class NanLoss(FederatedModule):
     def loss(self, logits, y):
         return super().loss(logits, y) * float("nan")
@@ -142,6 +165,56 @@ def test_training_step_returning_none_is_named_and_a_round_of_failures_stops(pro
     assert last.startswith("error: round 0: every participant's fit failed (no_loss x4; the first: client 0: "
                            "no_loss: training_step returned None for all"), last
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("model, fit_runner, expected", [
+    ("DictWithoutLoss", "auto", "DictWithoutLoss.training_step returned a dict without a 'loss' tensor (keys: 'Loss'): "
+                                "expected the loss tensor, a dict holding it under 'loss', or None to skip the batch"),
+    ("DictLossNone", "auto", "DictLossNone.training_step returned a dict whose 'loss' is a NoneType: expected"),
+    ("FloatLoss", "auto", "FloatLoss.training_step returned a float: expected the loss tensor"),
+    ("DictWithoutLoss", "trainer", "when `training_step` returns a dict, the 'loss' key needs to be present "
+                                   "(DictWithoutLoss; Lightning's Trainer, client 0, round 0)"),
+])
+def test_a_training_step_output_lightning_refuses_is_refused_in_one_line(
+        project: Path, model: str, fit_runner: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """What Lightning's ``Trainer`` refuses from ``training_step`` (a dict without a loss tensor, a float) is refused
+    by the persistent fit runner too — not trained as a skipped step (half the batches, silently) — and the
+    reference path's refusal is the same kind of line (exit 2: the user's code to fix, not a client fault)."""
+    code, _, err = run_main(_fit(project, model, "--trainer.fit_runner", fit_runner), capsys)
+    assert code == 2, err
+    assert expected in one_line(err) and "Traceback" not in err
+
+
+def test_configure_optimizers_that_is_not_a_method_is_refused_at_the_model_check(
+        project: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_main(_fit(project, "OptimizersNone"), capsys)
+    assert code == 2, err
+    assert "model=OptimizersNone is invalid: expected a LightningModule that defines configure_optimizers()" in err
+    assert not (project / "run").exists()
+
+
+def test_a_fit_that_raises_names_the_users_class_and_method(project: Path, capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client fault names the innermost method of the user's own code the exception came from; with
+    ``on_client_fault: raise`` the run stops at it in one line (exit 1), its traceback on ``PL_FED_DEBUG=1``."""
+    code, _, err = run_main(_fit(project, "StepIndexesBatch"), capsys)
+    assert code == 1, err
+    assert ("the first: client 0: exception: StepIndexesBatch.helper raised TypeError: tuple indices must be "
+            "integers or slices, not str") in one_line(err), err
+    code, _, err = run_main(_fit(project, "StepIndexesBatch", "--trainer.on_client_fault", "raise",
+                                 "--trainer.overwrite", "true"), capsys)
+    assert code == 1, err
+    assert err.splitlines()[-1] == (
+        "error: round 0: client 0's train fit failed (exception: StepIndexesBatch.helper raised TypeError: tuple "
+        "indices must be integers or slices, not str); trainer.on_client_fault=raise (PL_FED_DEBUG=1 prints its "
+        "traceback)"), err
+    assert "Traceback" not in err
+    monkeypatch.setenv("PL_FED_DEBUG", "1")
+    for extra in ([], ["--trainer.on_client_fault", "raise"]):
+        code, _, err = run_main(_fit(project, "StepIndexesBatch", "--trainer.overwrite", "true", *extra), capsys)
+        assert code == 1, err
+        assert "Traceback" in err and 'return batch["x"]' in err, err
+        assert err.splitlines()[-1].startswith("error: round 0: "), err
 
 
 def test_nan_losses_everywhere_stop_the_run_unless_told_to_continue(project: Path,

@@ -24,6 +24,7 @@ from pl_fedsparse.errors import (
     RunStoppedError,
     StorageError,
     UserCodeError,
+    debugging,
 )
 from pl_fedsparse.signals import exit_status, interrupt_in, stop_on_signals
 
@@ -37,6 +38,9 @@ without its example command), wrapped to the terminal's width. Run one by name f
 `{PROG} fit --config NAME.yaml` (or NAME); a file of that name in the working directory wins over the shipped one.
 The shipped files are in: {{folder}}
 """
+
+#: the end of a one-line error whose traceback PL_FED_DEBUG=1 prints
+_DEBUG_HINT = " (PL_FED_DEBUG=1 prints its traceback)"
 
 
 def list_configs(args: Sequence[str]) -> int:
@@ -107,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(_interrupted_message(app._current_run, interrupt) + "\n")
         return exit_status(interrupt)
     except RunStoppedError as e:  # the federation cannot go on (its last checkpoint is intact)
-        sys.stderr.write(f"error: {e}\n")
+        if e.__cause__ is not None and debugging():  # (a fit's exception behind on_client_fault=raise)
+            traceback.print_exception(e.__cause__)
+        sys.stderr.write(f"error: {e}{_DEBUG_HINT if e.__cause__ is not None and not debugging() else ''}\n")
         return 1
     except UserCodeError as e:  # the user's code raised: one line; its traceback on PL_FED_DEBUG=1
-        if os.environ.get("PL_FED_DEBUG", "") not in ("", "0"):
+        if debugging():
             traceback.print_exception(e.__cause__ or e)
-        sys.stderr.write(f"error: {e} (PL_FED_DEBUG=1 prints its traceback)\n")
+        sys.stderr.write(f"error: {e}{'' if debugging() else _DEBUG_HINT}\n")
         return 1
     except StorageError as e:
         sys.stderr.write(f"error: {e}\n")

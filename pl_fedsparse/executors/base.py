@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
+import traceback
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -32,7 +34,7 @@ from torch.utils._pytree import tree_map
 from pl_fedsparse.client import ClientUpdate, Message, TensorTree, to_cpu_state
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.data.loaders import batch_to
-from pl_fedsparse.errors import ConfigError, RunStoppedError, one_line_text
+from pl_fedsparse.errors import ConfigError, RunStoppedError, UserCodeError, debugging, raised_in
 from pl_fedsparse.functional import transfer
 from pl_fedsparse.functional.transfer import to_device
 from pl_fedsparse.metrics import StepLosses
@@ -293,6 +295,23 @@ def _as_floats(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {k: float(v) if isinstance(v, Tensor) else v for k, v in metrics.items()}
 
 
+def fit_owners(loop: FederationView) -> list[Any]:
+    """The objects whose code a fit runs: the module, the data module, the callbacks (:func:`raised_in`)."""
+    return [loop.model, loop.datamodule, *loop.callbacks]
+
+
+def fault_to_raise(loop: FederationView, ctx: FitContext, error: Exception) -> Exception:
+    """What ``trainer.on_client_fault: raise`` stops the run with when a fit raised ``error``: the engine's own
+    one-line errors as they are; anything else as one :class:`ClientFaultError` line naming the user's class and
+    hook (its traceback printed on ``PL_FED_DEBUG=1``: it is the ``__cause__``)."""
+    if isinstance(error, (ConfigError, UserCodeError, RunStoppedError, OSError)):
+        return error
+    fault = ClientFaultError(f"round {ctx.round_idx}: client {ctx.client_idx}'s {ctx.kind} fit failed (exception: "
+                             f"{raised_in(error, fit_owners(loop))}); trainer.on_client_fault=raise")
+    fault.__cause__ = error
+    return fault
+
+
 def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: int, update: ClientUpdate | None,
             error: Exception | None, finite: Iterable[int] = ()) -> ClientUpdate:
     """The end of every local fit: the contract checked, the compute charged, faults found and rolled back (the
@@ -306,7 +325,10 @@ def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: in
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
                               kind=ctx.kind, context=ctx, fault="exception",
-                              fault_detail=f"{type(error).__name__}: {one_line_text(error)}")
+                              fault_detail=raised_in(error, fit_owners(loop)))
+        if error is not None and debugging():  # PL_FED_DEBUG=1: the fit's traceback, as it happened
+            sys.stderr.write(f"PL_FED_DEBUG: client {k}'s {ctx.kind} fit (round {ctx.round_idx}) raised:\n")
+            traceback.print_exception(error, file=sys.stderr)
     else:
         loop.contract.check_fit(watch, ctx)  # the user's error, not a client fault
         samples = update.metrics.get("samples_seen", update.n_samples * (ctx.epochs or loop.local_epochs))

@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 import torch
 
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import fit_scope
-from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.errors import ConfigError, one_line_text
 from pl_fedsparse.executors.base import (
     NO_LOSS_STEPS,
     ClientExecutor,
@@ -27,6 +28,7 @@ from pl_fedsparse.executors.base import (
     FitRequest,
     begin_fit,
     end_fit,
+    fault_to_raise,
     fit_update,
     quiet_lightning,
 )
@@ -136,9 +138,12 @@ class InProcessExecutor(ClientExecutor):
                 loop.call("on_client_fit_end", module, update)
         except ConfigError:  # the configuration, not the client (e.g. trainer.fit_runner=fast where it cannot)
             raise
+        except MisconfigurationException as e:  # Lightning's Trainer refusing the module (e.g. what a step returns)
+            raise ConfigError(f"{one_line_text(e)} ({type(module).__qualname__}; Lightning's Trainer, "
+                              f"client {k}, round {ctx.round_idx})") from e
         except Exception as e:  # a failing client must not stop the federation (KeyboardInterrupt is not caught)
             if loop.on_client_fault == "raise":
-                raise
+                raise fault_to_raise(loop, ctx, e)  # noqa: B904 (its cause is e)
             error = e
         return end_fit(loop, request, watch, n_samples, update, error)
 

@@ -50,7 +50,7 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from pl_fedsparse.errors import UserCodeError
+from pl_fedsparse.errors import ConfigError, UserCodeError
 from pl_fedsparse.functional import transfer
 
 __all__ = ["FIT_RUNNERS", "FitRunner", "FitTrainer", "RunnerUnsupported", "ignores_batch_outputs", "no_optimizer",
@@ -436,11 +436,13 @@ class FitRunner:
         call = FitRunner._call
         with plugin.forward_context():
             out = module.training_step(batch, batch_idx)
-        if isinstance(out, Mapping):
-            loss = out.get("loss")
+        if isinstance(out, Tensor) or out is None:
+            loss, extra = out, {}
+        elif isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
+            loss = out["loss"]
             extra = {k: v for k, v in out.items() if k != "loss"}
         else:
-            loss, extra = out, {}
+            raise training_step_output_error(module, out)
         call(hooks, mod, "on_before_zero_grad", module, optimizer)
         optimizer.zero_grad()
         if loss is not None:
@@ -462,6 +464,24 @@ class FitRunner:
         if loss is None:
             return {"loss": None, **extra}
         return {"loss": loss.detach().clone() if copy_loss else loss.detach(), **extra}
+
+
+def training_step_output_error(module: Any, out: Any) -> ConfigError:
+    """The one line for a ``training_step`` output that Lightning's ``Trainer`` refuses in automatic optimisation
+    (a dict without a ``"loss"`` tensor, or anything but a tensor, such a dict or ``None``) — refused here too
+    rather than trained as a skipped step.
+
+    Example:
+        >>> print(training_step_output_error(torch.nn.Linear(1, 1), {"Loss": 1.0}))
+        Linear.training_step returned a dict without a 'loss' tensor (keys: 'Loss'): expected the loss tensor, a dict holding it under 'loss', or None to skip the batch (as Lightning's Trainer requires)
+    """
+    if isinstance(out, Mapping):
+        what = (f"a dict whose 'loss' is a {type(out['loss']).__name__}" if "loss" in out else
+                f"a dict without a 'loss' tensor (keys: {', '.join(repr(k) for k in list(out)[:5])})")
+    else:
+        what = f"a {type(out).__name__}"
+    return ConfigError(f"{type(module).__qualname__}.training_step returned {what}: expected the loss tensor, a dict "
+                       "holding it under 'loss', or None to skip the batch (as Lightning's Trainer requires)")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

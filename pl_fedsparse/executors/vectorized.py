@@ -78,7 +78,15 @@ from pl_fedsparse.allocator import heap_only, tune_malloc
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import FitContext, fit_scope
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.executors.base import ClientExecutor, FitRequest, begin_fit, end_fit, fit_update, load_state
+from pl_fedsparse.executors.base import (
+    ClientExecutor,
+    FitRequest,
+    begin_fit,
+    end_fit,
+    fault_to_raise,
+    fit_update,
+    load_state,
+)
 from pl_fedsparse.executors.compiling import running_uncompiled
 from pl_fedsparse.executors.eligibility import check_module, elementwise_optimizer
 from pl_fedsparse.executors.hooks import IN_FIT_HOOKS, StackedFit, VectorizedFitHooks, in_fit_hooks
@@ -316,7 +324,7 @@ class VectorizedExecutor(ClientExecutor):
                 raise
             except Exception as e:
                 if loop.on_client_fault == "raise":
-                    raise
+                    raise fault_to_raise(loop, ctx, e)  # noqa: B904 (its cause is e)
                 results[i] = end_fit(loop, request, watch, n_samples, None, e)
                 continue
             steps = loop.local_steps if ctx.epochs is None else None
@@ -354,7 +362,7 @@ class VectorizedExecutor(ClientExecutor):
                 raise
             except Exception as e:  # contain it: this group's clients run one by one, as in process
                 if loop.on_client_fault == "raise":
-                    raise
+                    raise fault_to_raise(loop, items[0]["request"].context, e)  # noqa: B904 (its cause is e)
                 log.warning("VectorizedExecutor: a stacked step failed (%s: %s); its %d fits run in process",
                             type(e).__name__, e, len(items))
                 for item in items:
@@ -398,7 +406,7 @@ class VectorizedExecutor(ClientExecutor):
                         loop.call("on_client_fit_end", module, update)
                 except Exception as e:
                     if loop.on_client_fault == "raise":
-                        raise
+                        raise fault_to_raise(loop, ctx, e)  # noqa: B904 (its cause is e)
                     error = e
                 results[item["index"]] = end_fit(loop, request, item["watch"], item["n_samples"], update, error,
                                                  known)
