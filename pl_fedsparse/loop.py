@@ -41,6 +41,7 @@ from pl_fedsparse.contract import CallbackContract
 from pl_fedsparse.errors import ConfigError, RunStoppedError, UserCodeError, check, user_code
 from pl_fedsparse.evaluation import Evaluator
 from pl_fedsparse.executors.base import (
+    LOGGED,
     ClientExecutor,
     ClientFaultError,
     FitRequest,
@@ -387,8 +388,18 @@ class FederatedLoop:
         return trees[0] if isinstance(state, Mapping) else state
 
     def personal_state(self, client_idx: int) -> dict[str, Tensor]:
-        """State of the client's personal model (what is evaluated as ``"personal"``)."""
-        return self.policy("personal_state", client_idx)
+        """State of the client's personal model (what is evaluated as ``"personal"``); a callback's is checked: every
+        entry of the module's state, each of its shape (a partial state would leave the rest of the working module
+        as the last client had it)."""
+        state = self.policy("personal_state", client_idx)
+        owner = self.policy_owner("personal_state")
+        if owner is not None:
+            problem = _state_mismatch(state, self.initial_state)
+            if problem:
+                raise UserCodeError(f"{type(owner).__name__}.personal_state returned {problem} (client {client_idx}, "
+                                    f"round {self.round_idx}): expected the whole model's state, every entry of "
+                                    "module.state_dict() with its shape")
+        return state
 
     def client_masks(self, client_idx: int) -> dict[str, Tensor] | None:
         """The client's current masks (``None``: dense)."""
@@ -542,6 +553,12 @@ class FederatedLoop:
         losses = [u.metrics["train_loss"] for u in updates if u.metrics.get("samples_seen", 1) > 0
                   and "train_loss" in u.metrics]
         row["train_loss"] = float(np.mean(losses)) if losses else None
+        logged: dict[str, list[float]] = {}  # what the fits' self.log recorded: each name's mean over the fits
+        for u in updates:
+            for key, value in u.metrics.items():
+                if key.startswith(LOGGED):
+                    logged.setdefault(key, []).append(float(value))
+        row.update({key: float(np.mean(values)) for key, values in logged.items()})
         row["num_participants"] = len(participants)
         row["client_faults"] = len(self.round_faults)
         if self.round_faults:
@@ -677,3 +694,27 @@ class FederatedLoop:
         if stage == "fit":
             self.run_dir = self.reporter.open(resuming=ckpt is not None, history=self.history, checkpoint=ckpt,
                                               ckpt_path=ckpt_path)
+
+
+def _state_mismatch(state: Any, expected: Mapping[str, Tensor]) -> str:
+    """What differs between ``state`` and a full state of the model (``""`` when nothing does): not a mapping of
+    tensors, entries missing or unknown, a shape.
+
+    Example:
+        >>> _state_mismatch({"w": torch.ones(2)}, {"w": torch.ones(2), "b": torch.ones(1)})
+        'a state without b'
+        >>> _state_mismatch({"w": torch.ones(3), "b": torch.ones(1)}, {"w": torch.ones(2), "b": torch.ones(1)})
+        'w of shape (3,) instead of (2,)'
+    """
+    if not isinstance(state, Mapping) or not all(isinstance(v, Tensor) for v in state.values()):
+        return f"a {type(state).__name__} that is not a dict of tensors"
+    missing = [k for k in expected if k not in state]
+    if missing:
+        return f"a state without {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+    unknown = [k for k in state if k not in expected]
+    if unknown:
+        return f"entries the model does not have: {', '.join(unknown[:3])}{' ...' if len(unknown) > 3 else ''}"
+    for k, t in expected.items():
+        if state[k].shape != t.shape:
+            return f"{k} of shape {tuple(state[k].shape)} instead of {tuple(t.shape)}"
+    return ""

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_module
 
-from pl_fedsparse import FederatedLoop
+from pl_fedsparse import ConfigError, FederatedLoop, FederatedModule
 from pl_fedsparse.context import current_fit
 from pl_fedsparse.executors.base import FitMeter
 from pl_fedsparse.executors.runner import (
@@ -424,3 +424,54 @@ def test_a_modules_own_batch_end_hook_gets_a_copy() -> None:
     given = [e[1] for e in module.seen if e[0] == "given"]
     assert len(returned) == len(given) == 4
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(returned, given))
+
+
+class _Logs(FederatedModule):
+    """Logs in ``training_step`` (``mode``: Lightning's default flags, or ``on_epoch=True``) and, once an epoch,
+    at its end with ``on_epoch=True``."""
+
+    def __init__(self, mode: str = "step", **kw: Any) -> None:
+        super().__init__(**kw)
+        self.mode = mode
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if self.mode == "step":
+            self.log("my_loss", loss * 2)
+        else:
+            self.log("my_loss", loss * 2, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("epoch_marker", float(self.current_epoch + 1), on_epoch=True)
+
+
+def _logging_rows(tmp_path: Any, fit_runner: str, mode: str = "step") -> list[dict[str, Any]]:
+    from conftest import tiny_module as tiny
+
+    backbone = tiny().backbone
+    loop = FederatedLoop(num_rounds=2, local_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         checkpoint_every=0, default_root_dir=str(tmp_path / fit_runner), fit_runner=fit_runner)
+    loop.fit(_Logs(mode, backbone=backbone), tiny_datamodule(num_clients=4))
+    return _rows(tmp_path / fit_runner)
+
+
+def test_what_a_fit_logs_reaches_the_rounds_row_as_on_the_trainer(tmp_path: Any) -> None:
+    """``self.log`` in a fit: each fit's last value of each name, averaged over the round's fits, in the row as
+    ``logged/<name>`` (metrics.jsonl, TensorBoard) — the same numbers on the runner as through Lightning's Trainer
+    (a value logged once an epoch with ``on_epoch=True`` too: there is nothing to reduce)."""
+    rows = _logging_rows(tmp_path, "auto")
+    assert rows == _logging_rows(tmp_path, "trainer")
+    assert all(r["logged/epoch_marker"] == 2.0 for r in rows)  # (the last epoch's)
+    assert all(isinstance(r["logged/my_loss"], float) and r["logged/my_loss"] > 0 for r in rows)
+    assert rows[0]["logged/my_loss"] != rows[1]["logged/my_loss"]
+
+
+def test_an_epoch_reduction_the_runner_does_not_make_is_one_line(tmp_path: Any) -> None:
+    """``on_epoch=True`` in ``training_step`` asks Lightning for an epoch mean; the runner keeps last values, so
+    it refuses (naming the Trainer path, which makes the mean) rather than record another number."""
+    with pytest.raises(ConfigError, match=r"^_Logs logged 'my_loss' with on_epoch=True: the persistent fit runner "
+                                          r"keeps each name's last value .* --trainer.fit_runner trainer"):
+        _logging_rows(tmp_path, "auto", mode="epoch")
+    rows = _logging_rows(tmp_path, "trainer", mode="epoch")
+    assert all(r["logged/my_loss"] > 0 for r in rows)

@@ -5,10 +5,13 @@ which every fit failed stops the run (exit 1) unless ``trainer.on_client_fault: 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import TINY_CLI, one_line, run_main
+import torch
+from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
+from pl_fedsparse import FederatedCallback
 from pl_fedsparse.errors import ConfigError, UserCodeError, user_code
 
 MODULES = '''
@@ -245,3 +248,39 @@ def test_user_code_lets_the_engines_own_errors_and_interrupts_through() -> None:
     with pytest.raises(UserCodeError, match=r"^object\.hook raised TypeError: t \(here\)$"):
         with user_code(object(), "hook", "here"):
             raise TypeError("t")
+
+
+class _Personal(FederatedCallback):
+    """Owns the personal model: the global state, edited by ``edit``."""
+
+    def __init__(self, edit: Any) -> None:
+        self.edit = edit
+
+    def personal_state(self, loop: Any, client_idx: int) -> Any:
+        return self.edit(dict(loop.global_state))
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda s: {k: v for k, v in s.items() if k.endswith("weight")},
+     "_Personal.personal_state returned a state without backbone.layers.0.bias, backbone.layers.2.bias (client 0, "
+     "round 0): expected the whole model's state, every entry of module.state_dict() with its shape"),
+    (lambda s: {**s, "backbone.layers.0.weight": s["backbone.layers.0.weight"].t()},
+     "_Personal.personal_state returned backbone.layers.0.weight of shape (64, 16) instead of (16, 64)"),
+    (lambda s: {**s, "extra": torch.ones(1)}, "_Personal.personal_state returned entries the model does not have: "
+                                              "extra"),
+    (lambda s: list(s.values()), "_Personal.personal_state returned a list that is not a dict of tensors"),
+])
+def test_a_personal_state_that_is_not_the_whole_model_is_one_line(tmp_path: Path, edit: Any, expected: str) -> None:
+    """A partial personal state would be evaluated over what the working module last held (another client's
+    weights), silently; a wrong shape would fail deep in a copy."""
+    loop = tiny_loop(tmp_path, callbacks=[_Personal(edit)])
+    with pytest.raises(UserCodeError) as err:
+        loop.fit(tiny_module(), tiny_datamodule())
+    assert str(err.value).startswith(expected), str(err.value)
+    assert len(loop.history) == 0
+
+
+def test_a_whole_personal_state_passes(tmp_path: Path) -> None:
+    loop = tiny_loop(tmp_path, num_rounds=1, callbacks=[_Personal(lambda s: s)])
+    loop.fit(tiny_module(), tiny_datamodule())
+    assert len(loop.history) == 1

@@ -539,7 +539,20 @@ class OwnStep(FederatedModule):
         return super().training_step(batch, batch_idx) * 2
 
 
-class DeclaredStep(OwnStep):
+class DeclaredStep(FederatedModule):
+    """Its own training_step, which is loss(forward(x), y): declared so."""
+
+    vectorizable = True
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        self.log("own_loss", 1.0)  # (outside a fit, as the check runs it: no trainer, no harm)
+        return {"loss": self.loss(self(x), y)}
+
+
+class MisdeclaredStep(OwnStep):
+    """Says vectorizable, but its loss is twice loss(forward(x), y)."""
+
     vectorizable = True
 
 
@@ -602,8 +615,18 @@ def test_an_optimizer_it_cannot_stack_is_refused_before_anything_is_written(tmp_
 
 def test_a_module_that_declares_its_step_vectorizable_runs(tmp_path: Path) -> None:
     loop = tiny_loop(tmp_path, executor=VectorizedExecutor())
-    loop.fit(DeclaredStep(_mlp()), tiny_datamodule())  # trains on loss(forward(x), y): the declaration is the user's
+    loop.fit(DeclaredStep(_mlp()), tiny_datamodule())
     assert loop.history[-1]["client_faults"] == 0
+
+
+def test_a_declaration_its_training_step_does_not_keep_is_refused(tmp_path: Path) -> None:
+    """``vectorizable = True`` on a step whose loss is not ``loss(forward(x), y)`` (here twice it): the stacked
+    step would train the latter, another run than in process — refused at the first stacked step, in one line."""
+    loop = tiny_loop(tmp_path, executor=VectorizedExecutor())
+    with pytest.raises(ConfigError, match=r"^trainer.executor=VectorizedExecutor cannot train model=MisdeclaredStep: "
+                                          r"it sets vectorizable = True but its training_step's loss \([\d.]+\) is "
+                                          r"not loss\(forward\(x\), y\) \([\d.]+\) on a batch"):
+        loop.fit(MisdeclaredStep(_mlp()), tiny_datamodule())
 
 
 def test_a_callback_with_in_fit_hooks_and_no_vectorised_form_is_named(tmp_path: Path) -> None:

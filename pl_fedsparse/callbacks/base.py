@@ -315,7 +315,8 @@ class FederatedCallback(pl.Callback):
     device_aggregate: bool = False
 
     def personal_state(self, loop: FederationView, client_idx: int) -> dict[str, Tensor]:
-        """Return the state of ``client_idx``'s personal model (what is evaluated as "personal")."""
+        """Return the state of ``client_idx``'s personal model (what is evaluated as "personal"): every entry of the
+        module's ``state_dict()``, each of its shape (checked: a missing entry or a wrong shape is one line)."""
         raise NotImplementedError
 
     def client_masks(self, loop: FederationView, client_idx: int) -> dict[str, Tensor] | None:

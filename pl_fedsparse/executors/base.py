@@ -295,6 +295,31 @@ def _as_floats(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {k: float(v) if isinstance(v, Tensor) else v for k, v in metrics.items()}
 
 
+#: ``update.metrics`` (and the round's row): what a fit's ``self.log`` recorded, by name after this prefix
+LOGGED = "logged/"
+
+
+def logged_metrics(trainer: Any) -> dict[str, Any]:
+    """What the fit's ``self.log`` / ``self.log_dict`` calls recorded (``trainer.callback_metrics``: the last value
+    of each name, as Lightning keeps it), as ``{"logged/<name>": value}`` for the update's metrics — numbers and
+    one-element tensors (read with the update's copy), where they are. The round's row holds each name's mean over
+    the round's fits (:meth:`~pl_fedsparse.loop.FederatedLoop.run_round`).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> logged_metrics(SimpleNamespace(callback_metrics={"acc": torch.tensor(0.5), "n": 3, "v": torch.ones(2)}))
+        {'logged/acc': tensor(0.5000), 'logged/n': 3}
+    """
+    found = getattr(trainer, "callback_metrics", None) or {}
+    out: dict[str, Any] = {}
+    for name, value in found.items():
+        if isinstance(value, Tensor) and value.numel() == 1:
+            out[LOGGED + name] = value.detach().reshape(())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[LOGGED + name] = value
+    return out
+
+
 def fit_owners(loop: FederationView) -> list[Any]:
     """The objects whose code a fit runs: the module, the data module, the callbacks (:func:`raised_in`)."""
     return [loop.model, loop.datamodule, *loop.callbacks]

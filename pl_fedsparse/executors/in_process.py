@@ -30,6 +30,7 @@ from pl_fedsparse.executors.base import (
     end_fit,
     fault_to_raise,
     fit_update,
+    logged_metrics,
     quiet_lightning,
 )
 from pl_fedsparse.executors.compiling import compile_module
@@ -58,6 +59,8 @@ class InProcessExecutor(ClientExecutor):
         self.runner_off: str | None = None
         #: whether updates stay on the weights' device until their fit ends (``None``: not asked yet)
         self.device_update: bool | None = None
+        #: the Trainer of the last fit that ran on one (what its ``self.log`` calls recorded is read from it)
+        self._last_trainer: Any = None
 
     def setup(self, loop: FederationView) -> None:
         self.loop = loop
@@ -133,6 +136,7 @@ class InProcessExecutor(ClientExecutor):
                 update = fit_update(module, ctx, n_samples, metrics, on_device=self._device_update())
                 if losses is not None:  # (the loss read with the update's copy when the fit ends: no wait now)
                     update.metrics = losses.metrics_on_host(update)
+                update.metrics.update(logged_metrics(runner.trainer if runner is not None else self._last_trainer))
                 if runner is not None and runner.steps_run and runner.steps_without_loss == runner.steps_run:
                     update.extras[NO_LOSS_STEPS] = runner.steps_run  # (find_fault names it)
                 loop.call("on_client_fit_end", module, update)
@@ -189,7 +193,7 @@ class InProcessExecutor(ClientExecutor):
                 self._runner_unsupported(str(e))
         handler = signal.getsignal(signal.SIGINT)
         with quiet_lightning():
-            trainer = self.make_trainer(epochs)
+            trainer = self._last_trainer = self.make_trainer(epochs)
             if meter is not None:  # last: it reads what training_step returned
                 trainer.callbacks.append(meter)
         try:

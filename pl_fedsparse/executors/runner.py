@@ -336,6 +336,9 @@ class FitRunner:
         # Lightning's shim); current_epoch / global_step read it too
         module._fabric = trainer  # type: ignore[assignment]
         module._trainer = trainer  # type: ignore[assignment]
+        had_log = "log" in vars(module)
+        own_log = vars(module).get("log")
+        object.__setattr__(module, "log", _last_value_log(module, trainer))  # (self.log's flags checked: see there)
         try:
             if module.device != self.device:
                 module.to(self.device)
@@ -350,6 +353,10 @@ class FitRunner:
                 raise
         finally:
             module._trainer, module._fabric = saved
+            if had_log:
+                object.__setattr__(module, "log", own_log)
+            else:
+                vars(module).pop("log", None)
 
     @staticmethod
     def _call(hooks: Mapping[str, list[Any]], mod: Mapping[str, Any], name: str, module: pl.LightningModule,
@@ -464,6 +471,30 @@ class FitRunner:
         if loss is None:
             return {"loss": None, **extra}
         return {"loss": loss.detach().clone() if copy_loss else loss.detach(), **extra}
+
+
+def _last_value_log(module: pl.LightningModule, trainer: FitTrainer) -> Any:
+    """``module.log`` during a fit on the runner: Lightning's own, which keeps the last value of each name
+    (:meth:`FitTrainer.log_dict`) — what ``Trainer.fit`` keeps for a ``training_step`` log with its default
+    ``on_step=True``. An epoch reduction (``on_epoch=True`` on a name logged more than once in an epoch, or
+    forked into ``_step``/``_epoch`` names) is not made here: it is refused in one line, naming the way to the
+    ``Trainer`` that makes it, rather than recorded as another number."""
+    real = type(module).log.__get__(module)
+    epochs: dict[str, int] = {}
+
+    def log(name: str, value: Any, prog_bar: bool = False, logger: bool | None = None, on_step: bool | None = None,
+            on_epoch: bool | None = None, *args: Any, **kwargs: Any) -> None:
+        if on_epoch:
+            again = epochs.get(name) == trainer.current_epoch
+            epochs[name] = trainer.current_epoch
+            if again or on_step:
+                raise ConfigError(
+                    f"{type(module).__qualname__} logged {name!r} with on_epoch=True{' and on_step=True' if on_step else ''}: "
+                    "the persistent fit runner keeps each name's last value (self.log's default in training_step); "
+                    "expected on_epoch left out, or --trainer.fit_runner trainer for Lightning's epoch reductions")
+        real(name, value, prog_bar, logger, on_step, on_epoch, *args, **kwargs)
+
+    return log
 
 
 def training_step_output_error(module: Any, out: Any) -> ConfigError:

@@ -67,6 +67,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -518,6 +519,7 @@ class VectorizedExecutor(ClientExecutor):
                         _check_gradients_of(module, device.type, sub_p, sub_f, xs, ys,
                                             grad_fn if not autocast else torch.func.vmap(torch.func.grad_and_value(
                                                 _loss_of(module, device.type, False))))
+                    _check_training_step(module, sub_p, sub_f, xs[0, :lengths[0]], ys[0, :lengths[0]])
                     self._gradients_checked = True
                 with exact_linear(True, grouped_convolutions=grouped):
                     # the callback's own forward (e.g. pFedGate's gated model), or None: the module's own loss
@@ -695,6 +697,47 @@ def _check_gradients_of(module: pl.LightningModule, device_type: str, params: di
                           f"stacked gradients differ from one client's own by {err:.1e} of the largest ({name}; "
                           f"rounding stays below {STACKED_GRADIENT_TOLERANCE:.0e}), a torch.func batching rule of one "
                           "of its layers disagrees with the layer; run it in process (drop trainer.executor)")
+
+
+class _TrainingStep(torch.nn.Module):
+    """``module.training_step((x, y), 0)`` as a forward, for ``functional_call`` with one client's weights."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.m = module
+
+    def forward(self, x: Tensor, y: Tensor) -> Any:
+        return self.m.training_step((x, y), 0)
+
+
+def _check_training_step(module: pl.LightningModule, params: dict[str, Tensor], fixed: dict[str, Tensor], x: Tensor,
+                         y: Tensor) -> None:
+    """Refuse (one line) a module of its own ``training_step`` that says ``vectorizable = True`` when that step's
+    loss is not ``loss(forward(x), y)`` on a batch of the first stacked step (one client's weights, float32): the
+    stacked step trains the latter, so a penalty or an augmentation inside ``training_step`` would be trained away
+    silently. A step that cannot run outside a fit (it reads its trainer) is not checked (one log line)."""
+    from pl_fedsparse.module import FederatedModule
+
+    if getattr(type(module), "training_step", None) is FederatedModule.training_step:
+        return
+    state = {n: t[0] for n, t in {**params, **fixed}.items()}
+    try:
+        with torch.no_grad(), full_fp32(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (self.log outside a fit: Lightning's warning)
+            expected = training_loss(module, torch.func.functional_call(module, state, (x,)), y)
+            out = torch.func.functional_call(_TrainingStep(module), {f"m.{n}": t for n, t in state.items()}, (x, y))
+    except Exception as e:  # noqa: BLE001 - the user's step outside a fit: not checkable, not wrong
+        log.info("VectorizedExecutor: %s.training_step could not run outside a fit to be compared with "
+                 "loss(forward(x), y) (%s: %s); not checked", type(module).__name__, type(e).__name__, e)
+        return
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not (isinstance(loss, Tensor) and loss.shape == expected.shape
+            and torch.allclose(loss.float(), expected.float(), rtol=1e-5, atol=1e-7)):
+        got = f"{float(loss):.6g}" if isinstance(loss, Tensor) and loss.numel() == 1 else type(loss).__name__
+        raise ConfigError(f"trainer.executor=VectorizedExecutor cannot train model={type(module).__name__}: it sets "
+                          f"vectorizable = True but its training_step's loss ({got}) is not loss(forward(x), y) "
+                          f"({float(expected):.6g}) on a batch — the stacked step would train the latter; drop "
+                          "vectorizable (its fits run in process) or make training_step loss(forward(x), y)")
 
 
 def _loss_of(module: pl.LightningModule, device_type: str, autocast: bool) -> Any:
