@@ -634,7 +634,7 @@ class FederatedLoop:
                               "(e.g. [0.6, 0.2, 0.2]); use `pl-fed test` to evaluate on the test split")
         ev = self.evaluate(split)
         ev.pop("client_acc")
-        out = {"split": split, "round": self.round_idx, **ev}
+        out = {"split": split, "round": self.round_idx, "rounds_trained": self.round_idx, **ev}
         print(results_table(out, self.reporter.extra_rows(), title=f"{split} results"))
         return out
 

@@ -255,7 +255,8 @@ def test_sigterm_stops_cleanly_and_resumes(where: str, tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 120
     line = [x for x in res.stderr.splitlines() if x.startswith("terminated (SIGTERM)")]
     assert len(line) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert line[0].endswith("(it continues at round 1; the checkpoint holds round 0)"), line[0]  # round 1 was cut
+    assert line[0].endswith("(the checkpoint holds 1 completed round, round 0 in metrics.jsonl; the resumed run "
+                            "continues with round 2/3)"), line[0]  # the second round was cut
     assert_clean(run)
     assert load_checkpoint(run / "checkpoints" / "last.ckpt")
     command = shlex.split(line[0].split("`")[1])

@@ -105,8 +105,10 @@ def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
         return f"{word}: no checkpoint was written in {rd} (trainer.checkpoint_every=" \
                f"{loop.checkpoint_every}), the run cannot be resumed"
     done = loop.reporter.directory.checkpoint_round
-    held = "round 0" if done == 1 else f"rounds 0 to {done - 1}"  # metrics.jsonl's round numbers (from 0)
-    at = f" (it continues at round {done}; the checkpoint holds {held})" if done else \
+    # counted as the progress lines count (round k/N from 1), with metrics.jsonl's numbers (from 0) beside
+    held = "round 0" if done == 1 else f"rounds 0 to {done - 1}"
+    at = (f" (the checkpoint holds {done} completed round{'s' if done != 1 else ''}, {held} in metrics.jsonl; the "
+          f"resumed run continues with round {done + 1}/{loop.num_rounds})") if done else \
         " (no round had completed)" if done == 0 else ""
     q = shlex.quote  # a path with a space or a quote still makes a command the shell runs as printed
     config = f"--config {q(str(rd / 'config.yaml'))} " if (rd / "config.yaml").is_file() else ""

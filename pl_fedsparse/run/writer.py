@@ -51,13 +51,14 @@ def _pct(v: Any) -> str:
 def results_table(summary: Mapping[str, Any], rows: Sequence[tuple[str, str]] = (),
                   title: str = "final results") -> str:
     """A small text table of the headline numbers; ``rows`` are extra ``(label, metric key)`` lines shown when the
-    metric is present.
+    metric is present. The rounds trained are counted as the progress lines count them (``rounds_trained``, or the
+    row's ``round`` + 1: metrics.jsonl numbers rounds from 0).
 
     Example:
         >>> print(results_table({"round": 3, "acc_mean": 0.5, "x": 0.25}, [("my metric", "x")], title="t"))
         ... # doctest: +NORMALIZE_WHITESPACE
         == t =====...
-        round                                     3
+        rounds trained                            4
         personal acc (mean over clients)     50.00%
         personal acc (sample-weighted)            -
         personal acc (std)                        -
@@ -66,8 +67,10 @@ def results_table(summary: Mapping[str, Any], rows: Sequence[tuple[str, str]] = 
         my metric                            25.00%
     """
     row = summary.get("final", summary)
+    # counted as the progress lines count them (the last row's round is numbered from 0, as in metrics.jsonl)
+    trained = row.get("rounds_trained", row["round"] + 1 if isinstance(row.get("round"), int) else "-")
     items = [
-        ("round", str(row.get("round", "-"))),
+        ("rounds trained", str(trained)),
         ("personal acc (mean over clients)", _pct(row.get("acc_mean"))),
         ("personal acc (sample-weighted)", _pct(row.get("acc_weighted"))),
         ("personal acc (std)", _pct(row.get("acc_std"))),
