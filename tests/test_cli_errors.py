@@ -219,6 +219,48 @@ def test_parse_errors_point_to_the_right_help(argv0: str, monkeypatch: pytest.Mo
     assert code == 2 and one_line(err).endswith("(see `pl-fed test --help`)")
 
 
+USER_CLASSES = textwrap.dedent("""
+    import torch
+    from pl_fedsparse import FederatedModule
+
+    class NeedsWidth(FederatedModule):
+        def __init__(self, width: int, **kw):
+            super().__init__(**kw)
+
+    class PlainNet(torch.nn.Module):
+        pass
+""")
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("model", "mine.NeedsWidth", "model.class_path='mine.NeedsWidth' is invalid: its __init__ requires width (give "
+                                 "--model.init_args.width or init_args in the config)"),
+    ("model", "mine.PlainNet", "model.class_path='mine.PlainNet' is invalid: expected a lightning.pytorch."
+                               "LightningModule subclass (a plain torch.nn.Module goes in as "
+                               "model.init_args.backbone of pl_fedsparse.FederatedModule"),
+    ("data", "mine.PlainNet", "data.class_path='mine.PlainNet' is invalid: expected a "
+                              "pl_fedsparse.data.FederatedDataModule subclass"),
+    ("model", "elsewhere.Net", "model.class_path='elsewhere.Net' is invalid: No module named 'elsewhere' (run "
+                               "pl-fed from the folder that holds the module, or add that folder to PYTHONPATH)"),
+])
+def test_a_class_path_that_cannot_be_used_is_one_line(key: str, value: str, expected: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Not jsonargparse's account of every type it tried (a dozen lines folded into one): the key, the class path
+    and what is allowed — also where the class path is in the config rather than on the command line."""
+    (tmp_path / "mine.py").write_text(USER_CLASSES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({key: {"class_path": value}}))
+    for how in (["--config", "c.yaml"], [f"--{key}.class_path", value]):
+        code, _, err = run_main(["fit", *TINY_CLI, *how, "--trainer.default_root_dir", str(tmp_path / "run")],
+                                capsys)
+        assert code == 2, err
+        line = one_line(err)
+        assert line.startswith(f"error: {expected}"), line
+        assert "Union subtypes" not in line and not (tmp_path / "run").exists()
+
+
 def test_long_values_are_printed_in_full(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     value = "x" * 300 + "-the-end-" + "y" * 300
     code, _, err = run_main(["fit", *TINY_CLI, "--trainer.num_rounds", value], capsys)

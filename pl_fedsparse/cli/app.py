@@ -58,7 +58,8 @@ class _OneLineErrors(LightningArgumentParser):
         if not self.exit_on_error:
             return super().error(message, ex)
         # jsonargparse nests the useful part last ("Parser key 'x': ... - Expected ..."); the whole of it is kept
-        text = " ".join(s.strip() for s in str(message).splitlines() if s.strip())
+        # unless it is a class_path that cannot be used (said in the project's one-line form)
+        text = class_path_problem(str(message)) or " ".join(s.strip() for s in str(message).splitlines() if s.strip())
         sys.stderr.write(f"error: {text} (see `{_help_command(self.prog)}`)\n")
         sys.exit(2)
 
@@ -82,6 +83,47 @@ class _OneLineErrors(LightningArgumentParser):
         from pl_fedsparse.run.config_diff import canonical_config
 
         return yaml.safe_dump(canonical_config(data), sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+#: what a configured class must be, by the base class jsonargparse names
+_BASES = {
+    "LightningModule": "a lightning.pytorch.LightningModule subclass (a plain torch.nn.Module goes in as "
+                       "model.init_args.backbone of pl_fedsparse.FederatedModule: docs/your-own-model.md)",
+    "FederatedDataModule": "a pl_fedsparse.data.FederatedDataModule subclass (docs/your-own-data.md)",
+}
+
+
+def class_path_problem(message: str) -> str | None:
+    r"""jsonargparse's account of a ``class_path`` it could not use (a union of every type it tried, over several
+    lines), as one line in the project's form naming the key, the class path and what is allowed; ``None`` for
+    another message.
+
+    Example:
+        >>> class_path_problem('Parser key "model":\n  Does not validate against any of the Union subtypes\n'
+        ...                    '  Errors:\n    - Problem with given class_path \'mine.Net\':\n'
+        ...                    "        No module named 'mine'\n    - Expected a <class 'NoneType'>")
+        "model.class_path='mine.Net' is invalid: No module named 'mine' (run pl-fed from the folder that holds the module, or add that folder to PYTHONPATH)"
+    """
+    key = re.match(r'\s*Parser key "([^"]+)":', message)
+    if key is None:
+        return None
+    where = f"{key.group(1)}.class_path"
+    wrong = re.search(r"- Import path (\S+) does not correspond to a subclass of (\w+)", message)
+    if wrong:
+        allowed = _BASES.get(wrong.group(2), f"a subclass of {wrong.group(2)}")
+        return f"{where}={wrong.group(1)!r} is invalid: expected {allowed}"
+    problem = re.search(r"- Problem with given class_path '([^']+)':\s*\n?\s*(.+)", message)
+    if problem is None:
+        return None
+    path, why = problem.group(1), " ".join(problem.group(2).split())
+    if why.startswith("No module named"):
+        why += " (run pl-fed from the folder that holds the module, or add that folder to PYTHONPATH)"
+    required = re.match(r"the following arguments are required: (.+)", why)
+    if required:
+        names = [n.strip() for n in required.group(1).split(",")]
+        why = (f"its __init__ requires {', '.join(names)} (give --{key.group(1)}.init_args.{names[0]} or "
+               "init_args in the config)")
+    return f"{where}={path!r} is invalid: {why}"
 
 
 def _help_command(prog: str) -> str:
