@@ -190,6 +190,9 @@ class FederatedLoop:
         self.eval_every, self.eval_split, self.eval_global = eval_every, eval_split, eval_global
         self.eval_metrics: list[str] = list(dict.fromkeys(eval_metrics or []))
         self.accelerator, self.precision, self.gradient_clip_val = accelerator, precision, gradient_clip_val
+        # (an empty path is an unset shell variable, "$RUN": not "no directory given", which starts a new run elsewhere)
+        check(default_root_dir is None or str(default_root_dir).strip() != "", "trainer.default_root_dir",
+              default_root_dir, "a directory path, or null for a new runs/run-<time> directory")
         self.default_root_dir, self.overwrite, self.checkpoint_every = default_root_dir, overwrite, checkpoint_every
         self.logger, self.enable_progress_bar = logger, enable_progress_bar
         self.on_client_fault, self.keep_checkpoints = on_client_fault, keep_checkpoints
@@ -649,6 +652,8 @@ class FederatedLoop:
     def setup(self, model: pl.LightningModule, datamodule: Any, ckpt_path: str | None = None, stage: str = "fit") -> None:
         """Set the federation up (data, policies, accounting, client state, checkpoint restore, run directory)
         without running a round; `fit`, `validate` and `test` call it."""
+        check(ckpt_path is None or str(ckpt_path).strip() != "", "ckpt_path", ckpt_path,
+              "a checkpoint file, or null to start a new run")
         check_datamodule(datamodule)
         model, self._compiled_model = unwrap_compiled(model)  # (compiled when the executor sets up: compiling)
         self.model, self.datamodule = model, datamodule

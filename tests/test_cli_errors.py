@@ -484,3 +484,18 @@ def test_clamped_clients_per_round_warns_once_per_cli_run(tmp_path: Path, capsys
     assert code == 0, err
     msgs = [r.getMessage() for r in caplog.records if r.name == "pl_fedsparse.policies"]
     assert len(msgs) == 1 and "trainer.clients_per_round=10" in msgs[0] and "4 clients" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("option", ["--trainer.default_root_dir", "--ckpt_path"])
+def test_an_empty_path_is_refused_not_taken_for_no_path(option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--ckpt_path "$CKPT"`` with the variable unset is an empty string: a new run elsewhere (or from scratch)
+    would start silently instead of the resume asked for."""
+    monkeypatch.chdir(tmp_path)
+    extra = [option, ""] if option == "--ckpt_path" else []
+    root = "" if option != "--ckpt_path" else str(tmp_path / "run")
+    code, _, err = run_main(["fit", *TINY_CLI, "--trainer.default_root_dir", root, *extra], capsys)
+    assert code == 2, err
+    name = option.removeprefix("--")
+    assert one_line(err).startswith(f"error: {name}='' is invalid: expected "), err
+    assert list(tmp_path.iterdir()) == []

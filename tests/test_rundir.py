@@ -23,7 +23,7 @@ from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, t
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.run import directory as rundir
 from pl_fedsparse.errors import CheckpointError
-from pl_fedsparse.run.checkpoint import load_checkpoint
+from pl_fedsparse.run.checkpoint import load_checkpoint, save_checkpoint
 from pl_fedsparse.run.config_diff import config_changes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -476,7 +476,7 @@ def test_unwritable_checkpoint_is_one_line(tmp_path: Path) -> None:
 def test_load_checkpoint_gives_the_whole_first_line_of_the_cause(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "x.ckpt"
-    path.write_bytes(b"whatever")
+    torch.save({"w": torch.ones(2)}, path)  # (an intact archive: the failure is torch.load's)
     cause = "PytorchStreamReader failed " + "x" * 300 + " END"
 
     def fail(*a: Any, **k: Any) -> None:
@@ -486,6 +486,32 @@ def test_load_checkpoint_gives_the_whole_first_line_of_the_cause(tmp_path: Path,
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(path)
     assert cause + ")" in str(e.value) and "second line" not in str(e.value)
+
+
+@pytest.mark.parametrize("content", ["text", "yaml", "flipped"])
+def test_a_file_that_is_no_intact_checkpoint_is_one_line(tmp_path: Path, content: str) -> None:
+    """A text file (a config given as ``--ckpt_path`` by mistake: torch's legacy loader raises ``KeyError`` or
+    ``IndexError`` on it) and a checkpoint with damaged bytes in its weights (``torch.load`` does not check the
+    archive's CRCs: it loaded other weights and resumed another run) are refused in one line."""
+    path = tmp_path / "x.ckpt"
+    if content == "text":
+        path.write_text("hello")
+    elif content == "yaml":
+        path.write_text("seed_everything: 0\ntrainer:\n  num_rounds: 3\n")
+    else:
+        save_checkpoint(path, {"global_state": {"w": torch.randn(4096)}})
+        data = bytearray(path.read_bytes())
+        at = len(data) // 2
+        data[at:at + 8] = bytes(8) if data[at:at + 8] != bytes(8) else b"\xff" * 8
+        path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path)
+    expected = {"text": "not a zip archive, as pl-fed fit writes its checkpoints",
+                "yaml": "not a zip archive, as pl-fed fit writes its checkpoints",
+                "flipped": "fails its CRC check"}[content]
+    assert str(e.value).startswith(f"ckpt_path={str(path)!r} is invalid: expected a readable pl_fedsparse "
+                                   "checkpoint (the file is corrupted: ") and expected in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_overwrite_does_not_break_into_a_running_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

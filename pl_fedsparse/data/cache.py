@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -55,6 +56,9 @@ def _cache_load(path: Path) -> dict[str, torch.Tensor] | None:
     if not path.is_file():
         return None
     try:
+        with zipfile.ZipFile(path) as archive:  # (torch.load does not check the members' CRCs: a damaged byte)
+            if archive.testzip() is not None:
+                return None
         blob = torch.load(path, map_location="cpu", weights_only=True)
         keys = ("train_x", "train_y", "test_x", "test_y")
         if not isinstance(blob, dict) or not all(isinstance(blob.get(k), torch.Tensor) for k in keys):

@@ -50,11 +50,17 @@ def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any
     p = Path(path)
     if not p.is_file():
         raise CheckpointError(f"{param}={str(path)!r} is invalid: expected an existing checkpoint file")
+    damaged = _damaged_member(p, param)
+    if damaged:
+        raise CheckpointError(f"{param}={str(path)!r} is invalid: expected a readable pl_fedsparse checkpoint "
+                              f"(the file is corrupted: {damaged}); resume from an earlier one "
+                              "(checkpoints/round-*.ckpt)")
     try:
         with warnings.catch_warnings():  # (torch warns about a foreign pickle protocol: the one line says it all)
             warnings.simplefilter("ignore")
             state = torch.load(p, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError, KeyError,
+            IndexError, TypeError, AttributeError, UnicodeDecodeError) as e:  # (a file that is no checkpoint)
         unsafe = _unsafe_content(e)
         if unsafe is not None:
             raise CheckpointError(
@@ -73,6 +79,23 @@ def load_checkpoint(path: str | Path, param: str = "ckpt_path") -> dict[str, Any
         )
     state[LOADED_FROM] = str(path)
     return state
+
+
+def _damaged_member(path: Path, param: str) -> str:
+    """Why ``path`` is not an intact checkpoint archive, or ``""``: :func:`torch.save` writes a zip archive with a
+    CRC-32 of every member, which ``torch.load`` does not verify — a flipped byte in the weights would load as other
+    weights and resume another run. Checked here: the archive, then every member against its CRC (one read)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return "not a zip archive, as pl-fed fit writes its checkpoints"
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {_first_line(e)}"
+    except OSError as e:  # (unreadable: permissions, I/O error)
+        raise CheckpointError(f"{param}={str(path)!r} is invalid: expected a readable checkpoint file "
+                              f"({e.strerror or e})") from None
+    return f"archive member {bad!r} fails its CRC check" if bad else ""
 
 
 #: key :func:`load_checkpoint` adds to the state it returns: the path it was read from (never saved)
