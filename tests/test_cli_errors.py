@@ -234,7 +234,7 @@ USER_CLASSES = textwrap.dedent("""
 
 @pytest.mark.parametrize("key, value, expected", [
     ("model", "mine.NeedsWidth", "model.class_path='mine.NeedsWidth' is invalid: its __init__ requires width (give "
-                                 "--model.init_args.width or init_args in the config)"),
+                                 "--model.init_args.width, or model.init_args in the config)"),
     ("model", "mine.PlainNet", "model.class_path='mine.PlainNet' is invalid: expected a lightning.pytorch."
                                "LightningModule subclass (a plain torch.nn.Module goes in as "
                                "model.init_args.backbone of pl_fedsparse.FederatedModule"),
@@ -499,3 +499,32 @@ def test_an_empty_path_is_refused_not_taken_for_no_path(option: str, tmp_path: P
     name = option.removeprefix("--")
     assert one_line(err).startswith(f"error: {name}='' is invalid: expected "), err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model.backbone", "mine_broken.Net"], "model.backbone.class_path='mine_broken.Net' is invalid: importing it "
+                                              "failed: No module named 'no_such_dependency' (a module it imports is "
+                                              "not installed)"),
+    (["--config", "typo.yaml"], "data.batchsize is invalid: expected an argument of "
+                                "pl_fedsparse.data.FederatedDataModule's __init__ (did you mean batch_size?)"),
+    (["--data.batch_size", "abc"], "data.batch_size='abc' is invalid: expected an int"),
+    (["--trainer.callbacks+", "torch.nn.Linear"], "trainer.callbacks='torch.nn.Linear' is invalid: expected a "
+                                                  "lightning.pytorch.Callback subclass"),
+    (["--trainer.eval_metrics", "[auc]"], "trainer.eval_metrics is invalid: 'auc' is not one of 'f1_macro', 'ece'"),
+    (["--seed_everything", "abc"], "seed_everything='abc' is invalid: expected true or false or an int"),
+    (["--trainer.topology", "Foo"], "trainer.topology='Foo' is invalid: expected a class path"),
+])
+def test_a_value_jsonargparse_refuses_is_named_in_one_line(args: list[str], expected: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The option as the user wrote it (nested: ``model.backbone``, ``data.batchsize``), the value and what is
+    allowed — not the union of every type jsonargparse tried, with the whole section it was given."""
+    (tmp_path / "mine_broken.py").write_text("import no_such_dependency\n")
+    (tmp_path / "typo.yaml").write_text("data:\n  batchsize: 32\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run_main(["fit", *TINY_CLI, *args, "--trainer.default_root_dir", str(tmp_path / "run")], capsys)
+    assert code == 2, err
+    line = one_line(err)
+    assert line.startswith(f"error: {expected}"), line
+    assert "Union subtypes" not in line and "Given value" not in line

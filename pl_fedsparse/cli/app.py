@@ -90,40 +90,95 @@ _BASES = {
     "LightningModule": "a lightning.pytorch.LightningModule subclass (a plain torch.nn.Module goes in as "
                        "model.init_args.backbone of pl_fedsparse.FederatedModule: docs/your-own-model.md)",
     "FederatedDataModule": "a pl_fedsparse.data.FederatedDataModule subclass (docs/your-own-data.md)",
+    "Callback": "a lightning.pytorch.Callback subclass (the library's callbacks or your own: docs/extending.md)",
 }
 
 
 def class_path_problem(message: str) -> str | None:
-    r"""jsonargparse's account of a ``class_path`` it could not use (a union of every type it tried, over several
-    lines), as one line in the project's form naming the key, the class path and what is allowed; ``None`` for
-    another message.
+    r"""jsonargparse's account of a configured class it could not use — a union of every type it tried, nested
+    once for every class holding the next (``model`` → its ``backbone``) — as one line in the project's form naming
+    the dotted option, the value or class path and what is allowed; ``None`` for another message.
 
     Example:
         >>> class_path_problem('Parser key "model":\n  Does not validate against any of the Union subtypes\n'
         ...                    '  Errors:\n    - Problem with given class_path \'mine.Net\':\n'
         ...                    "        No module named 'mine'\n    - Expected a <class 'NoneType'>")
         "model.class_path='mine.Net' is invalid: No module named 'mine' (run pl-fed from the folder that holds the module, or add that folder to PYTHONPATH)"
+        >>> class_path_problem('Parser key "data":\n  Errors:\n    - Problem with given class_path \'a.Data\':\n'
+        ...                    '        Parser key "batch_size":\n          Expected a <class \'int\'>. Got value: abc')
+        "data.batch_size='abc' is invalid: expected an int"
     """
-    key = re.match(r'\s*Parser key "([^"]+)":', message)
-    if key is None:
+    keys = re.findall(r'Parser key "([^"]+)"', message)
+    if not keys:
         return None
-    where = f"{key.group(1)}.class_path"
-    wrong = re.search(r"- Import path (\S+) does not correspond to a subclass of (\w+)", message)
+    dotted = ".".join(keys)
+    paths = re.findall(r"Problem with given class_path '([^']+)'", message)
+    path = paths[-1] if paths else None
+    where = f"{dotted}.class_path={path!r}"
+    missing = re.search(r"No module named '([^']+)'", message)
+    if missing and path:
+        if missing.group(1) == path.split(".")[0] or path.startswith(missing.group(1) + "."):
+            return (f"{where} is invalid: No module named {missing.group(1)!r} (run pl-fed from the folder that "
+                    "holds the module, or add that folder to PYTHONPATH)")
+        return (f"{where} is invalid: importing it failed: No module named {missing.group(1)!r} (a module it "
+                "imports is not installed)")
+    required = re.search(r"the following arguments are required: (.+)", message)
+    if required and path:
+        names = ", ".join(n.strip() for n in required.group(1).split(","))
+        first = names.split(",")[0]
+        return (f"{where} is invalid: its __init__ requires {names} (give --{dotted}.init_args.{first}, or "
+                f"{dotted}.init_args in the config)")
+    unknown = re.search(r"Option '([^']+)' is not accepted", message)
+    if unknown and path:
+        return (f"{dotted}.{unknown.group(1)} is invalid: expected an argument of {path}'s __init__"
+                f"{_close(unknown.group(1), path)}")
+    wrong = re.search(r"Import path (\S*) ?does not correspond to a subclass of (\w+)", message)
     if wrong:
-        allowed = _BASES.get(wrong.group(2), f"a subclass of {wrong.group(2)}")
-        return f"{where}={wrong.group(1)!r} is invalid: expected {allowed}"
-    problem = re.search(r"- Problem with given class_path '([^']+)':\s*\n?\s*(.+)", message)
-    if problem is None:
-        return None
-    path, why = problem.group(1), " ".join(problem.group(2).split())
-    if why.startswith("No module named"):
-        why += " (run pl-fed from the folder that holds the module, or add that folder to PYTHONPATH)"
-    required = re.match(r"the following arguments are required: (.+)", why)
-    if required:
-        names = [n.strip() for n in required.group(1).split(",")]
-        why = (f"its __init__ requires {', '.join(names)} (give --{key.group(1)}.init_args.{names[0]} or "
-               "init_args in the config)")
-    return f"{where}={path!r} is invalid: {why}"
+        allowed = _BASES.get(wrong.group(2), f"a {wrong.group(2)} subclass")
+        if wrong.group(1):
+            return f"{dotted}.class_path={wrong.group(1)!r} is invalid: expected {allowed}"
+        return f"{dotted}={_given(message)!r} is invalid: expected {allowed}"
+    typed = re.search(r"Expected a <class '(\w+)'>\. Got value: (.+)", message)
+    if typed:
+        return f"{dotted}={typed.group(2).strip()!r} is invalid: expected {_KINDS.get(typed.group(1), typed.group(1))}"
+    dotpath = re.search(r"Expected a dot import path string: (\S+)", message)
+    if dotpath:
+        return f"{dotted}={dotpath.group(1)!r} is invalid: expected a class path (package.module.Class)"
+    literal = re.search(r"Expected a typing\.Literal\[(.+?)\]\. Got value: (.+)", message)
+    if literal:
+        return f"{dotted} is invalid: {literal.group(2).strip()!r} is not one of {literal.group(1)}"
+    kinds = re.findall(r"Expected a <class '(\w+)'>", message)
+    others = re.findall(r"Expected a (?!<class )", message)  # (a type this reading cannot put in words)
+    if kinds and not others and "Given value:" in message and not paths:
+        allowed = " or ".join(dict.fromkeys(_KINDS.get(k, k) for k in kinds))
+        return f"{dotted}={_given(message)!r} is invalid: expected {allowed}"
+    return None
+
+
+#: how a type jsonargparse names reads in a one-line error
+_KINDS = {"int": "an int", "float": "a finite number", "bool": "true or false", "str": "a string",
+          "NoneType": "null"}
+
+
+def _given(message: str) -> str:
+    """The value jsonargparse says it was given (its ``Given value:`` line)."""
+    found = re.search(r"Given value: (.+)", message)
+    return found.group(1).strip() if found else "?"
+
+
+def _close(name: str, path: str) -> str:
+    """`` (did you mean x?)`` when ``path``'s ``__init__`` has an argument close to ``name``."""
+    import difflib
+    import importlib
+    import inspect
+
+    try:
+        module, _, attr = path.rpartition(".")
+        params = list(inspect.signature(getattr(importlib.import_module(module), attr).__init__).parameters)
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    close = difflib.get_close_matches(name, [p for p in params if p not in ("self", "args", "kwargs")], n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _help_command(prog: str) -> str:
