@@ -226,6 +226,12 @@ def test_bad_tensor_files(tmp_path: Path) -> None:
         load_dataset("tensors", str(tmp_path / "range.npz"))
     with pytest.raises(DataNotFoundError, match=r"expected an existing \.pt or \.npz file"):
         load_dataset("tensors", str(tmp_path / "missing.npz"))
+    x, y = torch.eye(6), torch.arange(6) % 2
+    for kind, tensor in (("sparse_coo", x.to_sparse()), ("sparse_csr", x.to_sparse_csr()), ("meta", x.to("meta"))):
+        torch.save({"x": tensor, "y": y}, tmp_path / f"{kind}.pt")
+        with pytest.raises(ConfigError, match=rf"^data\.root='.*{kind}\.pt' is invalid: its x is a {kind} tensor; "
+                                              r"expected dense tensors"):
+            load_dataset("tensors", str(tmp_path / f"{kind}.pt"))
 
 
 def test_natural_needs_client_ids() -> None:

@@ -47,8 +47,13 @@ def _read_tensor_file(path: str) -> dict[str, Any]:
 
 
 def _as_tensor(value: Any, key: str, path: str) -> torch.Tensor:
-    """The file's array ``key`` as a tensor; one line naming it when it holds no numbers (e.g. strings)."""
+    """The file's array ``key`` as a tensor; one line naming it when it holds no numbers (e.g. strings), or is a
+    tensor without values here (sparse, quantised, on the ``meta`` device)."""
     if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_meta or value.is_quantized:
+            kind = "meta" if value.is_meta else "quantized" if value.is_quantized else str(value.layout).split(".")[-1]
+            raise ConfigError(f"data.root={path!r} is invalid: its {key} is a {kind} tensor; expected dense tensors "
+                              "with their values (save x.to_dense(), or the tensor itself, not a meta copy)")
         return value
     arr = np.asarray(value)
     try:
