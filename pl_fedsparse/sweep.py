@@ -60,6 +60,7 @@ from typing import Any
 import yaml
 
 from pl_fedsparse.errors import ConfigError, check
+from pl_fedsparse.signals import Terminated, exit_status, stop_on_signals
 
 __all__ = ["Campaign", "Entry", "SweepRun", "campaign", "main", "plan"]
 
@@ -432,11 +433,12 @@ def _campaign(a: argparse.Namespace) -> Campaign:
     if a.grid is not None:
         try:
             grid = yaml.safe_load(Path(a.grid).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
+        except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"--grid={a.grid!r} is invalid: cannot read it ({' '.join(str(e).split())}); "
                               "expected a YAML file") from None
         check(isinstance(grid, dict) and set(grid) <= set(GRID_KEYS), "--grid", a.grid,
               f"a mapping with keys among {', '.join(GRID_KEYS)}")
+        _check_grid_values(grid, a.grid)
     configs = list(a.config) or _entries(grid.get("configs") or [])
     seeds = a.seeds if a.seeds is not None else list(grid.get("seeds") or [0])
     common = dict(grid.get("set") or {})
@@ -444,8 +446,7 @@ def _campaign(a: argparse.Namespace) -> Campaign:
         key, value = _parse_assignment(text, "--set")
         common[key] = value
     settings = _settings(a.vary, None if a.vary else grid.get("overrides"))
-    parallel = a.parallel if a.parallel is not None else int(grid.get("parallel") or
-                                                              max(1, (os.cpu_count() or 1) // 2))
+    parallel = a.parallel if a.parallel is not None else grid.get("parallel", max(1, (os.cpu_count() or 1) // 2))
     check(isinstance(parallel, int) and parallel >= 1, "--parallel", parallel, "an int >= 1")
     name = a.name if a.name is not None else grid.get("name")
     check(name is None or isinstance(name, str), "name", name, "a pattern such as '{config}_seed{seed}'")
@@ -458,6 +459,37 @@ def _campaign(a: argparse.Namespace) -> Campaign:
     record = a.record if a.record is not None else grid.get("record")
     return Campaign(runs, Path(a.out or grid.get("out") or "runs/sweep"),
                     Path(record) if record is not None else None, parallel)
+
+
+def _check_grid_values(grid: dict[str, Any], path: str) -> None:
+    """A grid file's values, each of its type, in one line naming the file and the key (before they are used)."""
+    def bad(key: str, allowed: str) -> None:
+        raise ConfigError(f"--grid={path!r}: {key}={grid[key]!r} is invalid: expected {allowed}")
+
+    if "set" in grid and not isinstance(grid["set"], (dict, type(None))):
+        bad("set", "a mapping {dotted.key: value}")
+    if "seeds" in grid and not (grid["seeds"] is None or isinstance(grid["seeds"], list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in grid["seeds"])):
+        bad("seeds", "a list of ints")
+    if "parallel" in grid and not (isinstance(grid["parallel"], int) and not isinstance(grid["parallel"], bool)
+                                   and grid["parallel"] >= 1):
+        bad("parallel", "an int >= 1")
+    for key in ("record", "out"):
+        if key in grid and not (grid[key] is None or isinstance(grid[key], str)):
+            bad(key, "a folder path")
+    if "configs" in grid and not (grid["configs"] is None or isinstance(grid["configs"], list)):
+        bad("configs", "a list of config files or names")
+
+
+def _writable_folder(option: str, folder: Path) -> None:
+    """``folder`` made (or found) and writable, else one line naming ``option`` — before any run starts."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{option}={str(folder)!r} is invalid: expected a writable folder ({e.strerror or e})"
+                          ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}={str(folder)!r} is invalid: expected a writable folder (Permission denied)")
 
 
 def _list(c: Campaign) -> None:
@@ -484,16 +516,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             _list(c)
             return 0
         _validate(c.runs, cwd)
+        for option, folder in (("--out", c.out), ("--record", c.record)):
+            if folder is not None:
+                _writable_folder(option, folder)
     except ConfigError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     runs, out = c.runs, c.out
     try:
-        failed = run_sweep(runs, out, c.parallel, cwd, c.record)
-    except KeyboardInterrupt:
-        sys.stderr.write("sweep interrupted: its runs stopped with their checkpoints; the same command "
-                         "continues it\n")
-        return 130
+        with stop_on_signals():  # (SIGTERM, as Ctrl-C: the runs stop with their checkpoints)
+            failed = run_sweep(runs, out, c.parallel, cwd, c.record)
+    except KeyboardInterrupt as e:
+        word = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        sys.stderr.write(f"sweep {word}: its runs stopped with their checkpoints; the same command continues it\n")
+        return exit_status(e)
+    except OSError as e:  # (a record folder that stopped taking files mid-campaign)
+        sys.stderr.write(f"error: {e.filename or out}: {e.strerror or e}; the same command continues the sweep\n")
+        return 74
     if not a.no_report:
         from pl_fedsparse.run.report import main as report_main
 

@@ -197,7 +197,15 @@ def test_finished_runs_are_recorded_and_a_recorded_run_is_not_run_again(tmp_path
     ("configs: [quickstart]\nrecords: x", ("is invalid: expected a mapping with keys among configs, seeds, set, "
                                            "overrides, parallel, out, name, record, seed_first")),
     ("configs: [{config: quickstart, name: ../x}]", "is invalid: expected a name made of letters, digits and _.=+-"),
-], ids=["not-distinct", "field", "path", "no-config", "key", "grid-key", "entry-name"])
+    ("configs: [quickstart]\nset: [1, 2]", "set=[1, 2] is invalid: expected a mapping {dotted.key: value}"),
+    ("configs: [quickstart]\nset: x", "set='x' is invalid: expected a mapping {dotted.key: value}"),
+    ("configs: [quickstart]\nseeds: 3", "seeds=3 is invalid: expected a list of ints"),
+    ("configs: [quickstart]\nparallel: two", "parallel='two' is invalid: expected an int >= 1"),
+    ("configs: [quickstart]\nparallel: 0", "parallel=0 is invalid: expected an int >= 1"),
+    ("configs: [quickstart]\nparallel: 2.7", "parallel=2.7 is invalid: expected an int >= 1"),
+    ("configs: [quickstart]\nrecord: [a]", "record=['a'] is invalid: expected a folder path"),
+], ids=["not-distinct", "field", "path", "no-config", "key", "grid-key", "entry-name", "set-list", "set-str",
+        "seeds-int", "parallel-str", "parallel-0", "parallel-float", "record-list"])
 def test_a_bad_plan_shape_is_one_line_and_nothing_runs(tmp_path: Path, grid: str, expected: str,
                                                        capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,6 +214,29 @@ def test_a_bad_plan_shape_is_one_line_and_nothing_runs(tmp_path: Path, grid: str
     assert code == 2
     assert expected in one_line(err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "under-file"])
+@pytest.mark.parametrize("option", ["--out", "--record"])
+def test_an_out_or_record_folder_that_cannot_be_made_is_one_line_before_any_run(
+        tmp_path: Path, where: str, option: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    (tmp_path / "f").write_text("a file")
+    folder = tmp_path / "f" if where == "file" else tmp_path / "f" / "sub"
+    other = ["--out", str(tmp_path / "out")] if option == "--record" else []
+    code, _, err = run_main(["sweep", "--config", "quickstart", "--set", "trainer.num_rounds=1", "--no-report",
+                             *other, option, str(folder)], capsys)
+    assert code == 2, err
+    assert one_line(err).startswith(f"error: {option}={str(folder)!r} is invalid: expected a writable folder ("), err
+    assert "Traceback" not in err and not (tmp_path / "out" / "quickstart").exists()
+
+
+def test_a_binary_grid_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "g.yaml").write_bytes(bytes(range(256)))
+    code, _, err = run_main(["sweep", "--grid", str(tmp_path / "g.yaml"), "--dry-run"], capsys)
+    assert code == 2 and one_line(err).startswith(f"error: --grid={str(tmp_path / 'g.yaml')!r} is invalid: cannot "
+                                                  "read it"), err
 
 
 def test_only_must_match_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
