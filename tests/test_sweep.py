@@ -62,6 +62,31 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_sweeps_runs(tmp_path: Path)
         assert _rows(cut / n) == _rows(tmp_path / "whole" / n), n
 
 
+@pytest.mark.slow
+def test_a_sigterm_stops_the_sweep_and_its_run_with_a_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's stop) ends the sweep as Ctrl-C does: its running fit checkpoints, the sweep says so and
+    exits 143; the same command then finishes the campaign."""
+    grid = ["--config", "synthetic_fedavg", "--seeds", "0", "1", "--set", "trainer.num_rounds=40", "--parallel", "1",
+            "--no-report", "--out", str(tmp_path / "out")]
+    p = subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", "sweep", *grid], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = tmp_path / "out" / "synthetic_fedavg-seed0"
+    t = time.time()
+    while not ((first / "metrics.jsonl").is_file() and (first / "metrics.jsonl").read_text().strip()) \
+            and time.time() - t < 300:  # (a round finished: it is checkpointed)
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err
+    assert err.strip().splitlines()[-1] == ("sweep terminated (SIGTERM): its runs stopped with their checkpoints; "
+                                            "the same command continues it"), err
+    assert (first / "checkpoints" / "last.ckpt").is_file()
+    code = subprocess.run([sys.executable, "-m", "pl_fedsparse.cli", "sweep", *grid], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert code.returncode == 0, code.stderr
+    assert all((tmp_path / "out" / f"synthetic_fedavg-seed{s}" / "summary.json").is_file() for s in (0, 1))
+
+
 def _locked(run: Path) -> bool:
     import fcntl
 

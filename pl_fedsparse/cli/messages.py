@@ -98,6 +98,9 @@ def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
     if subcommand != "fit" or loop is None:
         return word
     if loop.run_dir is None:
+        opening = getattr(getattr(getattr(loop, "reporter", None), "directory", None), "run_dir", None)
+        if opening is not None and Path(opening).is_dir():  # (its first files written, no round run)
+            return f"{word} while the run directory {opening} was being opened, before any round: run the command again"
         return f"{word} before the run directory was opened: nothing was written, run the command again"
     rd = Path(loop.run_dir)
     ckpt = rd / "checkpoints" / "last.ckpt"
