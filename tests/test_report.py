@@ -106,6 +106,26 @@ def test_bad_input_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFix
     ok = make_run(tmp_path / "ok", [0.5], [1])
     assert main([str(ok), "--names", "a", "b"]) == 2
     assert "2 names for 1 runs" in capsys.readouterr().err
+    other = make_run(tmp_path / "other", [0.6], [1])
+    assert main([str(ok), str(other), "--names", "a", "a", "--no-figures", "--out", str(tmp_path / "r")]) == 2
+    assert "names=['a', 'a'] is invalid: 'a' given twice; expected distinct names" in capsys.readouterr().err
+    assert main([str(ok), "--metrics", "nosuch", "--no-figures", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "metrics=['nosuch'] is invalid: no run has that key in its final row; expected keys such as " in err
+    assert "acc_mean" in err and not (tmp_path / "r").exists()
+
+
+def test_a_running_runs_cut_last_line_is_left_out_not_refused(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A run killed while appending its row leaves a cut last line (its resume rewrites the file): the report reads
+    the rows before it; a bad line elsewhere is still refused."""
+    run = make_run(tmp_path / "cut", [0.5, 0.6], [1, 2], finished=False)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"round": 2, "evaluated": true, "acc_me')
+    assert [r["round"] for r in load_run(run).rows] == [0, 1]
+    (run / "metrics.jsonl").write_text('{"round": 0, "eval\n{"round": 1, "evaluated": true, "acc_mean": 0.5}\n')
+    with pytest.raises(ConfigError, match="metrics.jsonl line 1 is not JSON"):
+        load_run(run)
 
 
 def test_pl_fed_report_subcommand(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

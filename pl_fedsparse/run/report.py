@@ -306,8 +306,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.names is not None and len(args.names) != len(args.run_dirs):
             raise ConfigError(f"names={args.names!r} is invalid: {len(args.names)} names for "
                               f"{len(args.run_dirs)} runs; expected one name per RUN_DIR")
+        if args.names is not None and len(set(args.names)) != len(args.names):
+            twice = sorted({n for n in args.names if args.names.count(n) > 1})
+            raise ConfigError(f"names={args.names!r} is invalid: {', '.join(map(repr, twice))} given twice; "
+                              "expected distinct names")
         names = args.names or [None] * len(args.run_dirs)
         runs = [load_run(d, n) for d, n in zip(args.run_dirs, names)]
+        found = {k for r in runs for k in (r.final or {})} | {k for r in runs for k in r.summary}
+        unknown = [m for m in args.metrics if m not in found]
+        if unknown:
+            keys = sorted(k for k in found if not k.startswith("time"))
+            which = "that key" if len(unknown) == 1 else "these keys"
+            raise ConfigError(f"metrics={unknown!r} is invalid: no run has {which} in its final row; expected keys "
+                              f"such as {', '.join(keys[:12])}")
         result = write_report(runs, args.out, figures=not args.no_figures, metrics=args.metrics,
                               baseline=args.baseline)
     except ConfigError as e:

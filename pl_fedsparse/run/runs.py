@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,8 @@ from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.run.stats import _mean_std
 
 __all__ = ["LOCATION_KEYS", "Run", "SEED_KEYS", "SeedGroup", "load_run", "seed_curve", "seed_groups"]
+
+log = logging.getLogger(__name__)
 
 
 #: configuration keys that tell runs of one experiment apart without changing it: the seeds and where it was written
@@ -89,12 +92,18 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
         raise ConfigError(f"run_dir={str(path)!r} is invalid: it has no metrics.jsonl; expected a run directory "
                           "with at least one evaluated round")
     rows = []
-    for i, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
+    text = metrics.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError:
+            if i == len(lines) and not text.endswith("\n"):  # (a run stopped mid-append: its resume rewrites it)
+                log.warning("%s: the last line of metrics.jsonl is cut off (a run stopped while writing it); "
+                            "read without it", metrics)
+                break
             raise ConfigError(f"run_dir={str(path)!r} is invalid: metrics.jsonl line {i} is not JSON; expected "
                               "the file pl-fed fit writes") from None
         if isinstance(row, dict) and row.get("evaluated", True):  # a round without evaluation has no accuracy
