@@ -425,7 +425,9 @@ class Evaluator:
                 with torch.no_grad():
                     together = module(x).to(torch.float32, copy=copy)
                     alone = torch.cat([module(x[i:i + 1]).to(torch.float32, copy=copy) for i in range(len(x))])
-                self._independent = (module, bool(torch.allclose(together, alone, rtol=1e-4, atol=1e-5)))
+                # (NaN where the rows are NaN alone too is no mixing: a diverged model is evaluated, not misnamed)
+                self._independent = (module, bool(torch.allclose(together, alone, rtol=1e-4, atol=1e-5,
+                                                                 equal_nan=True)))
             finally:
                 module.train(was_training)
             if not self._independent[1]:

@@ -9,6 +9,7 @@ overhead), so nothing that fits is refused; what they refuse would have run out 
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,12 @@ def available_memory() -> int | None:
     override = os.environ.get(ENV_LIMIT)
     if override:
         try:
-            return int(float(override))
+            limit = float(override)
         except ValueError:
-            raise ConfigError(f"{ENV_LIMIT}={override!r} is invalid: expected a number of bytes") from None
+            limit = float("nan")
+        if not (math.isfinite(limit) and limit >= 0):
+            raise ConfigError(f"{ENV_LIMIT}={override!r} is invalid: expected a number of bytes >= 0")
+        return int(limit)
     room = [v for v in (_meminfo_available(), _cgroup_room()) if v is not None]
     return min(room) if room else None
 

@@ -226,6 +226,11 @@ def test_bad_tensor_files(tmp_path: Path) -> None:
         load_dataset("tensors", str(tmp_path / "range.npz"))
     with pytest.raises(DataNotFoundError, match=r"expected an existing \.pt or \.npz file"):
         load_dataset("tensors", str(tmp_path / "missing.npz"))
+    (tmp_path / "text.npz").write_text("not numpy at all")
+    with pytest.raises(ConfigError, match=r"cannot read it \(not an archive of arrays: numpy would have to unpickle "
+                                          r"it, which pl_fedsparse never does\)") as err:
+        load_dataset("tensors", str(tmp_path / "text.npz"))
+    assert "allow_pickle" not in str(err.value)
     x, y = torch.eye(6), torch.arange(6) % 2
     for kind, tensor in (("sparse_coo", x.to_sparse()), ("sparse_csr", x.to_sparse_csr()), ("meta", x.to("meta"))):
         torch.save({"x": tensor, "y": y}, tmp_path / f"{kind}.pt")

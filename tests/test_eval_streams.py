@@ -204,6 +204,25 @@ def test_a_module_mixing_the_samples_of_a_batch_is_never_streamed(tmp_path: Path
     assert any("mixes the samples of a batch" in r.getMessage() for r in caplog.records)
 
 
+def test_a_model_whose_logits_are_nan_is_not_taken_for_one_mixing_samples(tmp_path: Path) -> None:
+    """NaN logits (a diverged model) are NaN one by one as together: the evaluation says nothing about mixing."""
+    from pl_fedsparse import FederatedModule
+    from pl_fedsparse.evaluation import Evaluator
+
+    class NanLogits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x) * float("nan")
+
+    loop = tiny_loop(tmp_path, num_rounds=1)
+    loop.setup(FederatedModule(NanLogits(), lr=0.1), tiny_datamodule())
+    assert Evaluator(loop).samples_independent()
+    loop.reporter.release()
+
+
 def test_an_evaluation_that_depends_on_the_batch_keeps_one_batch_size_on_every_device(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """``eval_batch_size: null`` is the device's throughput choice (128 CPU, 512 GPU) only where predictions do not

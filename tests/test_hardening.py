@@ -351,3 +351,16 @@ def test_a_signal_inside_a_deferred_block_lands_after_it() -> None:
             reached.append("end of the block")  # the file this block creates is recorded before the signal lands
         reached.append("after the block")  # never: the signal is delivered when the block ends
     assert reached == ["end of the block"]
+
+
+@pytest.mark.parametrize("value", ["-5", "abc", "nan", "inf"])
+def test_a_memory_limit_that_is_no_size_is_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pl_fedsparse.errors import ConfigError
+    from pl_fedsparse.resources import available_memory
+
+    monkeypatch.setenv("PL_FEDSPARSE_MEMORY_LIMIT", value)
+    with pytest.raises(ConfigError, match=rf"^PL_FEDSPARSE_MEMORY_LIMIT='{value}' is invalid: expected a number of "
+                                          r"bytes >= 0$"):
+        available_memory()
+    monkeypatch.setenv("PL_FEDSPARSE_MEMORY_LIMIT", "1e9")
+    assert available_memory() == 10**9

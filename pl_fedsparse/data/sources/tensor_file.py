@@ -39,6 +39,8 @@ def _read_tensor_file(path: str) -> dict[str, Any]:
                 blob = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as exc:
         why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        if "allow_pickle" in why:  # (numpy's hint to unpickle it would run the file's code: never taken)
+            why = "not an archive of arrays: numpy would have to unpickle it, which pl_fedsparse never does"
         raise ConfigError(f"data.root={path!r} is invalid: cannot read it ({why}); expected {expected}") from None
     check(isinstance(blob, dict), "data.root", path, f"{expected} (it holds a {type(blob).__name__}, not a dict)")
     for key in blob:
