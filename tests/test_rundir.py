@@ -638,3 +638,26 @@ def test_a_symlinked_tmp_file_and_a_link_to_a_directory_are_never_followed_when_
     tiny_loop(tmp_path / "r", num_rounds=2).fit(tiny_module(), tiny_datamodule(),
                                                 ckpt_path=str(tmp_path / "r" / "checkpoints/last.ckpt"))
     assert target.read_bytes() == b"keep" and link.is_symlink()
+
+
+def test_a_checkpoints_folder_that_takes_no_file_is_refused_before_a_round(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only ``checkpoints/`` (injected: the suite may run as root, who writes anyway) is refused when the run
+    starts, not after a round computed for nothing."""
+    import tempfile
+
+    loop = tiny_loop(tmp_path, num_rounds=1)
+    loop.fit(tiny_module(), tiny_datamodule())
+    real = tempfile.mkstemp
+
+    def read_only(*a: Any, **k: Any) -> Any:
+        if Path(k.get("dir", "")).name == "checkpoints":
+            raise PermissionError(13, "Permission denied", str(k["dir"]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    again = tiny_loop(tmp_path, num_rounds=2)
+    with pytest.raises(ConfigError, match=r"is invalid: expected a writable directory \(.*Permission denied"):
+        again.fit(tiny_module(), tiny_datamodule(), ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert len(again.history) <= 1  # (no round was run)
+    assert [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]

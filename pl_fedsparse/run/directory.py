@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -167,6 +168,7 @@ class RunDirectory:
         try:
             # from here on this process holds the directory: the checks and the first write are one step
             self.run_id = self._check_directory(resuming, checkpoint, ckpt_param)
+            self._probe_checkpoints()
             self.checkpoint_round = completed if checkpoint is not None else None
             self._write_start(checkpoint, completed, allowed)
             if start is not None:
@@ -179,6 +181,15 @@ class RunDirectory:
                 raise self.unwritable(e, "starting the run") from None
             raise
         return self.run_dir
+
+    def _probe_checkpoints(self) -> None:
+        """An existing ``checkpoints/`` that takes no file (read-only, another owner) refused now, not after a
+        round whose checkpoint could not be written: one file made and removed there."""
+        folder = self.run_dir / "checkpoints"
+        if folder.is_dir():
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe", suffix=".tmp")
+            os.close(fd)
+            os.unlink(probe)
 
     def _create_and_lock(self) -> bool:
         """Create (if needed) and lock the run directory; whether it was created. An OSError leaves nothing."""
