@@ -95,6 +95,9 @@ def test_bad_input_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pl-fed report: error: run_dir=") and "no such directory" in err and "\n" not in err
+    (tmp_path / "afile").write_text("x")
+    assert main([str(tmp_path / "afile")]) == 2
+    assert "is invalid: a file; expected a run directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path / "empty")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err

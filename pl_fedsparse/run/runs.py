@@ -86,7 +86,8 @@ def load_run(path: str | Path, name: str | None = None) -> Run:
     p = Path(path)
     metrics = p / "metrics.jsonl"
     if not p.is_dir():
-        raise ConfigError(f"run_dir={str(path)!r} is invalid: no such directory; expected a run directory "
+        what = "a file" if p.exists() else "no such directory"
+        raise ConfigError(f"run_dir={str(path)!r} is invalid: {what}; expected a run directory "
                           "(what pl-fed fit writes to --trainer.default_root_dir)")
     if not metrics.is_file():
         raise ConfigError(f"run_dir={str(path)!r} is invalid: it has no metrics.jsonl; expected a run directory "
