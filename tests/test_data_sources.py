@@ -239,6 +239,22 @@ def test_bad_tensor_files(tmp_path: Path) -> None:
             load_dataset("tensors", str(tmp_path / f"{kind}.pt"))
 
 
+def test_labels_from_one_are_named_when_num_classes_is_inferred(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Labels 1..3 without num_classes: class 0 is empty and the classes are 4 — said once, naming the file."""
+    torch.save({"x": torch.randn(30, 5), "y": torch.arange(30) % 3 + 1}, tmp_path / "one.pt")
+    with caplog.at_level("WARNING"):
+        base = load_dataset("tensors", str(tmp_path / "one.pt"))
+    assert base.num_classes == 4
+    assert any("its labels start at 1, so class 0 has no sample and num_classes is taken as 4" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    torch.save({"x": torch.randn(30, 5), "y": torch.arange(30) % 3}, tmp_path / "zero.pt")
+    with caplog.at_level("WARNING"):
+        load_dataset("tensors", str(tmp_path / "zero.pt"))
+    assert not any("labels start at" in r.getMessage() for r in caplog.records)
+
+
 def test_natural_needs_client_ids() -> None:
     with pytest.raises(ConfigError, match=r"^data\.partition='natural' is invalid: expected per-sample client ids"):
         FederatedDataModule(partition="natural", synthetic={"num_train": 40, "num_test": 10}).setup()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import warnings
@@ -16,6 +17,8 @@ from pl_fedsparse.data.sources._common import held_out_split
 from pl_fedsparse.errors import ConfigError, DataNotFoundError, check
 
 __all__ = ["TENSOR_KEYS"]
+
+log = logging.getLogger(__name__)
 
 
 #: the keys a ``tensors`` file may hold
@@ -98,6 +101,10 @@ def _load_tensors(root: str | None, test_fraction: float, seed: int) -> BaseData
     num_classes: Any = blob.get("num_classes")
     if num_classes is None:  # float labels are refused by the validation, with a better message
         num_classes = int(labels.max()) + 1 if labels.numel() and not labels.is_floating_point() else 1
+        if labels.numel() and not labels.is_floating_point() and int(labels.min()) > 0:
+            log.warning("data.root=%r: its labels start at %d, so class 0 has no sample and num_classes is taken as "
+                        "%d (the largest label + 1); relabel from 0, or give num_classes in the file",
+                        root, int(labels.min()), num_classes)
     else:
         arr = np.asarray(num_classes)
         num_classes = int(arr) if arr.size == 1 and np.issubdtype(arr.dtype, np.integer) else num_classes
