@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from pl_fedsparse.client import ClientUpdate
 from pl_fedsparse.context import fit_scope

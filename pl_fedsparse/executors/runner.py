@@ -488,10 +488,11 @@ def _last_value_log(module: pl.LightningModule, trainer: FitTrainer) -> Any:
             again = epochs.get(name) == trainer.current_epoch
             epochs[name] = trainer.current_epoch
             if again or on_step:
+                flags = "on_epoch=True and on_step=True" if on_step else "on_epoch=True"
                 raise ConfigError(
-                    f"{type(module).__qualname__} logged {name!r} with on_epoch=True{' and on_step=True' if on_step else ''}: "
-                    "the persistent fit runner keeps each name's last value (self.log's default in training_step); "
-                    "expected on_epoch left out, or --trainer.fit_runner trainer for Lightning's epoch reductions")
+                    f"{type(module).__qualname__} logged {name!r} with {flags}: the persistent fit runner keeps each "
+                    "name's last value (self.log's default in training_step); expected on_epoch left out, or "
+                    "--trainer.fit_runner trainer for Lightning's epoch reductions")
         real(name, value, prog_bar, logger, on_step, on_epoch, *args, **kwargs)
 
     return log
@@ -499,8 +500,8 @@ def _last_value_log(module: pl.LightningModule, trainer: FitTrainer) -> Any:
 
 def training_step_output_error(module: Any, out: Any) -> ConfigError:
     """The one line for a ``training_step`` output that Lightning's ``Trainer`` refuses in automatic optimisation
-    (a dict without a ``"loss"`` tensor, or anything but a tensor, such a dict or ``None``) — refused here too
-    rather than trained as a skipped step.
+    — a dict without a ``"loss"`` tensor, or anything but a tensor, such a dict or ``None`` (a float, say) — refused
+    here too rather than trained as a skipped step.
 
     Example:
         >>> print(training_step_output_error(torch.nn.Linear(1, 1), {"Loss": 1.0}))
