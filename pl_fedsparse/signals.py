@@ -1,4 +1,5 @@
-"""Stopping a run on a signal: SIGTERM (what a cluster scheduler sends before preemption) and SIGINT (Ctrl-C).
+"""Stopping a run on a signal: SIGTERM (what a cluster scheduler sends before preemption), SIGHUP (its terminal
+closed) and SIGINT (Ctrl-C).
 
 Inside :func:`stop_on_signals` the first SIGTERM raises :class:`Terminated` and the first SIGINT raises
 :class:`KeyboardInterrupt` in the main thread, wherever it is — inside a client's Lightning fit, during evaluation,
@@ -6,7 +7,7 @@ during a checkpoint write, while Ray workers train. Both unwind the run like any
 checkpoint being written is removed (``checkpoints/last.ckpt`` stays the last completed checkpoint), out-of-process
 workers are stopped, the run directory's lock is released. Further signals while that happens are recorded and
 ignored, so the cleanup itself is never interrupted (SIGKILL still ends the process). ``pl-fed`` then prints the
-resume command and exits with 128 + the signal number: 143 for SIGTERM, 130 for SIGINT.
+resume command and exits with 128 + the signal number: 143 for SIGTERM, 129 for SIGHUP, 130 for SIGINT.
 
 Lightning's own SIGTERM handler (installed for each fit) calls the handler it found installed, so a SIGTERM during a
 client's fit reaches this one too; Lightning turns the resulting interrupt into ``sys.exit(1)``, which
@@ -27,7 +28,12 @@ from typing import Any
 
 from pl_fedsparse.errors import cause_of
 
-__all__ = ["Terminated", "deferred_signals", "exit_status", "interrupt_in", "stop_on_signals"]
+__all__ = ["STOPPING", "Terminated", "deferred_signals", "exit_status", "interrupt_in", "stop_on_signals"]
+
+
+#: the signals that stop a run as a scheduler's SIGTERM does: SIGTERM, and SIGHUP (its terminal closed) where the
+#: platform has it — the run checkpoints and releases its directory rather than dying with the lock behind it
+STOPPING = (signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 class Terminated(KeyboardInterrupt):
@@ -70,11 +76,11 @@ def stop_on_signals() -> Iterator[list[int]]:
         if _DEFERRED["depth"] > 0:
             _DEFERRED["pending"].append(signum)  # raised when the deferred block ends
             return
-        if signum == signal.SIGTERM:
+        if signum in STOPPING:
             raise Terminated(signum)
         raise KeyboardInterrupt
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: signal.getsignal(s) for s in (*STOPPING, signal.SIGINT)}
     for s in previous:
         signal.signal(s, handler)
     try:
@@ -106,4 +112,4 @@ def deferred_signals() -> Iterator[None]:
         if _DEFERRED["depth"] == 0 and _DEFERRED["pending"]:
             signum = _DEFERRED["pending"][0]
             _DEFERRED["pending"].clear()
-            raise Terminated(signum) if signum == signal.SIGTERM else KeyboardInterrupt
+            raise Terminated(signum) if signum in STOPPING else KeyboardInterrupt

@@ -527,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with stop_on_signals():  # (SIGTERM, as Ctrl-C: the runs stop with their checkpoints)
             failed = run_sweep(runs, out, c.parallel, cwd, c.record)
     except KeyboardInterrupt as e:
-        word = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        word = f"terminated ({signal.Signals(e.signum).name})" if isinstance(e, Terminated) else "interrupted"
         sys.stderr.write(f"sweep {word}: its runs stopped with their checkpoints; the same command continues it\n")
         return exit_status(e)
     except OSError as e:  # (a record folder that stopped taking files mid-campaign)

@@ -204,7 +204,7 @@ SIGNALLER = textwrap.dedent('''
         if not os.path.exists(ARMED):  # one signal per test: the resumed run is not signalled again
             return
         os.unlink(ARMED)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), getattr(signal, os.environ.get("SIGNALLER_SIGNAL", "SIGTERM")))
         time.sleep(5)  # the handler runs at the next bytecode; never reached when it works
 
 
@@ -239,21 +239,25 @@ SIGNALLER = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("where", ["fit", "evaluate", "checkpoint"])
+@pytest.mark.parametrize("where, name", [("fit", "SIGTERM"), ("evaluate", "SIGTERM"), ("checkpoint", "SIGTERM"),
+                                         ("fit", "SIGHUP")])
 @pytest.mark.slow
-def test_sigterm_stops_cleanly_and_resumes(where: str, tmp_path: Path) -> None:
+def test_sigterm_stops_cleanly_and_resumes(where: str, name: str, tmp_path: Path) -> None:
+    """SIGTERM (a scheduler) and SIGHUP (the terminal closed) stop the run at any point with its checkpoint, its lock
+    released, exit 128 + the signal and the command that resumes it."""
     (tmp_path / "signaller.py").write_text(SIGNALLER)
     run = tmp_path / "run"
     args = tiny(run, "--trainer.eval_every", "1", "--trainer.callbacks+", "signaller.SigtermAt",
                 "--trainer.callbacks.where", where)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1",
+           "SIGNALLER_SIGNAL": name}
     (tmp_path / "armed").touch()
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "pl_fedsparse.cli", *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
-    assert res.returncode == 143, res.stderr[-3000:]
+    assert res.returncode == 128 + getattr(signal, name), res.stderr[-3000:]
     assert time.monotonic() - t0 < 120
-    line = [x for x in res.stderr.splitlines() if x.startswith("terminated (SIGTERM)")]
+    line = [x for x in res.stderr.splitlines() if x.startswith(f"terminated ({name})")]
     assert len(line) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert line[0].endswith("(the checkpoint holds 1 completed round, round 0 in metrics.jsonl; the resumed run "
                             "continues with round 2/3)"), line[0]  # the second round was cut

@@ -26,7 +26,7 @@ from pl_fedsparse.errors import (
     UserCodeError,
     debugging,
 )
-from pl_fedsparse.signals import exit_status, interrupt_in, stop_on_signals
+from pl_fedsparse.signals import STOPPING, exit_status, interrupt_in, stop_on_signals
 
 __all__ = ["check_entry", "console_main", "list_configs", "main"]
 
@@ -159,8 +159,8 @@ def console_main() -> None:
     def late(signum: int, frame: Any) -> None:
         code = done["code"]
         if code is None:
-            code = 143 if signum == signal.SIGTERM else 130
-        what = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+            code = 128 + int(signum)
+        what = signal.Signals(signum).name
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -170,7 +170,7 @@ def console_main() -> None:
         os.write(2, f"{PROG}: {what} while exiting: ignored, the command had {state} (exit status {code})\n".encode())
         os._exit(code)
 
-    for s in (signal.SIGTERM, signal.SIGINT):
+    for s in (*STOPPING, signal.SIGINT):
         signal.signal(s, late)  # (main's own handlers take over while it runs and give these back when it is done)
     done["code"] = main()
     sys.exit(done["code"])

@@ -20,7 +20,7 @@ from pl_fedsparse.errors import (
     UserCodeError,
 )
 from pl_fedsparse.loop import FederatedLoop
-from pl_fedsparse.signals import Terminated
+from pl_fedsparse.signals import STOPPING, Terminated
 
 __all__ = ["EXIT_STORAGE"]
 
@@ -85,15 +85,16 @@ def _raising_init(exc: BaseException) -> str | None:
 def _as_received(e: KeyboardInterrupt, received: list[int]) -> KeyboardInterrupt:
     """The interrupt as the signal that started it: code that catches an interrupt and raises a new plain
     ``KeyboardInterrupt`` (``ray.get`` does) must not turn a SIGTERM (exit 143) into a Ctrl-C (exit 130)."""
-    if received and received[0] == signal.SIGTERM and not isinstance(e, Terminated):
-        return Terminated(signal.SIGTERM)
+    if received and received[0] in STOPPING and not isinstance(e, Terminated):
+        return Terminated(received[0])
     return e
 
 
 def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
                          interrupt: KeyboardInterrupt | None = None) -> str:
     """What an interrupted run left behind and how to continue it."""
-    word = "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted"
+    word = f"terminated ({signal.Signals(interrupt.signum).name})" if isinstance(interrupt, Terminated) \
+        else "interrupted"
     subcommand, loop = run if run is not None else (None, None)
     if subcommand != "fit" or loop is None:
         return word
