@@ -835,29 +835,32 @@ def _input_cases() -> list[Case]:
     mod("module-step-vector", "StepVector", 1, "round 0: every participant's fit failed", started=True)
     mod("module-step-nan", "StepNan", 1, "round 0: every participant's fit failed (nonfinite_loss x4", started=True)
     mod("module-step-inf", "StepInf", 1, "round 0: every participant's fit failed (nonfinite_loss x4", started=True)
-    mod("module-step-dict-without-loss", "StepDictWithoutLoss", 1, "round 0: every participant's fit failed",
+    step_rule = "expected the loss tensor, a dict holding it under 'loss', or None to skip the batch"
+    mod("module-step-dict-without-loss", "StepDictWithoutLoss", 2,
+        f"StepDictWithoutLoss.training_step returned a dict without a 'loss' tensor (keys: 'value'): {step_rule}",
         started=True)
-    mod("module-step-float", "StepFloat", 1, "round 0: every participant's fit failed", started=True)
-    mod("module-step-string", "StepString", 1, "round 0: every participant's fit failed", started=True)
+    mod("module-step-float", "StepFloat", 2, f"StepFloat.training_step returned a float: {step_rule}", started=True)
+    mod("module-step-string", "StepString", 2, f"StepString.training_step returned a str: {step_rule}", started=True)
     mod("module-step-raises", "StepRaises", 1, "round 0: every participant's fit failed (exception x4; the first: "
-                                               "client 0: exception: ArithmeticError: my step is broken",
-        started=True)
+                                               "client 0: exception: StepRaises.training_step raised "
+                                               "ArithmeticError: my step is broken", started=True)
     mod("module-step-no-grad", "StepNoGrad", 1, "round 0: every participant's fit failed", started=True)
     mod("module-loss-raises", "LossRaises", 1, "round 0: every participant's fit failed (exception x4; the first: "
-                                               "client 0: exception: LookupError: my loss is broken", started=True)
+                                               "client 0: exception: LossRaises.loss raised LookupError: my loss is "
+                                               "broken", started=True)
     mod("module-loss-nan", "LossNan", 1, "round 0: every participant's fit failed (nonfinite_loss x4", started=True)
     mod("module-loss-not-callable", "LossNotCallable", 2, "model=LossNotCallable.loss is invalid: expected a method")
     mod("module-fit-metrics-raises", "FitMetricsRaises", 1, "round 0: every participant's fit failed", started=True)
-    mod("module-optimizers-string", "OptString", 1, "round 0: every participant's fit failed", started=True)
-    mod("module-optimizers-int", "OptInt", 1, "round 0: every participant's fit failed", started=True)
-    mod("module-optimizers-list-of-strings", "OptListOfStrings", 1, "round 0: every participant's fit failed",
-        started=True)
+    opt_rule = "Unknown configuration for model optimizers. Output from `model.configure_optimizers()` should be one of"
+    mod("module-optimizers-string", "OptString", 2, opt_rule, started=True)
+    mod("module-optimizers-int", "OptInt", 2, opt_rule, started=True)
+    mod("module-optimizers-list-of-strings", "OptListOfStrings", 2, opt_rule, started=True)
     mod("module-optimizers-empty-list", "OptEmptyList", 1, "round 0: every participant's fit failed", started=True)
     mod("module-optimizers-dict-without-optimizer", "OptDictWithoutOptimizer", 1,
         "round 0: every participant's fit failed", started=True)
     mod("module-optimizers-raise", "OptRaises", 1, "round 0: every participant's fit failed (exception x4; the "
-                                                   "first: client 0: exception: RuntimeError: no optimizer for you",
-        started=True)
+                                                   "first: client 0: exception: OptRaises.configure_optimizers raised "
+                                                   "RuntimeError: no optimizer for you", started=True)
     mod("module-optimizer-without-parameters", "OptNoParams", 1, "round 0: every participant's fit failed",
         started=True)
     mod("module-optimizers-none", "OptNone", 1, "round 0: every participant's fit failed (exception x4; the first: "
@@ -892,8 +895,8 @@ def _input_cases() -> list[Case]:
        "(torch.float32) from data.name='synthetic' (forward is not written yet)")
     bb("backbone-wrong-input-width", "BackboneWrongInput", 2,
        "model.backbone=BackboneWrongInput is invalid: expected a network accepting inputs of shape (1, 8, 8)")
-    bb("backbone-not-a-module", "NotANet", 2, "Import path usermods.NotANet does not correspond to a subclass of "
-                                               "Module")
+    bb("backbone-not-a-module", "NotANet", 2, "model.backbone.class_path='usermods.NotANet' is invalid: expected a "
+                                               "torch.nn.Module subclass")
 
     # ---- callbacks: every hook the loop calls
     def cb(cid: str, cls: str, code: int, expect: str, started: bool = True) -> None:
@@ -1026,7 +1029,8 @@ def _input_cases() -> list[Case]:
     npz("npz-string-labels", 2, "/t.npz' is invalid: its y holds <U3 values; expected numbers", x=a["x"],
         y=np.array(["cat"] * 120),
         client=a["client"])
-    npz("npz-object-array", 2, unreadable + " (Object arrays cannot be loaded when allow_pickle=False)", x=np.array([object()] * 120, dtype=object),
+    npz("npz-object-array", 2, unreadable + " (not an archive of arrays: numpy would have to unpickle it, which "
+        "pl_fedsparse never does)", x=np.array([object()] * 120, dtype=object),
         y=a["y"])
     npz("npz-empty", 2, "data.name='tensors' returned no train split (0 samples)", x=a["x"][:0], y=a["y"][:0])
     npz("npz-missing-test-arrays", 2, root + "train_x, train_y, test_x and test_y (or x and y) with "
@@ -1126,13 +1130,13 @@ def _input_cases() -> list[Case]:
     cfg("config-batch-size-zero", 2, "data.batch_size=0 is invalid", "--data.batch_size", "0")
     cfg("config-alpha-negative", 2, "data.alpha=-1.0 is invalid", "--data.alpha", "-1")
     cfg("config-test-fraction-one", 2, "data.test_fraction", "--data.test_fraction", "1.0")
-    cfg("config-partition-unknown", 2, 'Parser key "partition"', "--data.partition", "by_magic")
+    cfg("config-partition-unknown", 2, "data.partition is invalid: 'by_magic' is not one of 'iid', 'dirichlet'",
+        "--data.partition", "by_magic")
     cfg("config-data-name-unknown", 2, "data.name='mnist2' is invalid", "--data.name", "mnist2")
     cfg("config-split-ratios-sum", 2, "data.split_ratios", "--data.split_ratios", "[0.5, 0.0, 0.1]")
     cfg("config-lr-negative", 2, "model.lr=-0.1 is invalid: expected a number > 0", "--model.lr", "-0.1")
-    cfg("config-lr-text", 2, 'Parser key "lr": Expected a <class \'float\'>. Got value: fast', "--model.lr", "fast")
-    cfg("config-optimizer-unknown", 2, 'Parser key "optimizer": Expected a typing.Literal[\'sgd\', \'adam\']. Got '
-        "value: rmsprop",
+    cfg("config-lr-text", 2, "model.lr='fast' is invalid: expected a finite number", "--model.lr", "fast")
+    cfg("config-optimizer-unknown", 2, "model.optimizer is invalid: 'rmsprop' is not one of 'sgd', 'adam'",
         "--model.optimizer", "rmsprop")
     cfg("config-momentum-one", 2, "model.momentum=1.0 is invalid", "--model.momentum", "1.0")
     cfg("config-num-rounds-zero", 2, "trainer.num_rounds=0 is invalid: expected an int >= 1",

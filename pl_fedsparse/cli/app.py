@@ -91,6 +91,7 @@ _BASES = {
                        "model.init_args.backbone of pl_fedsparse.FederatedModule: docs/your-own-model.md)",
     "FederatedDataModule": "a pl_fedsparse.data.FederatedDataModule subclass (docs/your-own-data.md)",
     "Callback": "a lightning.pytorch.Callback subclass (the library's callbacks or your own: docs/extending.md)",
+    "Module": "a torch.nn.Module subclass",
 }
 
 
