@@ -96,7 +96,7 @@ def user_code(owner: Any, hook: str, where: str = "") -> Iterator[None]:
     except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes the one line
         name = owner if isinstance(owner, str) else type(owner).__qualname__
         context = f" ({where})" if where else ""
-        raise UserCodeError(f"{name}.{hook} raised {type(e).__name__}: {one_line_text(e)}{context}") from e
+        raise UserCodeError(f"{_raised(f'{name}.{hook}', e)}{context}") from e
 
 
 def debugging() -> bool:
@@ -129,8 +129,13 @@ def raised_in(error: BaseException, owners: Iterable[Any]) -> str:
         if id(frame.f_locals.get("self")) in ids and not _foreign(frame.f_code.co_filename):
             found = f"{type(frame.f_locals['self']).__qualname__}.{frame.f_code.co_name}"
         tb = tb.tb_next
+    return _raised(found, error)
+
+
+def _raised(where: str | None, error: BaseException) -> str:
+    """``"Where.hook raised Type: message"`` (one line), or ``"Type: message"`` without ``where``."""
     text = f"{type(error).__name__}: {one_line_text(error)}"
-    return f"{found} raised {text}" if found else text
+    return f"{where} raised {text}" if where else text
 
 
 def _foreign(filename: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 from pl_fedsparse.errors import cause_of
 
-__all__ = ["STOPPING", "Terminated", "deferred_signals", "exit_status", "interrupt_in", "stop_on_signals"]
+__all__ = ["STOPPING", "Terminated", "deferred_signals", "exit_status", "interrupt_in", "stop_on_signals", "stop_word"]
 
 
 #: the signals that stop a run as a scheduler's SIGTERM does: SIGTERM, and SIGHUP (its terminal closed) where the
@@ -46,6 +46,13 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, signum: int = signal.SIGTERM) -> None:
         super().__init__(f"terminated by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+def stop_word(interrupt: KeyboardInterrupt | None) -> str:
+    """How a stop is told: ``"terminated (SIGTERM)"`` (or the signal that stopped it), ``"interrupted"`` for Ctrl-C."""
+    if isinstance(interrupt, Terminated):
+        return f"terminated ({signal.Signals(interrupt.signum).name})"
+    return "interrupted"
 
 
 def exit_status(interrupt: KeyboardInterrupt) -> int:

@@ -60,7 +60,7 @@ from typing import Any
 import yaml
 
 from pl_fedsparse.errors import ConfigError, check
-from pl_fedsparse.signals import Terminated, exit_status, stop_on_signals
+from pl_fedsparse.signals import exit_status, stop_on_signals, stop_word
 
 __all__ = ["Campaign", "Entry", "SweepRun", "campaign", "main", "plan"]
 
@@ -527,8 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with stop_on_signals():  # (SIGTERM, as Ctrl-C: the runs stop with their checkpoints)
             failed = run_sweep(runs, out, c.parallel, cwd, c.record)
     except KeyboardInterrupt as e:
-        word = f"terminated ({signal.Signals(e.signum).name})" if isinstance(e, Terminated) else "interrupted"
-        sys.stderr.write(f"sweep {word}: its runs stopped with their checkpoints; the same command continues it\n")
+        sys.stderr.write(f"sweep {stop_word(e)}: its runs stopped with their checkpoints; the same command continues it\n")
         return exit_status(e)
     except OSError as e:  # (a record folder that stopped taking files mid-campaign)
         sys.stderr.write(f"error: {e.filename or out}: {e.strerror or e}; the same command continues the sweep\n")

@@ -9,7 +9,6 @@ import errno
 import os
 import re
 import shlex
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from pl_fedsparse.errors import (
     UserCodeError,
 )
 from pl_fedsparse.loop import FederatedLoop
-from pl_fedsparse.signals import STOPPING, Terminated
+from pl_fedsparse.signals import STOPPING, Terminated, stop_word
 
 __all__ = ["EXIT_STORAGE"]
 
@@ -93,8 +92,7 @@ def _as_received(e: KeyboardInterrupt, received: list[int]) -> KeyboardInterrupt
 def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
                          interrupt: KeyboardInterrupt | None = None) -> str:
     """What an interrupted run left behind and how to continue it."""
-    word = f"terminated ({signal.Signals(interrupt.signum).name})" if isinstance(interrupt, Terminated) \
-        else "interrupted"
+    word = stop_word(interrupt)
     subcommand, loop = run if run is not None else (None, None)
     if subcommand != "fit" or loop is None:
         return word
