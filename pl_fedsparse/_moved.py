@@ -6,6 +6,8 @@ Modules that moved into a folder (the run directory's modules into :mod:`pl_feds
 the old name is a module object that forwards every attribute to the new modules, in order. New code imports the
 new paths; the forwarding is for users' scripts, notebooks and configs. (A test that monkeypatches a module's
 global must patch the new module: the old name only forwards reads.)
+
+Also here, :func:`lazy_exports`: the package's and ``pl_fedsparse.cli``'s public names, imported on first use.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MOVED"]
+__all__ = ["MOVED", "lazy_exports"]
 
 #: old module path -> the modules its names now live in (looked up in this order)
 MOVED: dict[str, tuple[str, ...]] = {
@@ -63,6 +65,33 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         return None
+
+
+def lazy_exports(package: str, public: dict[str, str], submodules: bool = False) -> Any:
+    """A package's ``__getattr__`` (PEP 562) that imports each public name from its module on first use.
+
+    Args:
+        package: the package's ``__name__``.
+        public: each public name -> the module that defines it.
+        submodules: also import ``package.<name>`` (a subpackage or module, e.g. ``pl_fedsparse.callbacks``) when
+            ``<name>`` is read and is not public.
+
+    Returns:
+        The ``__getattr__`` function; it stores each value it imported in the package (read once).
+    """
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str) -> Any:
+        if name in public:
+            value = getattr(importlib.import_module(public[name]), name)
+        elif submodules and not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    return __getattr__
 
 
 def install() -> None:

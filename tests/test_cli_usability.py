@@ -209,3 +209,24 @@ def test_evaluation_progress_only_when_enabled_and_numbers_unchanged(tmp_path: P
         assert "evaluating" not in (tmp_path / str(show)).joinpath("metrics.jsonl").read_text()
     strip = [{k: v for k, v in row.items() if "time" not in k} for row in results[True]]
     assert strip == [{k: v for k, v in row.items() if "time" not in k} for row in results[False]]
+
+
+def test_a_later_class_path_says_which_init_args_it_drops(capsys: pytest.CaptureFixture[str],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """``--model.backbone.class_path X`` after a config that set arguments X does not take: jsonargparse drops them
+    silently; pl-fed says which, once, on every command line (not on a class_path that stays the same)."""
+    from conftest import TINY_CLI
+
+    told = "pl_fedsparse.models.MLP was replaced by pl_fedsparse.models.ResNet18GN (a later class_path), which " \
+           "does not take input_size=8: dropped"
+    for _ in range(2):  # a second command line in the same process is told again
+        caplog.clear()
+        code, out, _ = run_main(["fit", *TINY_CLI, "--model.backbone.class_path", "pl_fedsparse.models.ResNet18GN",
+                                 "--print_config"], capsys)
+        assert code == 0
+        assert "input_size" not in yaml.safe_load(out)["model"]["backbone"]["init_args"]
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [told]
+    caplog.clear()
+    code, _, _ = run_main(["fit", *TINY_CLI, "--model.backbone.class_path", "pl_fedsparse.models.MLP",
+                           "--print_config"], capsys)
+    assert code == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]

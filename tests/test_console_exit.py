@@ -47,3 +47,34 @@ def test_a_sigterm_while_exiting_keeps_the_exit_status_and_says_so(tmp_path: Pat
     assert p.returncode == 0, (p.returncode, err)
     assert "final results" in out
     assert "pl-fed: SIGTERM while exiting: ignored, the command had finished (exit status 0)" in err
+
+
+def _catches(pid: int, *signums: int) -> bool:
+    """Whether process ``pid`` has a handler for every one of ``signums`` (``SigCgt`` in ``/proc/<pid>/status``)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return all(caught >> (s - 1) & 1 for s in signums)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the handlers from /proc")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_torch_is_imported_is_one_line(tmp_path: Path, signum: int) -> None:
+    """The console script's handlers are in place before torch and Lightning are imported (seconds): a Ctrl-C or a
+    SIGTERM then is one line and 128 + the signal number, not a KeyboardInterrupt traceback or a silent -15."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "pl_fedsparse.cli", "fit", *TINY_CLI,
+                          "--trainer.default_root_dir", str(tmp_path / "run")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    t = time.time()
+    while not _catches(p.pid, signal.SIGTERM, signal.SIGHUP) and time.time() - t < 60 and p.poll() is None:
+        time.sleep(0.002)
+    assert "libtorch" not in Path(f"/proc/{p.pid}/maps").read_text()  # still importing: torch's libraries not loaded
+    p.send_signal(signum)
+    out, err = p.communicate(timeout=60)
+    name = signal.Signals(signum).name
+    assert (p.returncode, err) == (128 + signum, f"pl-fed: {name} while starting: stopped before anything was run "
+                                                 f"(exit status {128 + signum})\n")
+    assert out == "" and not (tmp_path / "run").exists()

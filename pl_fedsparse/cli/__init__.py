@@ -57,9 +57,30 @@ packages and its ``*.dist-info`` would show up in ``importlib.metadata``). Inste
 directory only when no installed one of that name exists; its submodules then import normally. Installed packages
 always win, and nothing changes outside :func:`main`. (A process started with the ``spawn`` method does not inherit
 the finder; every client fit runs in this process today.)
+
+Start-up: ``console_main`` (the console script, :mod:`pl_fedsparse.cli.entry`) is importable without torch or
+Lightning, and every other name here is imported on first use (PEP 562 ``__getattr__``), so the command handles
+SIGINT, SIGTERM and SIGHUP before the seconds it takes to import them.
 """
 
-from pl_fedsparse.cli.app import DEFAULT_DATA, DEFAULT_MODEL, FedCLI
-from pl_fedsparse.cli.commands import check_entry, console_main, main
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pl_fedsparse._moved import lazy_exports
+
+if TYPE_CHECKING:
+    from pl_fedsparse.cli.app import DEFAULT_DATA, DEFAULT_MODEL, FedCLI
+    from pl_fedsparse.cli.commands import check_entry, main
+    from pl_fedsparse.cli.entry import console_main
+
+#: each public name -> the module that defines it (imported when the name is first read)
+_PUBLIC: dict[str, str] = {
+    **dict.fromkeys(("DEFAULT_DATA", "DEFAULT_MODEL", "FedCLI"), "pl_fedsparse.cli.app"),
+    **dict.fromkeys(("check_entry", "main"), "pl_fedsparse.cli.commands"),
+    "console_main": "pl_fedsparse.cli.entry",
+}
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FedCLI", "check_entry", "console_main", "main"]
+
+__getattr__ = lazy_exports(__name__, _PUBLIC)

@@ -1,5 +1,5 @@
 """``python -m pl_fedsparse.cli``: the ``pl-fed`` command."""
 
-from pl_fedsparse.cli.commands import console_main
+from pl_fedsparse.cli.entry import console_main
 
 console_main()

@@ -4,6 +4,8 @@ defaults of a ``model:`` / ``data:`` section that names no class.
 
 from __future__ import annotations
 
+import ast
+import logging
 import re
 import secrets
 import sys
@@ -35,6 +37,55 @@ __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FedCLI"]
 #: the old one
 _KEEP_NONE = "skip_unset" if tuple(int(x) for x in re.findall(r"\d+", jsonargparse.__version__)[:2]) >= (4, 49) \
     else "skip_none"
+
+
+log = logging.getLogger(__name__)
+
+#: jsonargparse's (debug) account of the ``init_args`` it dropped when a later ``class_path`` replaced a class
+_DISCARDED = re.compile(r"Due to class_path change from '(?P<old>[^']+)' to '(?P<new>[^']+)', discarding "
+                        r"init_args: (?P<args>.*)\.$", re.S)
+
+
+class _DroppedInitArgs(logging.Handler):
+    """The parser's log, of which one kind of line is told (once each) as a warning: the ``init_args`` a class given
+    later (``--data.class_path X`` after a config, a second ``--config``) does not take, which jsonargparse drops
+    silently — a setting the user made that the run would otherwise ignore without a word."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self._told: set[str] = set()
+
+    def reset(self) -> None:
+        """Forget what was told (a new command line)."""
+        self._told.clear()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = _DISCARDED.match(record.getMessage())
+        if found is None or found.group(0) in self._told:
+            return
+        self._told.add(found.group(0))
+        log.warning("%s was replaced by %s (a later class_path), which does not take %s: dropped", found["old"],
+                    found["new"], _as_settings(found["args"]))
+
+
+#: the parsers' logger (a registered one: jsonargparse deep-copies parsers, and a logger pickles by its name)
+_PARSE_LOG = logging.getLogger(f"{__name__}.parse")
+_PARSE_LOG.setLevel(logging.DEBUG)
+_PARSE_LOG.propagate = False  # (jsonargparse's other debug lines go nowhere)
+_DROPPED = _DroppedInitArgs()
+_PARSE_LOG.addHandler(_DROPPED)
+
+
+def _as_settings(args: str) -> str:
+    """jsonargparse's dict of dropped arguments (``{'input_size': 16}``) as ``input_size=16``; the text as it is when
+    it is not a dict of literals."""
+    try:
+        values = ast.literal_eval(args)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return args
+    if not isinstance(values, dict) or not values or not all(isinstance(k, str) for k in values):
+        return args
+    return ", ".join(f"{k}={v!r}" for k, v in values.items())
 
 
 #: the ``class_path`` of a ``model:`` / ``data:`` section that names none
@@ -210,6 +261,7 @@ class FedCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         """LightningCLI's parser, with ``--config`` documented to take a shipped config's name too."""
+        kwargs.setdefault("logger", _PARSE_LOG)  # the init_args a later class_path dropped are told
         parser = super().init_parser(**kwargs)
         for action in parser._actions:
             if "--config" in action.option_strings:
@@ -220,6 +272,7 @@ class FedCLI(LightningCLI):
         """Parse the command line after resolving every ``--config`` value (a path, or a shipped config's name)
         and applying the per-callback overrides (``--trainer.callbacks.NAME_OR_INDEX.ARG VALUE``, see
         :func:`split_callback_overrides`)."""
+        _DROPPED.reset()
         if args is None:
             words = sys.argv[1:]
             resolved = shipped.rewrite_config_args(words)

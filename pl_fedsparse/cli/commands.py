@@ -1,16 +1,15 @@
 """``pl-fed``'s commands: :func:`main` (``fit``/``validate``/``test`` through :class:`~pl_fedsparse.cli.app.FedCLI`;
-``configs``, ``report`` and ``sweep``), :func:`check_entry` (a sweep's entry checked without running it) and
-:func:`console_main` (the console script). Every error and stop ends in one line (:mod:`pl_fedsparse.cli.messages`).
+``configs``, ``report`` and ``sweep``) and :func:`check_entry` (a sweep's entry checked without running it); the
+console script around them is :func:`pl_fedsparse.cli.entry.console_main`. Every error and stop ends in one line
+(:mod:`pl_fedsparse.cli.messages`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
 
 from pl_fedsparse import shipped
 from pl_fedsparse.cli import app
@@ -26,9 +25,9 @@ from pl_fedsparse.errors import (
     UserCodeError,
     debugging,
 )
-from pl_fedsparse.signals import STOPPING, exit_status, interrupt_in, stop_on_signals
+from pl_fedsparse.signals import exit_status, interrupt_in, stop_on_signals
 
-__all__ = ["check_entry", "console_main", "list_configs", "main"]
+__all__ = ["check_entry", "list_configs", "main"]
 
 
 CONFIGS_USAGE = f"""usage: {PROG} configs
@@ -144,37 +143,3 @@ def check_entry(args: Sequence[str]) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 1
     return 0
-
-
-def console_main() -> None:
-    """The ``pl-fed`` console script: :func:`main`, with the process's last second covered too.
-
-    :func:`main` handles SIGTERM and SIGINT while it works (:func:`~pl_fedsparse.signals.stop_on_signals`); once it
-    has returned, the interpreter still shuts down (threads, caches) for up to a second, where a scheduler's SIGTERM
-    used to end the process silently with -15. Here such a signal ends it with one line and ``main``'s own exit
-    status: the work was done (a signal before ``main`` got to work ends it with 143 / 130, nothing written).
-    """
-    done: dict[str, int | None] = {"code": None}
-
-    def late(signum: int, frame: Any) -> None:
-        code = done["code"]
-        if code is None:
-            code = 128 + int(signum)
-        what = signal.Signals(signum).name
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        state = "finished" if done["code"] is not None else "not started"
-        os.write(2, f"{PROG}: {what} while exiting: ignored, the command had {state} (exit status {code})\n".encode())
-        os._exit(code)
-
-    for s in (*STOPPING, signal.SIGINT):
-        signal.signal(s, late)  # (main's own handlers take over while it runs and give these back when it is done)
-    done["code"] = main()
-    sys.exit(done["code"])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    console_main()

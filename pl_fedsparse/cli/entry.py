@@ -1,0 +1,58 @@
+"""The ``pl-fed`` console script, :func:`console_main`: the command's signals handled from its first moment.
+
+This module imports nothing heavy (no torch, no Lightning: the package's ``__init__`` files import their names on
+first use), so its handlers are in place before the seconds :mod:`pl_fedsparse.cli.commands` takes to import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from pl_fedsparse.cli.help import PROG
+from pl_fedsparse.signals import STOPPING
+
+__all__ = ["console_main"]
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def console_main() -> None:
+    """The ``pl-fed`` console script: :func:`~pl_fedsparse.cli.commands.main`, with the process's first and last
+    seconds covered too.
+
+    ``main`` handles SIGTERM, SIGHUP and SIGINT while it works (:func:`~pl_fedsparse.signals.stop_on_signals`).
+    Before it (torch and Lightning take seconds to import) such a signal ends the process with one line and
+    ``128 + signal number`` (130 for Ctrl-C, 143 for SIGTERM): nothing was run or written. After it, the interpreter
+    still shuts down (threads, caches) for up to a second, where a scheduler's SIGTERM used to end the process
+    silently with -15; here it ends it with one line and ``main``'s own exit status: the work was done.
+    """
+    done: dict[str, int | None] = {"code": None}
+
+    def stopped(signum: int, frame: Any) -> None:
+        code = done["code"]
+        what = signal.Signals(signum).name
+        _flush()
+        if code is None:
+            code = 128 + int(signum)
+            line = f"{PROG}: {what} while starting: stopped before anything was run (exit status {code})"
+        else:
+            line = f"{PROG}: {what} while exiting: ignored, the command had finished (exit status {code})"
+        os.write(2, f"{line}\n".encode())
+        os._exit(code)
+
+    # SIGINT first: once the last of these is set, all are (a test waits for that)
+    for s in (signal.SIGINT, *STOPPING):
+        signal.signal(s, stopped)  # (main's own handlers take over while it runs and give these back when it is done)
+    from pl_fedsparse.cli.commands import main
+
+    done["code"] = main()
+    sys.exit(done["code"])

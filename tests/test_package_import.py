@@ -1,0 +1,41 @@
+"""``import pl_fedsparse`` is light (its public names and subpackages are imported on first use), so the ``pl-fed``
+command handles signals before torch loads; every public name still resolves, to the object its module defines."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import pl_fedsparse
+import pl_fedsparse.cli
+
+
+def test_importing_the_package_or_the_console_script_loads_no_torch() -> None:
+    code = ("import sys, pl_fedsparse; from pl_fedsparse.cli import console_main; "
+            "print(sorted(m for m in ('torch', 'lightning', 'pl_fedsparse.loop') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("package", [pl_fedsparse, pl_fedsparse.cli], ids=lambda p: p.__name__)
+def test_every_public_name_resolves_to_its_module_s_object(package: object) -> None:
+    names = [n for n in package.__all__ if n != "__version__"]  # type: ignore[attr-defined]
+    assert sorted(names) == sorted(package._PUBLIC)  # type: ignore[attr-defined]
+    for name in names:
+        defining = importlib.import_module(package._PUBLIC[name])  # type: ignore[attr-defined]
+        assert getattr(package, name) is getattr(defining, name), name
+        assert name in dir(package)
+    from pl_fedsparse import FederatedLoop, current_fit  # noqa: F401  (the from-import form)
+
+
+def test_subpackages_are_attributes_and_unknown_names_are_attribute_errors() -> None:
+    assert pl_fedsparse.callbacks is importlib.import_module("pl_fedsparse.callbacks")
+    assert pl_fedsparse.report.load_run is importlib.import_module("pl_fedsparse.run.runs").load_run  # an old path
+    with pytest.raises(AttributeError, match="module 'pl_fedsparse' has no attribute 'no_such_name'"):
+        pl_fedsparse.no_such_name  # noqa: B018
+    with pytest.raises(AttributeError, match="module 'pl_fedsparse.cli' has no attribute 'callbacks'"):
+        pl_fedsparse.cli.callbacks  # noqa: B018
+    assert not hasattr(pl_fedsparse, "__wrapped__")  # (dunder lookups by tools are not imports)
