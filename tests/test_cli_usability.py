@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
-from pl_fedsparse import shipped
+from pl_fedsparse import FederatedModule, shipped
 from pl_fedsparse.callbacks import ShiftEvaluation
 from pl_fedsparse.cli import FedCLI
 from pl_fedsparse.cli.help import OWN_SUBCOMMANDS
@@ -226,7 +226,12 @@ def test_a_later_class_path_says_which_init_args_it_drops(capsys: pytest.Capture
         assert code == 0
         assert "input_size" not in yaml.safe_load(out)["model"]["backbone"]["init_args"]
         assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [told]
-    caplog.clear()
-    code, _, _ = run_main(["fit", *TINY_CLI, "--model.backbone.class_path", "pl_fedsparse.models.MLP",
-                           "--print_config"], capsys)
-    assert code == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]
+    for same_or_unset in (["--model.backbone.class_path", "pl_fedsparse.models.MLP"],  # the same class
+                          ["--model", "test_cli_usability.MyModule"]):  # only defaults (backbone=None) replaced
+        caplog.clear()
+        code, _, _ = run_main(["fit", *same_or_unset, *TINY_CLI, "--print_config"], capsys)
+        assert code == 0 and not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+class MyModule(FederatedModule):
+    """A user's subclass (the default model section's class replaced by it)."""

@@ -329,3 +329,21 @@ def test_a_worker_flushes_subnormals_when_the_driver_does(tmp_path: Path, one_th
         torch.set_flush_denormal(False)
     FitWorker(cloudpickle.loads(cloudpickle.dumps(worker_spec(tiny_loop(tmp_path / "off")))), threads=1)
     assert float(torch.tensor([1e-39], dtype=torch.float32).mul(1.0)) != 0.0
+
+
+@pytest.mark.slow
+def test_on_client_fault_raise_stops_with_the_worker_s_one_line_error(tmp_path: Path, ray_session: None) -> None:
+    """A fit that fails on a worker under ``on_client_fault=raise``: the run stops with the error the in-process run
+    raises (one line, the client and the cause named), not Ray's task error with two tracebacks in its message."""
+    from ray.exceptions import RayTaskError
+
+    from pl_fedsparse.executors import ClientFaultError
+    from pl_fedsparse.testing import FaultInjection
+
+    loop = tiny_loop(tmp_path, num_rounds=2, on_client_fault="raise", executor=RayExecutor(num_workers=1),
+                     callbacks=[FaultInjection(client=1, rounds=[0], kind="exception")])
+    with pytest.raises(ClientFaultError) as stopped:
+        loop.fit(tiny_module(), tiny_datamodule())
+    assert type(stopped.value) is ClientFaultError and "\n" not in str(stopped.value)
+    assert "client 1's train fit failed" in str(stopped.value) and "injected fault in client 1" in str(stopped.value)
+    assert isinstance(stopped.value.__cause__, RayTaskError)  # (PL_FED_DEBUG=1 prints it: both tracebacks)

@@ -5,6 +5,8 @@ defaults of a ``model:`` / ``data:`` section that names no class.
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import logging
 import re
 import secrets
@@ -64,8 +66,10 @@ class _DroppedInitArgs(logging.Handler):
         if found is None or found.group(0) in self._told:
             return
         self._told.add(found.group(0))
-        log.warning("%s was replaced by %s (a later class_path), which does not take %s: dropped", found["old"],
-                    found["new"], _as_settings(found["args"]))
+        dropped = _set_by_the_user(found["old"], found["args"])
+        if dropped:
+            log.warning("%s was replaced by %s (a later class_path), which does not take %s: dropped", found["old"],
+                        found["new"], dropped)
 
 
 #: the parsers' logger (a registered one: jsonargparse deep-copies parsers, and a logger pickles by its name)
@@ -76,16 +80,42 @@ _DROPPED = _DroppedInitArgs()
 _PARSE_LOG.addHandler(_DROPPED)
 
 
-def _as_settings(args: str) -> str:
-    """jsonargparse's dict of dropped arguments (``{'input_size': 16}``) as ``input_size=16``; the text as it is when
-    it is not a dict of literals."""
+def _set_by_the_user(class_path: str, args: str) -> str:
+    """jsonargparse's dict of dropped arguments (``{'input_size': 16}``) as ``input_size=16``, leaving out those
+    whose value is the replaced class's default or ``None`` for a required one (jsonargparse drops those too: nobody
+    set them); the text as it is when it is not a dict of literals, or the class cannot be inspected.
+
+    >>> _set_by_the_user("pl_fedsparse.models.MLP", "{'input_size': 16, 'num_classes': 10}")
+    'input_size=16'
+    >>> _set_by_the_user("no.such.Class", "{'a': Namespace(b=1)}")
+    "{'a': Namespace(b=1)}"
+    """
     try:
         values = ast.literal_eval(args)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return args
-    if not isinstance(values, dict) or not values or not all(isinstance(k, str) for k in values):
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         return args
-    return ", ".join(f"{k}={v!r}" for k, v in values.items())
+    try:
+        module, _, name = class_path.rpartition(".")
+        params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    except (ImportError, AttributeError, ValueError, TypeError):
+        params = {}  # type: ignore[assignment]
+    def unset(k: str, v: Any) -> bool:  # the class's default, or None for a required argument nobody gave
+        return k in params and (_equal(params[k].default, v) or (params[k].default is inspect.Parameter.empty
+                                                                  and v is None))
+
+    return ", ".join(f"{k}={v!r}" for k, v in values.items() if not unset(k, v))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` as a plain truth value, a tuple equal to the list of its items (a config's YAML gives lists); False
+    where comparing raises or gives no bool (e.g. arrays)."""
+    a, b = (list(x) if isinstance(x, tuple) else x for x in (a, b))
+    try:
+        return (a == b) is True
+    except Exception:  # noqa: BLE001 - a comparison that fails means "not the default"
+        return False
 
 
 #: the ``class_path`` of a ``model:`` / ``data:`` section that names none

@@ -75,6 +75,13 @@ class _RayFitWorker(FitWorker):
         super().__init__(spec, threads, vectorize)
 
 
+def _worker_error(error: Any) -> BaseException:
+    """The exception a worker's task raised, out of Ray's :class:`~ray.exceptions.RayTaskError` (whose message holds
+    the remote traceback); the Ray error itself when it carries none."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
 class RayExecutor(ClientExecutor):
     """Run a stage's fits in parallel on long-lived Ray actors; the driver keeps every piece of state.
 
@@ -325,7 +332,7 @@ class RayExecutor(ClientExecutor):
         worker dies, ``failed(i, error)`` says whether to run task ``i`` again (on whichever actor is idle first);
         the dead actor (restarted by Ray) gets work again only once it answers a ping."""
         import ray
-        from ray.exceptions import RayActorError, WorkerCrashedError
+        from ray.exceptions import RayActorError, RayTaskError, WorkerCrashedError
 
         queue, idle = list(range(n)), list(self.actors)
         running: dict[Any, tuple[Any, int | None]] = {}  # task index None: a ping of a restarting actor
@@ -341,6 +348,10 @@ class RayExecutor(ClientExecutor):
             latency = time.perf_counter() - submitted.pop(ready[0], time.perf_counter())
             try:
                 value = ray.get(ready[0])
+            except RayTaskError as e:
+                # the worker raised (trainer.on_client_fault=raise, a contract error, a bug): the worker's exception
+                # itself, as in process (its one-line message; Ray's, with both tracebacks, is its cause)
+                raise _worker_error(e) from e
             except (RayActorError, WorkerCrashedError) as e:
                 if i is not None:
                     if failed(i, e):
