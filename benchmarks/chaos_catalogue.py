@@ -761,8 +761,10 @@ def _write(name: str, content: str | bytes) -> Builder:
     return build
 
 
-def _images(layout: dict[str, list[tuple[int, int]]], corrupt: str | None = None) -> Builder:
-    """``imgs/<folder>/<i>.png`` for each folder of ``layout`` (a list of image sizes; empty: an empty folder)."""
+def _images(layout: dict[str, list[tuple[int, int]]], corrupt: str | None = None, flip: str | None = None) -> Builder:
+    """``imgs/<folder>/<i>.png`` for each folder of ``layout`` (a list of image sizes; empty: an empty folder);
+    ``corrupt``: a file of that name that is no image; ``flip``: that image with one bit of its image data flipped
+    (torchvision's PNG decoder crashes the process on it)."""
     def build(d: Path) -> None:
         from PIL import Image
 
@@ -772,6 +774,10 @@ def _images(layout: dict[str, list[tuple[int, int]]], corrupt: str | None = None
                 Image.new("RGB", (w, h), (i * 20 % 255, 40, 90)).save(d / "imgs" / folder / f"{i}.png")
         if corrupt:
             (d / "imgs" / corrupt).write_bytes(b"\x89PNG not really an image")
+        if flip:
+            data = bytearray((d / "imgs" / flip).read_bytes())
+            data[data.index(b"IDAT") + 6] ^= 0x10  # (inside the zlib stream: its CRC no longer matches)
+            (d / "imgs" / flip).write_bytes(bytes(data))
     return build
 
 
@@ -1112,6 +1118,8 @@ def _input_cases() -> list[Case]:
                                                                    "c": eight}))
     add("images-corrupt-file", img, 2, "b/bad.png", _images({"a": eight, "b": eight, "c": eight},
                                                             corrupt="b/bad.png"))
+    add("images-png-one-bit-flipped", img, 2, "b/1.png cannot be decoded (PNG chunk IDAT is damaged (CRC mismatch))",
+        _images({"a": eight, "b": eight, "c": eight}, flip="b/1.png"))
     add("images-no-image-files", img, 2, "/imgs' is invalid: expected image files",
         _write("imgs/a/readme.txt", "no images here"))
     add("images-train-without-test", img, 2, "test", _images({"train/a": eight, "train/b": eight, "train/c": eight}))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import struct
 import tarfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -214,6 +215,32 @@ def test_image_folder_jpeg_and_errors(tmp_path: Path) -> None:
     (tmp_path / "bad" / "train" / "cat" / "0000.png").write_bytes(b"\x89PNG broken")
     with pytest.raises(ConfigError, match=r"^data\.root=.* image .*cat/0000\.png cannot be decoded"):
         load_dataset("cifar10", str(tmp_path / "bad"))
+    assert "decode_png.cpp" not in str(load_error(tmp_path / "bad"))  # torchvision's source file is not the user's
+
+
+def load_error(root: Path) -> ConfigError:
+    with pytest.raises(ConfigError) as refused:
+        load_dataset("cifar10", str(root))
+    return refused.value
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (lambda b: b[:len(b) // 2], r"cannot be decoded \(PNG data cut off in chunk IDAT \(the file is truncated\)\)"),
+    (lambda b: b[:41] + bytes([b[41] ^ 0xFF]) + b[42:], r"cannot be decoded \(PNG chunk IDAT is damaged \(CRC mismatch\)\)"),
+    (lambda b: b[:37] + b"ID\0T" + b[41:], r"cannot be decoded \(PNG chunk 2 has no valid type \(b'ID\\x00T'\)\)"),
+])
+def test_a_damaged_png_is_named_in_one_line_without_libpng_s_own(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                                 damage: Any, expected: str) -> None:
+    """A truncated PNG, a flipped byte or a damaged chunk type: one ConfigError naming the file and the damage, and
+    nothing on the process's stderr (libpng prints ``libpng error: ...`` there itself when it meets one)."""
+    write_image_folder(tmp_path / "bad", per_class=(2, 1))
+    png = tmp_path / "bad" / "train" / "cat" / "0000.png"
+    png.write_bytes(damage(png.read_bytes()))
+    assert re.search(r"image .*cat/0000\.png " + expected, str(load_error(tmp_path / "bad")))
+    assert capfd.readouterr().err == ""
+
+
+def test_image_folder_too_few_classes(tmp_path: Path) -> None:
     write_image_folder(tmp_path / "few", per_class=(1, 1))
     for cls in CIFAR_CLASSES[5:]:
         for split in ("train", "test"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import re
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pl_fedsparse.data.png import PNG_SIGNATURE, png_damage
 from pl_fedsparse.errors import ConfigError
 from pl_fedsparse.resources import check_fits
 
@@ -50,6 +52,16 @@ def check_resized_images(count: int, channels: int, size: tuple[int, int]) -> No
                f"{count} images of {channels}x{size[0]}x{size[1]} (uint8)")
 
 
+def _decoder_message(error: Exception) -> str:
+    """A decoder's error in words, without torchvision's ``function, /path/file.cpp:line,`` prefix.
+
+    >>> _decoder_message(RuntimeError("decode_png, /__w/vision/csrc/decode_png.cpp:62, Internal error."))
+    'Internal error.'
+    """
+    text = " ".join(str(error).split())
+    return re.sub(r"^[\w:()]+, \S+\.(?:cpp|cc|c|h):\d+, ", "", text) or type(error).__name__
+
+
 def _decode_files(files: list[str], root: str, size: tuple[int, int] | None = None) -> torch.Tensor:
     """Decode image files to one RGB ``uint8 [N, 3, H, W]`` tensor (equal sizes required unless ``size`` resizes
     every image to ``(H, W)``) with a thread pool; chunks of JPEGs use the batched ``decode_jpeg`` (twice as fast as
@@ -79,11 +91,14 @@ def _decode_files(files: list[str], root: str, size: tuple[int, int] | None = No
                 pass  # find the culprit below
         imgs = []
         for i, data in zip(range(lo, hi), datas):
+            head = bytes(data[:len(PNG_SIGNATURE)].tolist())
+            damage = png_damage(data.numpy()) if head == PNG_SIGNATURE else None  # (libpng may crash on it)
+            if damage is not None:
+                raise fail(i, f"cannot be decoded ({damage})")
             try:
                 imgs.append(decode_image(data, mode=ImageReadMode.RGB))
             except (RuntimeError, ValueError) as exc:
-                why = ' '.join(str(exc).split()) or type(exc).__name__
-                raise fail(i, f"cannot be decoded ({why})") from None
+                raise fail(i, f"cannot be decoded ({_decoder_message(exc)})") from None
         return imgs
 
     if size is not None:
