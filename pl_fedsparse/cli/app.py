@@ -11,6 +11,7 @@ import logging
 import re
 import secrets
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jsonargparse
@@ -96,14 +97,16 @@ def _set_by_the_user(class_path: str, args: str) -> str:
         return args
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         return args
+    params: Mapping[str, inspect.Parameter] = {}
     try:
         module, _, name = class_path.rpartition(".")
         params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
     except (ImportError, AttributeError, ValueError, TypeError):
-        params = {}  # type: ignore[assignment]
+        pass  # (every argument is told)
+
     def unset(k: str, v: Any) -> bool:  # the class's default, or None for a required argument nobody gave
-        return k in params and (_equal(params[k].default, v) or (params[k].default is inspect.Parameter.empty
-                                                                  and v is None))
+        default = params[k].default if k in params else inspect.Parameter.empty
+        return k in params and (_equal(default, v) or (default is inspect.Parameter.empty and v is None))
 
     return ", ".join(f"{k}={v!r}" for k, v in values.items() if not unset(k, v))
 
