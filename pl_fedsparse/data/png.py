@@ -10,8 +10,8 @@ the ``IDAT`` stream inflated with :mod:`zlib` to exactly the size the header imp
 seven passes, §8.2) and a valid filter type at the start of every scanline (§9). libpng crashed on each of these
 when its CRC was right: a bad filter type, too little image data (and a damaged zlib stream); more image data than
 the header implies it reads with a warning line — refused here too, the file is damaged. What passes is what libpng
-reads without an error. The cost is one more inflate per file (small next to the decode; the decoded dataset is
-cached).
+reads without an error. It costs one more inflate of each file's image data, paid once: the decoded dataset is
+cached.
 """
 
 from __future__ import annotations
