@@ -239,6 +239,25 @@ def test_bad_tensor_files(tmp_path: Path) -> None:
             load_dataset("tensors", str(tmp_path / f"{kind}.pt"))
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".npz"])
+def test_a_damaged_byte_in_a_tensor_file_is_refused_not_loaded(tmp_path: Path, suffix: str) -> None:
+    """One flipped byte inside a stored array: torch.load does not check the archive's CRCs and would load other
+    numbers (numpy's reader checks them); both are refused in one line naming the file."""
+    x = torch.zeros(4096, 4)
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".pt":
+        torch.save({"x": x, "y": torch.arange(4096) % 2}, path)
+    else:
+        np.savez(path, x=x.numpy(), y=np.arange(4096) % 2)
+    data = bytearray(path.read_bytes())
+    data[data.index(bytes(4096)) + 2048] ^= 0x40  # (inside x's zeros)
+    path.write_bytes(bytes(data))
+    expected = rf"^data\.root='.*data\{suffix}' is invalid: cannot read it \(.*(CRC|crc)"
+    with pytest.raises(ConfigError, match=expected) as err:
+        load_dataset("tensors", str(path))
+    one_line(err)
+
+
 def test_labels_from_one_are_named_when_num_classes_is_inferred(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """Labels 1..3 without num_classes: class 0 is empty and the classes are 4 — said once, naming the file."""

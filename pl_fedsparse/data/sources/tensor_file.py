@@ -37,6 +37,11 @@ def _read_tensor_file(path: str) -> dict[str, Any]:
             with np.load(path, allow_pickle=False) as npz:
                 blob: Any = {k: npz[k] for k in npz.files}
         else:
+            if zipfile.is_zipfile(path):  # (torch.load does not check the members' CRCs: a damaged byte loads)
+                with zipfile.ZipFile(path) as archive:
+                    damaged = archive.testzip()
+                if damaged is not None:
+                    raise ValueError(f"its member {damaged!r} fails its CRC check: the file is damaged")
             with warnings.catch_warnings():  # (torch warns about a foreign pickle protocol: the error says it)
                 warnings.simplefilter("ignore")
                 blob = torch.load(path, map_location="cpu", weights_only=True)
