@@ -92,7 +92,7 @@ def _decode_files(files: list[str], root: str, size: tuple[int, int] | None = No
         imgs = []
         for i, data in zip(range(lo, hi), datas):
             head = bytes(data[:len(PNG_SIGNATURE)].tolist())
-            damage = png_damage(data.numpy()) if head == PNG_SIGNATURE else None  # (libpng may crash on it)
+            damage = png_damage(data.numpy().tobytes()) if head == PNG_SIGNATURE else None  # (libpng may crash)
             if damage is not None:
                 raise fail(i, f"cannot be decoded ({damage})")
             try:
