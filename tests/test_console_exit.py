@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -78,3 +79,26 @@ def test_a_signal_while_torch_is_imported_is_one_line(tmp_path: Path, signum: in
     assert (p.returncode, err) == (128 + signum, f"pl-fed: {name} while starting: stopped before anything was run "
                                                  f"(exit status {128 + signum})\n")
     assert out == "" and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_in_a_command_without_its_own_handling_is_one_line(tmp_path: Path, signum: int) -> None:
+    """``pl-fed report`` (no signal handling of its own) stopped by a signal while it works: the console script
+    says so in one line with 128 + the signal number (its files are written atomically, so none is left half)."""
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        import pl_fedsparse.run.report as report
+        def working(args):
+            os.kill(os.getpid(), {int(signum)})
+            time.sleep(60)
+            return 0
+        report.main = working
+        sys.argv = ["pl-fed", "report", "some-run"]
+        from pl_fedsparse.cli.entry import console_main
+        console_main()
+    """)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    word = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+    assert (res.returncode, res.stderr) == (128 + signum, f"pl-fed: {word} (exit status {128 + signum})\n")

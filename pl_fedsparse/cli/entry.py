@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from pl_fedsparse.cli.help import PROG
-from pl_fedsparse.signals import STOPPING
+from pl_fedsparse.signals import STOPPING, exit_status, stop_on_signals, stop_word
 
 __all__ = ["console_main"]
 
@@ -29,11 +29,14 @@ def console_main() -> None:
     """The ``pl-fed`` console script: :func:`~pl_fedsparse.cli.commands.main`, with the process's first and last
     seconds covered too.
 
-    ``main`` handles SIGTERM, SIGHUP and SIGINT while it works (:func:`~pl_fedsparse.signals.stop_on_signals`).
-    Before it (torch and Lightning take seconds to import) such a signal ends the process with one line and
-    ``128 + signal number`` (130 for Ctrl-C, 143 for SIGTERM): nothing was run or written. After it, the interpreter
-    still shuts down (threads, caches) for up to a second, where a scheduler's SIGTERM used to end the process
-    silently with -15; here it ends it with one line and ``main``'s own exit status: the work was done.
+    Before ``main`` (torch and Lightning take seconds to import), SIGINT, SIGTERM or SIGHUP ends the process with
+    one line and ``128 + signal number`` (130 for Ctrl-C, 143 for SIGTERM): nothing was run or written. While
+    ``main`` works, they raise :class:`KeyboardInterrupt` / :class:`~pl_fedsparse.signals.Terminated`
+    (:func:`~pl_fedsparse.signals.stop_on_signals`): ``fit`` and ``sweep`` stop with their checkpoint and say so;
+    another command (``report``) ends with ``pl-fed: interrupted`` and the same status, its files written whole or
+    not at all. After it, the interpreter still shuts down (threads, caches) for up to a second, where a
+    scheduler's SIGTERM used to end the process silently with -15; here it ends it with one line and ``main``'s own
+    exit status: the work was done.
     """
     done: dict[str, int | None] = {"code": None}
 
@@ -51,8 +54,20 @@ def console_main() -> None:
 
     # SIGINT first: once the last of these is set, all are (a test waits for that)
     for s in (signal.SIGINT, *STOPPING):
-        signal.signal(s, stopped)  # (main's own handlers take over while it runs and give these back when it is done)
+        signal.signal(s, stopped)
     from pl_fedsparse.cli.commands import main
 
-    done["code"] = main()
-    sys.exit(done["code"])
+    try:
+        # while main runs, a signal is an exception, so files being written are cleaned up (a command that handles
+        # it, `fit` and `sweep`, says what it stopped; another, `report`, ends here); `stopped` is back after it
+        with stop_on_signals():
+            code = main()
+    except KeyboardInterrupt as e:  # (Terminated for SIGTERM / SIGHUP)
+        code = exit_status(e)
+        _flush()
+        sys.stderr.write(f"{PROG}: {stop_word(e)} (exit status {code})\n")
+    except SystemExit as e:  # (--help, a parse error): its status is the command's
+        done["code"] = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
+    done["code"] = code
+    sys.exit(code)

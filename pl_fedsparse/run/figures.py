@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pl_fedsparse.run.atomic import atomic_write_bytes
 from pl_fedsparse.run.runs import Run, seed_curve, seed_groups
 
 
@@ -14,7 +16,14 @@ def _save(fig: Any, ax: Any, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return _write_png(fig, path)
+
+
+def _write_png(fig: Any, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, written whole or not at all (an interrupt leaves the previous file)."""
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=110)
+    atomic_write_bytes(path, image.getvalue())
     return path
 
 
@@ -72,6 +81,5 @@ def _figures(runs: Sequence[Run], out: Path) -> list[Path]:
         ax.set(ylabel="personal accuracy per client (%)", title="per-client accuracy at the end")
         ax.grid(alpha=0.3, axis="y")
         fig.tight_layout()
-        written.append(out / "client_acc.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(_write_png(fig, out / "client_acc.png"))
     return written

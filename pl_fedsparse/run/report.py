@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pl_fedsparse.errors import ConfigError
+from pl_fedsparse.run.atomic import atomic_write_text
 from pl_fedsparse.run.figures import _figures
 from pl_fedsparse.run.runs import Run, _label, _seed_key, _value, load_run, seed_groups
 from pl_fedsparse.run.stats import _mean_std, paired_difference, welch_difference
@@ -262,16 +263,16 @@ def write_report(runs: Sequence[Run], out: str | Path, figures: bool = True, met
     table, table_csv = markdown_table(runs, metrics, baseline), _csv(runs, metrics, baseline)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "report.md").write_text(table, encoding="utf-8")
-        (out_dir / "report.csv").write_text(table_csv, encoding="utf-8")
+        atomic_write_text(out_dir / "report.md", table)
+        atomic_write_text(out_dir / "report.csv", table_csv)
         if any(len(g.runs) > 1 for g in seed_groups(runs)):
             seeds_md, seeds_csv = seed_table(runs, metrics)
-            (out_dir / "seeds.md").write_text(seeds_md, encoding="utf-8")
-            (out_dir / "seeds.csv").write_text(seeds_csv, encoding="utf-8")
+            atomic_write_text(out_dir / "seeds.md", seeds_md)
+            atomic_write_text(out_dir / "seeds.csv", seeds_csv)
         if seed_pairs(runs, metrics):
             pairs_md, pairs_csv = pair_table(runs, metrics)
-            (out_dir / "pairs.md").write_text(pairs_md, encoding="utf-8")
-            (out_dir / "pairs.csv").write_text(pairs_csv, encoding="utf-8")
+            atomic_write_text(out_dir / "pairs.md", pairs_md)
+            atomic_write_text(out_dir / "pairs.csv", pairs_csv)
     except OSError as e:
         raise ConfigError(f"out={str(out)!r} is invalid: {e.strerror or e}; expected a writable directory") from None
     result: dict[str, Any] = {"table": out_dir / "report.md", "csv": out_dir / "report.csv", "figures": [],
