@@ -39,3 +39,19 @@ def test_subpackages_are_attributes_and_unknown_names_are_attribute_errors() -> 
     with pytest.raises(AttributeError, match="module 'pl_fedsparse.cli' has no attribute 'callbacks'"):
         pl_fedsparse.cli.callbacks  # noqa: B018
     assert not hasattr(pl_fedsparse, "__wrapped__")  # (dunder lookups by tools are not imports)
+
+
+def test_pl_fed_configs_answers_without_importing_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first command a new user types lists the shipped configs at once (no seconds of torch imports), the same
+    list as through the full command line."""
+    code = ("import atexit, sys; sys.argv = ['pl-fed', 'configs']\n"
+            "atexit.register(lambda: sys.stderr.write(str(sorted(m for m in ('torch', 'lightning') if m in "
+            "sys.modules))))\n"
+            "from pl_fedsparse.cli.entry import console_main\nconsole_main()\n")
+    monkeypatch.setenv("COLUMNS", "100")  # (the listing wraps to the terminal's width: the same in both)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert (res.returncode, res.stderr) == (0, "[]")
+    from pl_fedsparse.cli.configs import list_configs
+    from pl_fedsparse.shipped import format_listing
+
+    assert res.stdout == format_listing() and callable(list_configs)

@@ -11,7 +11,6 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from pl_fedsparse import shipped
 from pl_fedsparse.cli import app
 from pl_fedsparse.cli.app import FedCLI
 from pl_fedsparse.cli.help import OWN_SUBCOMMANDS, PROG
@@ -27,44 +26,11 @@ from pl_fedsparse.errors import (
 )
 from pl_fedsparse.signals import exit_status, interrupt_in, stop_on_signals
 
-__all__ = ["check_entry", "list_configs", "main"]
+__all__ = ["check_entry", "main"]
 
-
-CONFIGS_USAGE = f"""usage: {PROG} configs
-
-List the configs shipped with pl_fedsparse: the name, then the description (the file's leading comment lines,
-without its example command), wrapped to the terminal's width. Run one by name from any directory:
-`{PROG} fit --config NAME.yaml` (or NAME); a file of that name in the working directory wins over the shipped one.
-The shipped files are in: {{folder}}
-"""
 
 #: the end of a one-line error whose traceback PL_FED_DEBUG=1 prints
 _DEBUG_HINT = " (PL_FED_DEBUG=1 prints its traceback)"
-
-
-def list_configs(args: Sequence[str]) -> int:
-    """``pl-fed configs``: print the shipped configs with their descriptions.
-
-    Args:
-        args: the words after ``configs`` (only ``-h``/``--help`` is accepted).
-
-    Returns:
-        The exit status: 0, or 2 after a one-line error.
-    """
-    if list(args) in (["-h"], ["--help"]):
-        sys.stdout.write(CONFIGS_USAGE.format(folder=shipped.config_dir()))
-        return 0
-    if args:
-        sys.stderr.write(f"error: unrecognized arguments: {' '.join(args)} (`{PROG} configs` takes none; see "
-                         f"`{PROG} configs --help`)\n")
-        return 2
-    listing = shipped.format_listing()
-    if not listing:
-        sys.stderr.write(f"error: no shipped configs in {shipped.config_dir()} (the installation is incomplete: "
-                         f"reinstall pl_fedsparse)\n")
-        return 2
-    sys.stdout.write(listing)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: unknown subcommand {words[0]!r}: expected one of "
                          f"{', '.join([*FedCLI.subcommands(), *OWN_SUBCOMMANDS])} (see `{PROG} --help`)\n")
         return 2
-    if words[:1] == ["configs"]:
+    if words[:1] == ["configs"]:  # the shipped configs (pl_fedsparse.cli.configs)
+        from pl_fedsparse.cli.configs import list_configs
+
         return list_configs(words[1:])
     if words[:1] == ["report"]:  # compare run directories (pl_fedsparse.run.report)
         from pl_fedsparse.run.report import main as report_main

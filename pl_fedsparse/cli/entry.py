@@ -1,7 +1,8 @@
 """The ``pl-fed`` console script, :func:`console_main`: the command's signals handled from its first moment.
 
 This module imports nothing heavy (no torch, no Lightning: the package's ``__init__`` files import their names on
-first use), so its handlers are in place before the seconds :mod:`pl_fedsparse.cli.commands` takes to import.
+first use), so its handlers are in place before the seconds :mod:`pl_fedsparse.cli.commands` takes to import; and
+``pl-fed configs`` (:mod:`pl_fedsparse.cli.configs`), which needs none of it, runs without those imports.
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def console_main() -> None:
     # SIGINT first: once the last of these is set, all are (a test waits for that)
     for s in (signal.SIGINT, *STOPPING):
         signal.signal(s, stopped)
-    from pl_fedsparse.cli.commands import main
+    if sys.argv[1:2] == ["configs"]:  # (needs neither torch nor Lightning: answered at once)
+        from pl_fedsparse.cli.configs import list_configs
+
+        def main() -> int:
+            return list_configs(sys.argv[2:])
+    else:
+        from pl_fedsparse.cli.commands import main
 
     try:
         # while main runs, a signal is an exception, so files being written are cleaned up (a command that handles
