@@ -41,17 +41,32 @@ def test_subpackages_are_attributes_and_unknown_names_are_attribute_errors() -> 
     assert not hasattr(pl_fedsparse, "__wrapped__")  # (dunder lookups by tools are not imports)
 
 
-def test_pl_fed_configs_answers_without_importing_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first command a new user types lists the shipped configs at once (no seconds of torch imports), the same
-    list as through the full command line."""
-    code = ("import atexit, sys; sys.argv = ['pl-fed', 'configs']\n"
+def _console(words: list[str]) -> subprocess.CompletedProcess[str]:
+    """The console script on ``words``; its stderr ends with the heavy modules it imported (a list)."""
+    code = (f"import atexit, sys; sys.argv = ['pl-fed', *{words!r}]\n"
             "atexit.register(lambda: sys.stderr.write(str(sorted(m for m in ('torch', 'lightning') if m in "
             "sys.modules))))\n"
             "from pl_fedsparse.cli.entry import console_main\nconsole_main()\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+
+
+def test_pl_fed_configs_answers_without_importing_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first command a new user types lists the shipped configs at once (no seconds of torch imports), the same
+    list as through the full command line."""
     monkeypatch.setenv("COLUMNS", "100")  # (the listing wraps to the terminal's width: the same in both)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    res = _console(["configs"])
     assert (res.returncode, res.stderr) == (0, "[]")
-    from pl_fedsparse.cli.configs import list_configs
     from pl_fedsparse.shipped import format_listing
 
-    assert res.stdout == format_listing() and callable(list_configs)
+    assert res.stdout == format_listing()
+
+
+@pytest.mark.parametrize("command", ["report", "sweep"])
+def test_pl_fed_report_and_sweep_start_without_importing_torch(command: str) -> None:
+    """``pl-fed report`` reads run directories and ``pl-fed sweep`` starts runs as processes of their own: neither
+    imports torch or Lightning in the ``pl-fed`` process (their help shown, a missing folder refused, at once)."""
+    res = _console([command, "--help"])
+    assert (res.returncode, res.stderr) == (0, "[]") and f"usage: pl-fed {command}" in res.stdout
+    res = _console([command, "no-such-folder"] if command == "report" else [command, "--config", "no-such.yaml"])
+    line, heavy = res.stderr.split("\n")
+    assert (res.returncode, heavy) == (2, "[]") and "error: " in line and "no-such" in line, res.stderr

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pl_fedsparse.cli import app
 from pl_fedsparse.cli.app import FedCLI
 from pl_fedsparse.cli.help import OWN_SUBCOMMANDS, PROG
+from pl_fedsparse.cli.own import run_own
 from pl_fedsparse.cli.messages import EXIT_STORAGE, _as_received, _interrupted_message, _os_error_message
 from pl_fedsparse.cli.workdir import _working_dir_importable
 from pl_fedsparse.errors import (
@@ -43,18 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: unknown subcommand {words[0]!r}: expected one of "
                          f"{', '.join([*FedCLI.subcommands(), *OWN_SUBCOMMANDS])} (see `{PROG} --help`)\n")
         return 2
-    if words[:1] == ["configs"]:  # the shipped configs (pl_fedsparse.cli.configs)
-        from pl_fedsparse.cli.configs import list_configs
-
-        return list_configs(words[1:])
-    if words[:1] == ["report"]:  # compare run directories (pl_fedsparse.run.report)
-        from pl_fedsparse.run.report import main as report_main
-
-        return report_main(words[1:])
-    if words[:1] == ["sweep"]:  # a campaign of runs (pl_fedsparse.sweep)
-        from pl_fedsparse.sweep import main as sweep_main
-
-        return sweep_main(words[1:])
+    own = run_own(words)  # configs, report, sweep (pl_fedsparse.cli.own)
+    if own is not None:
+        return own
     app._current_run = None
     from pl_fedsparse.allocator import tune_malloc
 

@@ -2,7 +2,8 @@
 
 This module imports nothing heavy (no torch, no Lightning: the package's ``__init__`` files import their names on
 first use), so its handlers are in place before the seconds :mod:`pl_fedsparse.cli.commands` takes to import; and
-``pl-fed configs`` (:mod:`pl_fedsparse.cli.configs`), which needs none of it, runs without those imports.
+``pl-fed configs``, ``report`` and ``sweep`` (:mod:`pl_fedsparse.cli.own`), which need none of it, run without
+those imports.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from pl_fedsparse.cli.help import PROG
+from pl_fedsparse.cli.help import OWN_SUBCOMMANDS, PROG
 from pl_fedsparse.signals import STOPPING, exit_status, stop_on_signals, stop_word
 
 __all__ = ["console_main"]
@@ -56,11 +57,11 @@ def console_main() -> None:
     # SIGINT first: once the last of these is set, all are (a test waits for that)
     for s in (signal.SIGINT, *STOPPING):
         signal.signal(s, stopped)
-    if sys.argv[1:2] == ["configs"]:  # (needs neither torch nor Lightning: answered at once)
-        from pl_fedsparse.cli.configs import list_configs
+    if sys.argv[1:2] and sys.argv[1] in OWN_SUBCOMMANDS:  # configs, report, sweep: no torch, no Lightning
+        from pl_fedsparse.cli.own import run_own
 
         def main() -> int:
-            return list_configs(sys.argv[2:])
+            return run_own(sys.argv[1:]) or 0
     else:
         from pl_fedsparse.cli.commands import main
 

@@ -1,7 +1,9 @@
-"""``pl-fed configs``: the configs shipped with the package, listed with their descriptions.
+"""``pl-fed``'s own subcommands: ``configs`` (the shipped configs with their descriptions), ``report`` and
+``sweep`` — :func:`run_own`.
 
-A module of its own, importing neither torch nor Lightning: the console script (:mod:`pl_fedsparse.cli.entry`)
-runs it directly, so the first command a new user types answers at once instead of after seconds of imports.
+None of them needs torch or Lightning in the ``pl-fed`` process (a sweep's runs and entry checks are processes of
+their own), so this module imports neither and the console script (:mod:`pl_fedsparse.cli.entry`) runs them before
+importing :mod:`pl_fedsparse.cli.commands`: they answer at once instead of after seconds of imports.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from pl_fedsparse import shipped
 from pl_fedsparse.cli.help import PROG
 
-__all__ = ["CONFIGS_USAGE", "list_configs"]
+__all__ = ["CONFIGS_USAGE", "list_configs", "run_own"]
 
 
 CONFIGS_USAGE = f"""usage: {PROG} configs
@@ -47,3 +49,24 @@ def list_configs(args: Sequence[str]) -> int:
         return 2
     sys.stdout.write(listing)
     return 0
+
+
+def run_own(words: Sequence[str]) -> int | None:
+    """Run ``words`` (the command line after ``pl-fed``) when its first word is one of ``pl-fed``'s own
+    subcommands (:data:`~pl_fedsparse.cli.help.OWN_SUBCOMMANDS`); ``None`` when it is not.
+
+    Returns:
+        The subcommand's exit status, or ``None``.
+    """
+    name, args = (words[0], list(words[1:])) if words else ("", [])
+    if name == "configs":
+        return list_configs(args)
+    if name == "report":  # compare run directories (pl_fedsparse.run.report)
+        from pl_fedsparse.run.report import main as report_main
+
+        return report_main(args)
+    if name == "sweep":  # a campaign of runs (pl_fedsparse.sweep)
+        from pl_fedsparse.sweep import main as sweep_main
+
+        return sweep_main(args)
+    return None
