@@ -661,3 +661,64 @@ def test_a_checkpoints_folder_that_takes_no_file_is_refused_before_a_round(tmp_p
         again.fit(tiny_module(), tiny_datamodule(), ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
     assert len(again.history) <= 1  # (no round was run)
     assert [json.loads(x)["round"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
+class _GlobalDraws(FederatedCallback):
+    """User code drawing from numpy's and Python's global generators once per round: normal draws come in pairs,
+    the second kept for the next call, so the state between two rounds holds a kept draw every other round."""
+
+    scratch_attributes = ("seen",)  # (what the test reads: not the federation's state)
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float, float]] = []
+
+    def on_round_end(self, loop: Any, round_idx: int, metrics: dict[str, Any]) -> None:
+        import random
+
+        import numpy as np
+        self.seen.append((round_idx, float(np.random.normal()), random.gauss(0.0, 1.0)))
+
+
+def test_resume_continues_numpy_and_python_normal_draws_exactly(tmp_path: Path) -> None:
+    """The checkpoint keeps the generators' kept normal draw (numpy's ``has_gauss``/``cached_gaussian``, Python's
+    ``gauss_next``): after a resume the global streams go on as in the run that was not stopped."""
+    import random
+
+    import numpy as np
+
+    from conftest import fit_until_interrupted
+
+    def run(folder: str, cut: bool) -> list[tuple[int, float, float]]:
+        np.random.seed(3)
+        random.seed(3)
+        draws = _GlobalDraws()
+        loop = tiny_loop(tmp_path / folder, num_rounds=3, callbacks=[draws])
+        if not cut:
+            loop.fit(tiny_module(), tiny_datamodule())
+            return draws.seen
+        fit_until_interrupted(loop, 1, tiny_module(), tiny_datamodule())  # one round done: a draw kept
+        np.random.seed(99)  # (the resumed process's generators start elsewhere)
+        random.seed(99)
+        again = _GlobalDraws()
+        tiny_loop(tmp_path / folder, num_rounds=3, callbacks=[again]).fit(
+            tiny_module(), tiny_datamodule(), ckpt_path=str(tmp_path / folder / "checkpoints" / "last.ckpt"))
+        return draws.seen + again.seen
+
+    whole, resumed = run("whole", cut=False), run("cut", cut=True)
+    assert [r for r, _, _ in resumed] == [0, 1, 2]
+    assert resumed == whole
+
+
+def test_a_checkpoint_without_the_kept_normal_draws_still_resumes(tmp_path: Path) -> None:
+    """Checkpoints written before the kept draws were saved resume as they did (no draw kept)."""
+    run = tmp_path / "run"
+    tiny_loop(run, num_rounds=1).fit(tiny_module(), tiny_datamodule())
+    ckpt = run / "checkpoints" / "last.ckpt"
+    state = load_checkpoint(ckpt)
+    for key in ("python_gauss", "numpy_gauss"):
+        del state["rng"][key]
+    state.pop("format")
+    state.pop("loaded_from", None)
+    save_checkpoint(ckpt, state)
+    summary = tiny_loop(run, num_rounds=2).fit(tiny_module(), tiny_datamodule(), ckpt_path=str(ckpt))
+    assert summary["resumes"][0]["round"] == 1

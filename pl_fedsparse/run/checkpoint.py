@@ -169,10 +169,32 @@ def federation_state(loop: FederationView) -> dict[str, Any]:
         "time_cum": loop.time_cum,
         "history": dumps_json(loop.history),
         "last_client_acc": list(loop.last_client_acc),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()[1],
-                "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
-                "numpy_pos": int(np.random.get_state()[2])},
+        "rng": _global_rng_state(),
     }
+
+
+def _global_rng_state() -> dict[str, Any]:
+    """The global generators' states as tensors and plain numbers (a checkpoint loads without executing code):
+    torch's CPU generator, Python's Mersenne Twister with its kept normal draw (``random.gauss``'s second of a pair)
+    and numpy's legacy generator with its kept normal draw (``has_gauss``, ``cached_gaussian``); without the kept
+    draws a resumed run's next normal draw from user code would differ from the uninterrupted run's."""
+    _, py_state, py_gauss = random.getstate()
+    legacy: Any = np.random.get_state(legacy=True)  # ("MT19937", keys, pos, has_gauss, cached_gaussian)
+    _, keys, pos, has_gauss, cached = legacy
+    return {"torch": torch.get_rng_state(), "python": py_state, "python_gauss": py_gauss,
+            "numpy": torch.from_numpy(keys.astype(np.int64)), "numpy_pos": int(pos),
+            "numpy_gauss": [int(has_gauss), float(cached)]}
+
+
+def _set_global_rng_state(rng: dict[str, Any]) -> None:
+    """:func:`_global_rng_state`'s inverse; a checkpoint written before the kept normal draws were saved restores
+    none kept."""
+    torch.set_rng_state(rng["torch"])
+    gauss = rng.get("python_gauss")
+    random.setstate((3, tuple(rng["python"]), None if gauss is None else float(gauss)))
+    has_gauss, cached = rng.get("numpy_gauss", (0, 0.0))
+    np.random.set_state(("MT19937", rng["numpy"].numpy().astype(np.uint32), int(rng["numpy_pos"]), int(has_gauss),
+                         float(cached)))
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str:
@@ -205,9 +227,7 @@ def restore_federation(loop: FederationView, ckpt: dict[str, Any], ckpt_path: st
         progress["time_cum"] = float(ckpt["time_cum"])
         progress["history"] = json.loads(ckpt["history"])
         progress["last_client_acc"] = list(ckpt["last_client_acc"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        random.setstate((3, tuple(ckpt["rng"]["python"]), None))
-        np.random.set_state(("MT19937", ckpt["rng"]["numpy"].numpy().astype(np.uint32), int(ckpt["rng"]["numpy_pos"])))
+        _set_global_rng_state(ckpt["rng"])
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
