@@ -9,7 +9,8 @@ project layout keeps where they are, are installed inside the package so that th
 * ``callbacks/`` as the package ``pl_fedsparse.examples``: the extension examples, which the shipped configs name as
   ``pl_fedsparse.examples.<file>.<Class>``.
 
-An editable install maps both folders the same way (the repository's files are used in place).
+An editable install maps both folders the same way (the repository's files are used in place). ``py.typed``
+marks the package as typed (PEP 561): a user's type checker reads its annotations.
 """
 
 from setuptools import find_packages, setup
@@ -18,5 +19,5 @@ setup(
     packages=[*find_packages(include=["pl_fedsparse", "pl_fedsparse.*"]), "pl_fedsparse.configs",
               "pl_fedsparse.examples"],
     package_dir={"pl_fedsparse.configs": "configs", "pl_fedsparse.examples": "callbacks"},
-    package_data={"pl_fedsparse.configs": ["*.yaml"]},
+    package_data={"pl_fedsparse": ["py.typed"], "pl_fedsparse.configs": ["*.yaml"]},
 )

@@ -39,6 +39,8 @@ def movement_score(weight: Tensor, start: Tensor) -> Tensor:
 class MovementPrune(GradientRegrow):
     """FedSpa-style DST that prunes by movement instead of magnitude (overrides ``drop_score`` only)."""
 
-    def drop_score(self, loop, update: ClientUpdate, name: str, weight: Tensor) -> Tensor:  # type: ignore[override]
-        start = loop.global_state[name] * update.masks[name].to(weight.dtype)  # the client's download, m ⊙ W
+    def drop_score(self, loop, update: ClientUpdate, name: str, weight: Tensor) -> Tensor:
+        masks = update.masks
+        assert masks is not None  # (a DST client's update carries its masks)
+        start = loop.global_state[name] * masks[name].to(weight.dtype)  # the client's download, m ⊙ W
         return movement_score(weight, start)

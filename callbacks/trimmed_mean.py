@@ -52,7 +52,7 @@ class TrimmedMean(FederatedCallback):
         check(0 <= trim < 0.5, "TrimmedMean.trim", trim, "a number in [0, 0.5)")
         self.trim = trim
 
-    def aggregate(self, loop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:  # type: ignore[override]
+    def aggregate(self, loop, updates: Sequence[ClientUpdate]) -> dict[str, Tensor] | None:
         sent = [u.message.tensors for u in updates if u.message is not None]
         if loop.global_state is None or not sent:
             return loop.global_state

@@ -286,7 +286,7 @@ class ClientStateStore:
 
     def _remember(self, t: Tensor, enc: Any) -> None:
         key, memo = id(t), self._memo
-        memo[key] = (weakref.ref(t, lambda _, key=key: memo.pop(key, None)), t._version, enc)
+        memo[key] = (weakref.ref(t, lambda _: memo.pop(key, None)), t._version, enc)
 
     def _decoded(self, value: TensorTree) -> TensorTree:
         """A new tree with every encoded tensor decoded; a decoded tensor set back unchanged is not encoded again."""
@@ -350,8 +350,8 @@ class ClientStateStore:
         plain = {key: not _has_encoded(stored[key]) for key in keys}
         found = self.on_device(flat, device, [plain[key] for key in keys for _ in leaves[key]] + [True] * len(extra))
         moved = iter(found)
-        self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}  # type: ignore[misc]
-        return list(moved)  # type: ignore[arg-type]
+        self._prefetched[client_idx] = {key: [next(moved) for _ in leaves[key]] for key in keys}
+        return list(moved)
 
     def on_device(self, tensors: Sequence[Tensor], device: torch.device | str,
                   keep: bool | Sequence[bool] = True) -> list[Tensor]:

@@ -325,7 +325,7 @@ class FederatedLoop:
             raise UserCodeError(f"{type(self.policy_owner('aggregate')).__name__}.aggregate returned "
                                 f"{type(state).__name__}: expected a dict of tensors (the new global state) or None "
                                 f"(round {self.round_idx})")
-        return state
+        return state  # type: ignore[return-value]  # (any mapping of tensors, as checked)
 
     def aggregation_device(self) -> torch.device | None:
         """Where the ``aggregate`` policy runs: the device the fits run on in this process
@@ -681,7 +681,7 @@ class FederatedLoop:
             self.contract.resume.snapshot(self)  # the callbacks as a resume rebuilds them before load_state_dict
         ckpt = load_checkpoint(ckpt_path) if ckpt_path else None
         if ckpt is not None:  # validated before anything is written
-            progress = restore_federation(self, ckpt, ckpt_path)
+            progress = restore_federation(self, ckpt, str(ckpt_path))
             self.round_idx, self.global_state = progress["round_idx"], progress["global_state"]
             self.time_cum, self.history = progress["time_cum"], progress["history"]
             self.last_client_acc = progress["last_client_acc"]

@@ -134,7 +134,7 @@ class StepLosses:
         The same numbers as :meth:`metrics`. Returns the dict to hand to the update (it fills it in)."""
         read = self.pending()
         if read is None:
-            return self.metrics()
+            return dict(self.metrics())
         n = self.samples
         stacked, total_of = read
         out: dict[str, float | PendingMetric] = {"train_loss": PendingMetric("train_loss"), "samples_seen": float(n)}
@@ -283,7 +283,7 @@ class CommLedger:
         self._round_out[src] += nbytes
         self._round_in[dst] += nbytes
 
-    def end_round(self) -> dict[str, int]:
+    def end_round(self) -> dict[str, float]:
         """Close the round: fold it into the totals and return the round's and the cumulative figures."""
         for k, v in self._round.items():
             self.cum[k] += v

@@ -52,7 +52,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +193,7 @@ def plan(configs: Sequence[str | Entry], seeds: Sequence[int], settings: Sequenc
     check(len(set(seeds)) == len(seeds), "--seeds", list(seeds), "distinct seeds")
     entries = [c if isinstance(c, Entry) else Entry(c) for c in configs]
     runs, names = [], set()
-    grid = itertools.product(entries, settings or [{}], seeds)
+    grid: Iterable[tuple[Entry, dict[str, Any], int]] = itertools.product(entries, settings or [{}], seeds)
     if seed_first:
         grid = ((e, st, sd) for sd, e, st in itertools.product(seeds, entries, settings or [{}]))
     for entry, setting, seed in grid:
@@ -535,7 +535,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not a.no_report:
         from pl_fedsparse.run.report import main as report_main
 
-        done = [str(out / r.name) if (out / r.name / "summary.json").is_file() else str(c.record / r.name)
+        done = [str(out / r.name) if c.record is None or (out / r.name / "summary.json").is_file()
+                else str(c.record / r.name)
                 for r in runs if r.state(out, c.record) == "done"]
         if done:
             report_main([*done, "--out", str(out / "report")])

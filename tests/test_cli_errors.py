@@ -439,6 +439,20 @@ def test_ctrl_c_without_a_checkpoint_says_so(project: Path, capsys: pytest.Captu
                              "the run cannot be resumed")
 
 
+def test_ctrl_c_before_this_runs_first_checkpoint_beside_a_stray_one(project: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``checkpoints/last.ckpt`` this run did not write (put there by hand: no run file, no metrics) is not taken
+    for the run's own when it is interrupted before writing one."""
+    run = project / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"not this run's")
+    code, _, err = run_main(tiny(run, "--trainer.checkpoint_every", "0", "--trainer.callbacks+",
+                                 "faultcb.InterruptAtRound"), capsys)
+    assert code == 130
+    assert one_line(err, "interrupted") == (f"interrupted: no checkpoint was written in {run} (trainer.checkpoint_every=0), "
+                             "the run cannot be resumed")
+
+
 # ------------------------------------------------------------------------------------------------ 6. clamping
 class _StubLoop:
     """What the default ``select_clients`` reads of a federation (a plain object, not a ``SimpleNamespace``: the

@@ -225,6 +225,7 @@ def test_wheel_contains_the_configs_and_the_examples(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"pl_fedsparse/configs/{p.name}" for p in CONFIGS} <= names
     assert {f"pl_fedsparse/examples/{n}" for n in EXAMPLES} <= names
+    assert "pl_fedsparse/py.typed" in names  # (PEP 561: a user's type checker reads the annotations)
     assert "pl_fedsparse/shipped.py" in names and not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "pl-fed = pl_fedsparse.cli:console_main" in zipfile.ZipFile(wheel).read(entry).decode()

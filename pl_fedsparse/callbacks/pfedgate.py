@@ -627,12 +627,12 @@ class PFedGate(FederatedCallback):
             stats["gate_trained"] = stats.get("gate_trained", 0) + tally.gate_n
             _pending_density(update, tally, stats.get("density"), n)
         else:
-            update.metrics["gate_density"] = stats["density"] / n  # type: ignore[assignment]
+            update.metrics["gate_density"] = stats["density"] / n
         assert union is not None and kept_elements is not None
         union = union.to(torch.bool)
         _, sizes = block_span_tensors(table, union.device)
         update.extras[UNION] = union
-        update.metrics["gate_upload_ratio"] = (sizes * union).sum().double() / table.numel  # type: ignore[assignment]
+        update.metrics["gate_upload_ratio"] = (sizes * union).sum().double() / table.numel
         # FLOPs at the achieved per-batch density: per tensor, a mask of its batch-averaged kept share
         limits = torch.round(kept_elements.double() / n)
         numels = tuple(math.prod(shape) for shape in table.shapes)

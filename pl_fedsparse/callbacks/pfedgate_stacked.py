@@ -40,7 +40,7 @@ from torch import Tensor
 from pl_fedsparse.context import FitContext
 from pl_fedsparse.executors.stacked import ElementwiseOptim, clip_per_client, sgd_step
 from pl_fedsparse.functional import transfer
-from pl_fedsparse.functional.gate import _device_groups, block_span_tensors, select_blocks
+from pl_fedsparse.functional.gate import Budget, _device_groups, block_span_tensors, select_blocks
 from pl_fedsparse.functional.gate_stacked import (
     stacked_capacities,
     stacked_gate_forward,
@@ -74,7 +74,7 @@ class StackedPFedGate:
         self.module: pl.LightningModule | None = None
         self.rates: list[float] = []  # each client's gate learning rate
         self.densities: list[float] = []  # each client's budget s_i
-        self.budget = "group"
+        self.budget: Budget = "group"
         self.floors = self.dense = self.capacity = self.owner = self.sizes = torch.zeros(0)
 
     # ---- the group -----------------------------------------------------------------------------------------------

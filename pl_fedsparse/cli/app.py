@@ -138,7 +138,7 @@ class _OneLineErrors(LightningArgumentParser):
         kwargs.setdefault("formatter_class", _FedHelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str, ex: Exception | None = None) -> Any:  # type: ignore[override]
+    def error(self, message: str, ex: Exception | None = None) -> Any:
         if not self.exit_on_error:
             return super().error(message, ex)
         # jsonargparse nests the useful part last ("Parser key 'x': ... - Expected ..."); the whole of it is kept
@@ -148,7 +148,7 @@ class _OneLineErrors(LightningArgumentParser):
         sys.exit(2)
 
 
-    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+    def dump(self, cfg: Any, *args: Any, **kwargs: Any) -> str:
         """jsonargparse's dump, with ``model:``/``data:`` of the default classes written without ``class_path``
         (:func:`~pl_fedsparse.run.writer.canonical_config`): ``--print_config`` and ``config.yaml`` read like the
         shipped configs, and a user class keeps its ``class_path``."""
@@ -284,7 +284,7 @@ class FedCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("datamodule_class", FederatedDataModule)
         kwargs.setdefault("subclass_mode_data", True)
-        kwargs.setdefault("trainer_class", FederatedLoop)  # type: ignore[arg-type]
+        kwargs.setdefault("trainer_class", FederatedLoop)
         kwargs.setdefault("save_config_callback", None)
         kwargs.setdefault("seed_everything_default", 0)
         kwargs.setdefault("parser_class", _OneLineErrors)
@@ -345,7 +345,7 @@ class FedCLI(LightningCLI):
         if action is None:  # pragma: no cover - LightningCLI always adds them
             return
         for name, text in OWN_SUBCOMMANDS.items():  # listed only: main() runs them before LightningCLI
-            action._choices_actions.append(action._ChoicesPseudoAction(name, [], text))  # type: ignore[attr-defined]
+            action._choices_actions.append(action._ChoicesPseudoAction(name, [], text))
         action.metavar = "{" + ",".join([*self.subcommands(), *OWN_SUBCOMMANDS]) + "}"
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:

@@ -103,10 +103,10 @@ def _interrupted_message(run: tuple[str | None, FederatedLoop] | None,
         return f"{word} before the run directory was opened: nothing was written, run the command again"
     rd = Path(loop.run_dir)
     ckpt = rd / "checkpoints" / "last.ckpt"
-    if not ckpt.is_file():
+    done = loop.reporter.directory.checkpoint_round  # (None: this run has written none, whatever the folder holds)
+    if not ckpt.is_file() or done is None:
         return f"{word}: no checkpoint was written in {rd} (trainer.checkpoint_every=" \
                f"{loop.checkpoint_every}), the run cannot be resumed"
-    done = loop.reporter.directory.checkpoint_round
     # counted as the progress lines count (round k/N from 1), with metrics.jsonl's numbers (from 0) beside
     held = "round 0" if done == 1 else f"rounds 0 to {done - 1}"
     at = (f" (the checkpoint holds {done} completed round{'s' if done != 1 else ''}, {held} in metrics.jsonl; the "

@@ -435,7 +435,7 @@ class FederatedDataModule(lightning.LightningDataModule):
         splits: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
         for k, idx in enumerate(parts):
             if pooled:
-                for name, arr in zip(("train", "val", "test"), fedem_client_split(idx, self.split_ratios, self.seed)):
+                for name, arr in zip(("train", "val", "test"), fedem_client_split(idx, (r_train, r_val, r_test), self.seed)):
                     splits[name].append(arr)
                 continue
             rng = np.random.default_rng([self.seed, 2, k])
@@ -502,7 +502,7 @@ class FederatedDataModule(lightning.LightningDataModule):
 
     def _move_data(self, dev: torch.device) -> bool:
         """:meth:`place_data`'s move: whether the base tensors moved to ``dev``."""
-        tensors = tuple(getattr(self, n, None) for n in ("_train_x", "_train_y", "_test_x", "_test_y"))
+        tensors: tuple[Any, ...] = tuple(getattr(self, n, None) for n in ("_train_x", "_train_y", "_test_x", "_test_y"))
         if self.device != "auto" or dev.type in ("cpu", "meta") or not all(isinstance(t, torch.Tensor)
                                                                             for t in tensors):
             return False

@@ -277,7 +277,7 @@ class TensorBatchLoader:
         self.prepared = prepared
         self._prepared_core: torch.Tensor | None = None
         if prepared is not None:
-            values = getattr(prepared, "values", None)
+            values: Any = getattr(prepared, "values", None)
             check(isinstance(prepared, PreparedInputs) and isinstance(values, torch.Tensor)
                   and len(values) == len(images) and values.device == images.device, "prepared",
                   type(prepared).__name__ if not isinstance(values, torch.Tensor) else tuple(values.shape),

@@ -243,12 +243,13 @@ def begin_fit(loop: FederationView, request: FitRequest, load: bool = True) -> t
     if load:
         own = loop.model.state_dict(keep_vars=True)
         devices = {t.device for t in own.values()}
+        device = next(iter(devices)) if len(devices) == 1 else None
         start = request.start
-        if len(devices) == 1 and (transfer.ALWAYS_PACK or next(iter(devices)).type != "cpu"):
+        if device is not None and (transfer.ALWAYS_PACK or device.type != "cpu"):
             # the start weights and the client's stored entries cross in one copy (the entries for the callbacks
             # that move them to the device during the fit: ClientStateStore.prefetch); start weights there already
             # (a message computed on the device: Gossip) stay as they are
-            start = dict(zip(start, loop.client_store.prefetch(k, *devices, extra=list(start.values()))))
+            start = dict(zip(start, loop.client_store.prefetch(k, device, extra=list(start.values()))))
         _load_into(own, start)
     seed_fit(ctx.seed)
     n_samples = int(loop.datamodule.num_samples(k, "train"))
@@ -350,7 +351,8 @@ def end_fit(loop: FederationView, request: FitRequest, watch: Any, n_samples: in
     if error is not None or update is None:
         update = ClientUpdate(client_idx=k, round_idx=ctx.round_idx, n_samples=n_samples, state={}, message=None,
                               kind=ctx.kind, context=ctx, fault="exception",
-                              fault_detail=raised_in(error, fit_owners(loop)))
+                              fault_detail=raised_in(error, fit_owners(loop)) if error is not None
+                              else "the fit ended without an update")
         if error is not None and debugging():  # PL_FED_DEBUG=1: the fit's traceback, as it happened
             sys.stderr.write(f"PL_FED_DEBUG: client {k}'s {ctx.kind} fit (round {ctx.round_idx}) raised:\n")
             traceback.print_exception(error, file=sys.stderr)

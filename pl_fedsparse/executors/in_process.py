@@ -129,13 +129,15 @@ class InProcessExecutor(ClientExecutor):
             with fit_scope(ctx):
                 loop.call("on_client_fit_start", module, ctx)
                 loader = loop.datamodule.train_loader(k, seed=ctx.seed)
-                meter = None if callable(getattr(module, "fit_metrics", None)) else FitMeter()
+                fit_metrics: Any = getattr(module, "fit_metrics", None)  # (FederatedModule's, or the user's own)
+                meter = None if callable(fit_metrics) else FitMeter()
                 runner = self._fit(ctx.epochs, module, loader, meter)
                 losses = self._losses_read_later(module, meter)
-                metrics = {} if losses is not None else module.fit_metrics() if meter is None else meter.metrics()
+                metrics = {} if losses is not None else fit_metrics() if meter is None else meter.metrics()
                 update = fit_update(module, ctx, n_samples, metrics, on_device=self._device_update())
-                if losses is not None:  # (the loss read with the update's copy when the fit ends: no wait now)
-                    update.metrics = losses.metrics_on_host(update)
+                if losses is not None:  # (the loss read with the update's copy when the fit ends: no wait now;
+                    # until then update.metrics holds a PendingMetric in its place)
+                    update.metrics = losses.metrics_on_host(update)  # type: ignore[assignment]
                 update.metrics.update(logged_metrics(runner.trainer if runner is not None else self._last_trainer))
                 if runner is not None and runner.steps_run and runner.steps_without_loss == runner.steps_run:
                     update.extras[NO_LOSS_STEPS] = runner.steps_run  # (find_fault names it)
@@ -161,7 +163,7 @@ class InProcessExecutor(ClientExecutor):
             return None
         if meter is not None:
             return meter.losses
-        if type(module).fit_metrics is FederatedModule.fit_metrics and isinstance(
+        if getattr(type(module), "fit_metrics", None) is FederatedModule.fit_metrics and isinstance(
                 getattr(module, "_step_losses", None), StepLosses):
             return module._step_losses  # type: ignore[return-value]
         return None
@@ -195,7 +197,7 @@ class InProcessExecutor(ClientExecutor):
         with quiet_lightning():
             trainer = self._last_trainer = self.make_trainer(epochs)
             if meter is not None:  # last: it reads what training_step returned
-                trainer.callbacks.append(meter)
+                trainer.callbacks.append(meter)  # type: ignore[attr-defined]  # set by its connector
         try:
             with quiet_lightning():
                 trainer.fit(module, train_dataloaders=loader)

@@ -209,8 +209,8 @@ class RayExecutor(ClientExecutor):
             ray.shutdown()
         self._started_ray = False
         sentinel, self._sentinel = self._sentinel, None
-        if sentinel is not None:  # end of file: it stops what ray.shutdown left, if anything, and exits
-            with contextlib.suppress(OSError):
+        if sentinel is not None and sentinel.stdin is not None:  # end of file: it stops what ray.shutdown left, if
+            with contextlib.suppress(OSError):  # anything, and exits
                 sentinel.stdin.close()
 
     def __del__(self) -> None:  # a run that stopped with an error still frees its workers

@@ -255,7 +255,7 @@ def _optimizers(module: pl.LightningModule) -> tuple[list[torch.optim.Optimizer]
         _validate_scheduler_api,
     )
 
-    conf = module.configure_optimizers()
+    conf: Any = module.configure_optimizers()  # (the user's: whatever it returns, Lightning's parser checks it)
     if conf is None:
         if module.automatic_optimization:
             raise no_optimizer(module)
@@ -460,8 +460,9 @@ class FitRunner:
             if scaler is not None:
                 scaler.unscale_(optimizer)
         call(hooks, mod, "on_before_optimizer_step", module, optimizer)
-        if params:
-            torch.nn.utils.clip_grad_norm_(params, module._trainer.gradient_clip_val)
+        if params:  # (params only with a clip value, which the fit's FitTrainer holds: a float)
+            trainer: Any = module._trainer
+            torch.nn.utils.clip_grad_norm_(params, trainer.gradient_clip_val)
         if scaler is not None:
             if loss is not None:
                 scaler.step(optimizer)

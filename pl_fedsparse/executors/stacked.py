@@ -71,7 +71,7 @@ class _StackedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return _LINEAR(x, w, b)
 
     @staticmethod
@@ -81,7 +81,7 @@ class _StackedLinear(torch.autograd.Function):
         ctx.has_bias = b is not None
 
     @staticmethod
-    def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, go: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
         x2, go2 = x.reshape(-1, x.shape[-1]), go.reshape(-1, go.shape[-1])
         need_x, need_w, need_b = ctx.needs_input_grad  # (the first layer's input needs none: a third less work)
@@ -133,7 +133,7 @@ class _StackedConv2d(torch.autograd.Function):
     project's CPU for LeNet-CIFAR's convolutions at 10 clients, a third faster than the grouped convolution."""
 
     @staticmethod
-    def forward(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any, dilation: Any,  # type: ignore[override]
+    def forward(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any, dilation: Any,
                 groups: int) -> Tensor:
         return _CONV2D(x, w, b, stride, padding, dilation, groups)
 
@@ -144,7 +144,7 @@ class _StackedConv2d(torch.autograd.Function):
         ctx.conf = (b is not None, _pair(stride), _pair(padding), _pair(dilation), int(groups))
 
     @staticmethod
-    def backward(ctx: Any, go: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, go: Tensor) -> tuple[Any, ...]:
         x, w = ctx.saved_tensors
         has_bias, stride, padding, dilation, groups = ctx.conf
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2])
@@ -162,7 +162,7 @@ class _ConvGrad(torch.autograd.Function):
     client under ``vmap``."""
 
     @staticmethod
-    def forward(go: Tensor, x: Tensor, w: Tensor, has_bias: bool, stride: list[int], padding: list[int],  # type: ignore[override]
+    def forward(go: Tensor, x: Tensor, w: Tensor, has_bias: bool, stride: list[int], padding: list[int],
                 dilation: list[int], groups: int, need: tuple[bool, bool, bool]) -> tuple[Any, ...]:
         return torch.ops.aten.convolution_backward(go, x, w, [w.shape[0]] if has_bias else None, stride, padding,
                                                    dilation, False, [0, 0], groups, list(need))
@@ -226,7 +226,7 @@ class _StackedGroupNorm(torch.autograd.Function):
     ``tests/test_stacked_layers.py``), where a loop over the clients would launch ``K`` kernels and stack them."""
 
     @staticmethod
-    def forward(x: Tensor, num_groups: int, w: Tensor | None, b: Tensor | None,  # type: ignore[override]
+    def forward(x: Tensor, num_groups: int, w: Tensor | None, b: Tensor | None,
                 eps: float, front: bool) -> tuple[Tensor, Tensor, Tensor]:
         n, c, hw = _gn_sizes(x)
         return torch.ops.aten.native_group_norm(x.contiguous(), w, b, n, c, hw, num_groups, eps)
@@ -240,7 +240,7 @@ class _StackedGroupNorm(torch.autograd.Function):
         ctx.mark_non_differentiable(mean, rstd)
 
     @staticmethod
-    def backward(ctx: Any, go: Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, go: Tensor, *_: Any) -> tuple[Any, ...]:
         x, w, mean, rstd = ctx.saved_tensors
         groups, has_w, has_b, front = ctx.conf
         need = (ctx.needs_input_grad[0], has_w and ctx.needs_input_grad[2], has_b and ctx.needs_input_grad[3])
@@ -263,7 +263,7 @@ class _GroupNormGrad(torch.autograd.Function):
     ``group_norm``), per client under ``vmap``."""
 
     @staticmethod
-    def forward(go: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, groups: int,  # type: ignore[override]
+    def forward(go: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor | None, groups: int,
                 need: tuple[bool, bool, bool], front: bool) -> tuple[Any, ...]:
         n, c, hw = _gn_sizes(x)
         return torch.ops.aten.native_group_norm_backward(go.contiguous(), x.contiguous(), mean, rstd, w, n, c, hw,

@@ -383,9 +383,9 @@ class VectorizedExecutor(ClientExecutor):
             # copy with the client's entries (end_fit) — and with no callback at a fit's end, every client's trained
             # weights in one copy for the whole group (one crossing and one wait, not one per client)
             on_device = self.sequential._device_update()  # (asked once a federation, as in process)
-            rows = None
+            host_rows = None
             if not at_end and transfer.on_a_device(stacked.values()):
-                rows = dict(zip(stacked, transfer.copy_tensors(list(stacked.values()), "cpu", share=True)))
+                host_rows = dict(zip(stacked, transfer.copy_tensors(list(stacked.values()), "cpu", share=True)))
             for i, (item, (state, metrics)) in enumerate(zip(items, trained, strict=True)):
                 request, ctx = item["request"], item["request"].context
                 item["snapshot"].restore()
@@ -398,8 +398,8 @@ class VectorizedExecutor(ClientExecutor):
                                 finish(i, module, ctx)
                         if at_end:
                             load_state(module, state)
-                        if rows is not None:  # (this client's row of the group's host copy)
-                            state = {n: rows[n][i] for n in state}
+                        if host_rows is not None:  # (this client's row of the group's host copy)
+                            state = {n: host_rows[n][i] for n in state}
                         update = fit_update(module, ctx, item["n_samples"], metrics, None if at_end else state,
                                             on_device=on_device)
                         if finite[i]:

@@ -698,7 +698,7 @@ def personalized_params(params: Mapping[str, Tensor], block_weights: Tensor, tab
     # one split of M' for every parameter (its backward: one concatenation, where slicing per parameter costs a
     # zero-filled copy of M' per slice and the sum of them all; on a GPU each is a kernel launch)
     sizes, where = _piece_sizes(table)
-    pieces = torch.split(block_weights, sizes)
+    pieces = torch.split(block_weights, list(sizes))
     out = {}
     for i, name in enumerate(table.names):
         theta = params[name]

@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -175,10 +176,10 @@ def copy_tensors(tensors: Sequence[Tensor], device: torch.device | str, *, share
             view = moved[at:at + n].view(t.dtype).view(t.shape)
             out[i] = view if share else view.clone()
             if packed is not None:
-                packed[i] = buf[at:at + n].view(t.dtype).view(t.shape)
+                packed[i] = source_view = buf[at:at + n].view(t.dtype).view(t.shape)
                 where = placed_on(t)
                 if where is not None:  # (a simulated device run: the packed copy is where its source was)
-                    _remember(_placed, [packed[i]], where)
+                    _remember(_placed, [source_view], where)
     if ALWAYS_PACK:  # (a simulated device run: a copy is placed by its caller, e.g. to_device; a host copy is not)
         _unplace(out)  # type: ignore[arg-type]
     return out  # type: ignore[return-value]
@@ -435,7 +436,11 @@ _fresh: dict[int, tuple[weakref.ref, str]] = {}
 def _remember(record: dict[int, tuple[weakref.ref, str]], tensors: Iterable[Tensor], device: str) -> None:
     for t in tensors:
         key = id(t)
-        record[key] = (weakref.ref(t, lambda _, key=key: record.pop(key, None)), device)
+        record[key] = (weakref.ref(t, functools.partial(_forget, record, key)), device)
+
+
+def _forget(record: dict[int, Any], key: int, _collected: weakref.ref) -> None:
+    record.pop(key, None)
 
 
 def _is_fresh(t: Tensor) -> bool:
@@ -550,7 +555,7 @@ def remember_twin(host: Tensor, twin: Tensor, owner: int | None = None) -> None:
     the twin serves (forgotten when that fit ends, :func:`clear_twins`; a stacked group's fits all start before the
     first one ends)."""
     key = id(host)
-    _twins[key] = (weakref.ref(host, lambda _, key=key: _twins.pop(key, None)), host._version, twin, owner)
+    _twins[key] = (weakref.ref(host, lambda _: _twins.pop(key, None)), host._version, twin, owner)
 
 
 def clear_twins(owner: int | None = None) -> None:

@@ -180,12 +180,13 @@ class RunDirectory:
             if isinstance(e, OSError) and not isinstance(e, StorageError):  # a StorageError says it already
                 raise self.unwritable(e, "starting the run") from None
             raise
+        assert self.run_dir is not None  # (set by _create_and_lock)
         return self.run_dir
 
     def _probe_checkpoints(self) -> None:
         """An existing ``checkpoints/`` that takes no file (read-only, another owner) refused now, not after a
         round whose checkpoint could not be written: one file made and removed there."""
-        folder = self.run_dir / "checkpoints"
+        folder = self.path("checkpoints")
         if folder.is_dir():
             fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe", suffix=".tmp")
             os.close(fd)

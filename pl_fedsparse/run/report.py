@@ -77,7 +77,8 @@ def seed_table(runs: Sequence[Run], metrics: Sequence[str] = ()) -> tuple[str, s
     writer.writerow(["runs", "method", "seeds", "rounds"] + [f"{c[0]} {s}" for c in cols for s in ("mean", "std", "n")])
     for g in seed_groups(runs):
         rounds = sorted({int(r.final.get("round", -1)) + 1 for r in g.runs})
-        cells, raw = [], []
+        cells: list[str] = []
+        raw: list[float | int | None] = []
         for _, key, kind in cols:
             xs = g.values(key)
             if not xs:
@@ -140,8 +141,8 @@ def seed_pairs(runs: Sequence[Run], metrics: Sequence[str] = ()) -> list[dict[st
             gb = groups[j]
             shared = [k for k in by_seed[i] if k in by_seed[j]]
             for column, key, kind in cols:
-                pairs = [(_finite(_value(by_seed[i][k], key)), _finite(_value(by_seed[j][k], key))) for k in shared]
-                pairs = [(x, y) for x, y in pairs if x is not None and y is not None]
+                both = [(_finite(_value(by_seed[i][k], key)), _finite(_value(by_seed[j][k], key))) for k in shared]
+                pairs = [(x, y) for x, y in both if x is not None and y is not None]
                 if len(pairs) >= 2:
                     stats = paired_difference([x for x, _ in pairs], [y for _, y in pairs])
                     test, n = "paired t", str(len(pairs))
