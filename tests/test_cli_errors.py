@@ -449,8 +449,8 @@ def test_ctrl_c_before_this_runs_first_checkpoint_beside_a_stray_one(project: Pa
     code, _, err = run_main(tiny(run, "--trainer.checkpoint_every", "0", "--trainer.callbacks+",
                                  "faultcb.InterruptAtRound"), capsys)
     assert code == 130
-    assert one_line(err, "interrupted") == (f"interrupted: no checkpoint was written in {run} (trainer.checkpoint_every=0), "
-                             "the run cannot be resumed")
+    assert one_line(err, "interrupted") == (f"interrupted: no checkpoint was written in {run} "
+                                            "(trainer.checkpoint_every=0), the run cannot be resumed")
 
 
 # ------------------------------------------------------------------------------------------------ 6. clamping

@@ -435,7 +435,8 @@ class FederatedDataModule(lightning.LightningDataModule):
         splits: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
         for k, idx in enumerate(parts):
             if pooled:
-                for name, arr in zip(("train", "val", "test"), fedem_client_split(idx, (r_train, r_val, r_test), self.seed)):
+                own = fedem_client_split(idx, (r_train, r_val, r_test), self.seed)
+                for name, arr in zip(("train", "val", "test"), own):
                     splits[name].append(arr)
                 continue
             rng = np.random.default_rng([self.seed, 2, k])
