@@ -11,6 +11,7 @@ import pytest
 
 import pl_fedsparse
 import pl_fedsparse.cli
+from pl_fedsparse.cli.help import OWN_SUBCOMMANDS
 
 
 def test_importing_the_package_or_the_console_script_loads_no_torch() -> None:
@@ -70,3 +71,17 @@ def test_pl_fed_report_and_sweep_start_without_importing_torch(command: str) -> 
     res = _console([command, "no-such-folder"] if command == "report" else [command, "--config", "no-such.yaml"])
     line, heavy = res.stderr.split("\n")
     assert (res.returncode, heavy) == (2, "[]") and "error: " in line and "no-such" in line, res.stderr
+
+
+@pytest.mark.parametrize("name", sorted(OWN_SUBCOMMANDS))
+def test_every_listed_own_subcommand_is_run_by_run_own(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The console script sends every name of ``OWN_SUBCOMMANDS`` (the help's list) to ``run_own``: each one is
+    run there (its help shown), none falls through as ``None`` (which would end the command with status 0 and no
+    output)."""
+    from pl_fedsparse.cli.own import run_own
+
+    try:
+        code = run_own([name, "--help"])
+    except SystemExit as e:  # (argparse's help)
+        code = e.code
+    assert code == 0 and f"usage: pl-fed {name}" in capsys.readouterr().out

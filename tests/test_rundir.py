@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import TINY_CLI, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
+from conftest import TINY_CLI, fit_until_interrupted, one_line, run_main, tiny_datamodule, tiny_loop, tiny_module
 
 from pl_fedsparse import ConfigError, FederatedCallback
 from pl_fedsparse.run import directory as rundir
@@ -685,8 +685,6 @@ def test_resume_continues_numpy_and_python_normal_draws_exactly(tmp_path: Path) 
     import random
 
     import numpy as np
-
-    from conftest import fit_until_interrupted
 
     def run(folder: str, cut: bool) -> list[tuple[int, float, float]]:
         np.random.seed(3)
